@@ -1,0 +1,105 @@
+"""FPDT attention: sequence-parallel, chunked, exact."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from lightning_fpdt.attention.kernels import BACKENDS, get_kernel
+from lightning_fpdt.attention.merge import update_out_and_lse
+from lightning_fpdt.attention.pipeline import FPDTAttentionFunction, PipelineOptions
+from lightning_fpdt.attention.ulysses import ulysses_attention
+from lightning_fpdt.comm import check_heads, expand_kv_heads, group_size, head_to_seq
+from lightning_fpdt.layout import validate_chunk_size
+from lightning_fpdt.offload import OffloadStats
+
+__all__ = ["BACKENDS", "fpdt_attention", "get_kernel", "update_out_and_lse"]
+
+
+def fpdt_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    causal: bool = True,
+    backend: str = "auto",
+    scale: float | None = None,
+    offload: bool = False,
+    return_lse: bool = False,
+    stats_sink: list[OffloadStats] | None = None,
+    copy_delay: float = 0.0,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Sequence-parallel attention over this rank's shards in the FPDT layout.
+
+    Args:
+        q: ``[batch, S/P, n_heads, head_dim]``, this rank's shard (``lightning_fpdt.layout``).
+        k: ``[batch, S/P, n_kv_heads, head_dim]``; ``n_kv_heads`` may be smaller than ``P``.
+        v: like ``k``.
+        group: the sequence-parallel process group (``P`` ranks); ``None`` means one process.
+        chunk_size: global tokens per chunk (a multiple of ``P``); ``None`` runs plain Ulysses,
+            one chunk. The shards must be laid out for this same chunk size.
+        causal: causal (decoder) or full (bidirectional) attention.
+        backend: ``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"``.
+        scale: softmax scale; default ``1 / sqrt(head_dim)``.
+        offload: keep the chunks saved for backward in host memory, prefetching the next one.
+        return_lse: also return the log-sum-exp ``[batch, S/P, n_heads]`` (not differentiable).
+        stats_sink: a list the call appends its :class:`OffloadStats` to once its work is done.
+        copy_delay: seconds each offload copy sleeps on CPU (tests only).
+
+    Returns:
+        The output shard ``[batch, S/P, n_heads, head_dim]`` (and the lse if asked), differentiable
+        with respect to ``q``, ``k`` and ``v``.
+
+    Raises:
+        ValueError: head counts that cannot be sharded over ``P``, a ``chunk_size`` not divisible by
+            ``P``, mismatched shapes, or an unavailable backend.
+    """
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            "fpdt_attention expects q [batch, seq_local, n_heads, head_dim] and k, v [batch, seq_local,"
+            f" n_kv_heads, head_dim]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
+        )
+    p = group_size(group)
+    check_heads(q.shape[2], k.shape[2], p)
+    validate_chunk_size(chunk_size, p)
+    kernel = get_kernel(backend, q.device, q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    # KV heads fewer than ranks: replicate before the all-to-all (autograd sums the replicas' grads).
+    k, v = expand_kv_heads(k, p), expand_kv_heads(v, p)
+    if chunk_size is None and not offload and not return_lse:
+        return ulysses_attention(q, k, v, group, kernel, causal, scale)
+    opt = PipelineOptions(
+        group=group,
+        local_chunk_size=None if chunk_size is None else chunk_size // p,
+        causal=causal,
+        scale=scale,
+        kernel=kernel,
+        offload=offload,
+        copy_delay=copy_delay,
+        stats_sink=stats_sink,
+    )
+    needs_backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    out, lse = FPDTAttentionFunction.apply(q, k, v, opt, needs_backward)
+    if not return_lse:
+        return out
+    # lse [b, h/P, S] head-sharded -> [b, S/P, h] sequence-sharded (per chunk, in layout order)
+    lse_local = _lse_to_seq(lse, q.shape[1], opt)
+    return out, lse_local
+
+
+def _lse_to_seq(lse: Tensor, s_local: int, opt: PipelineOptions) -> Tensor:
+    from lightning_fpdt.attention.pipeline import chunk_bounds
+
+    parts, start = [], 0
+    p = group_size(opt.group)
+    for lo, hi in chunk_bounds(s_local, opt.local_chunk_size):
+        length = (hi - lo) * p
+        chunk = lse[:, :, start : start + length].transpose(1, 2).unsqueeze(-1).contiguous()  # [b, C, h/P, 1]
+        parts.append(head_to_seq(chunk, opt.group).squeeze(-1))  # [b, C/P, h]
+        start += length
+    return torch.cat(parts, dim=1)

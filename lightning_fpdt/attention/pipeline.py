@@ -1,0 +1,210 @@
+"""The FPDT attention pipeline: per-chunk all-to-all, online softmax, chunked backward.
+
+Inputs are this rank's shards in the FPDT layout (``lightning_fpdt.layout``): ``[batch, s_local,
+heads, head_dim]`` with ``s_local = S / P``, local chunk ``i`` being sub-chunk ``rank`` of global
+chunk ``i``. One all-to-all per chunk turns local chunk ``i`` into global chunk ``i`` with
+``heads / P`` heads (DESIGN.md section 4, steps 2, 4, 5).
+
+Forward, for each query chunk ``i``: all-to-all ``q_i, k_i, v_i``; attend ``q_i`` to ``k_j, v_j``
+for ``j <= i`` (causal; all ``j`` otherwise), the diagonal block first while it is on the device,
+then ``j = 0, 1, ...`` with ``j + 1`` prefetched while ``j`` is computed; merge with
+:func:`update_out_and_lse`; all-to-all the output chunk back.
+
+Backward: outer loop over key/value chunks ``j``, inner loop over query chunks ``i`` (``i >= j``
+when causal) with the next query-side set (q, out, lse, dout, dq) prefetched. After outer step
+``j``, dk_j and dv_j (and for causal attention dq_j) are final and go back through the inverse
+all-to-all, so nothing of the size of the whole sequence with ``heads / P`` heads is ever
+materialised beyond the saved chunks, which live in a :class:`ChunkStore` (host memory when
+offloaded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from lightning_fpdt.attention.kernels import AttentionKernel, accumulate_dtype
+from lightning_fpdt.attention.merge import update_out_and_lse
+from lightning_fpdt.comm import head_to_seq, seq_to_head
+from lightning_fpdt.layout import local_chunk_lengths
+from lightning_fpdt.offload import ChunkStore, OffloadStats
+from lightning_fpdt.profiling import record
+
+KV_KINDS = {"k": "kv", "v": "kv"}
+QUERY_KINDS = {"q": "query", "o": "query", "lse": "query", "do": "query", "dq": "query"}
+_QUERY_SET = ("q", "o", "lse", "do", "dq")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How one FPDT attention call runs. ``local_chunk_size`` is ``chunk_size / P`` (or ``None``)."""
+
+    group: ProcessGroup | None
+    local_chunk_size: int | None
+    causal: bool
+    scale: float
+    kernel: AttentionKernel
+    offload: bool = False
+    copy_delay: float = 0.0
+    stats_sink: list[OffloadStats] | None = None
+
+
+def chunk_bounds(s_local: int, local_chunk_size: int | None) -> list[tuple[int, int]]:
+    bounds, start = [], 0
+    for length in local_chunk_lengths(s_local, local_chunk_size):
+        bounds.append((start, start + length))
+        start += length
+    return bounds
+
+
+def _key_order(i: int, n: int, causal: bool) -> list[int]:
+    """Key chunks query chunk ``i`` attends to: the diagonal first (it is on the device), then in order."""
+    others = [j for j in range(i if causal else n) if j != i]
+    return [i, *others]
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, opt: PipelineOptions, store: ChunkStore) -> tuple[Tensor, Tensor]:
+    b, s_local, h, d = q.shape  # s_local = S // P; h = all query heads
+    bounds = chunk_bounds(s_local, opt.local_chunk_size)
+    n = len(bounds)
+    outs: list[Tensor] = []
+    lses: list[Tensor] = []
+
+    def gather_kv(j: int, keep: bool) -> None:
+        lo, hi = bounds[j]
+        with record("fpdt/all_to_all"):
+            store.put(("k", j), seq_to_head(k[:, lo:hi], opt.group), keep_on_device=keep)  # [b, C_j, h_kv/P, d]
+            store.put(("v", j), seq_to_head(v[:, lo:hi], opt.group), keep_on_device=keep)
+
+    if not opt.causal:  # every query chunk needs every key chunk: gather them all first
+        for j in range(n):
+            gather_kv(j, keep=j == 0)
+    for i, (lo, hi) in enumerate(bounds):
+        with record("fpdt/all_to_all"):
+            q_i = seq_to_head(q[:, lo:hi], opt.group)  # [b, C_i, h/P, d], global chunk i
+        if opt.causal:
+            gather_kv(i, keep=True)
+        out_i = lse_i = None
+        order = _key_order(i, n, opt.causal)
+        for pos, j in enumerate(order):
+            if pos + 1 < len(order):  # issue the next copy before computing this block
+                store.prefetch(("k", order[pos + 1]))
+                store.prefetch(("v", order[pos + 1]))
+            k_j, v_j = store.get(("k", j)), store.get(("v", j))
+            with record("fpdt/attention_chunk"):
+                block_out, block_lse = opt.kernel.forward(q_i, k_j, v_j, opt.causal and i == j, opt.scale)
+                out_i, lse_i = update_out_and_lse(out_i, lse_i, block_out, block_lse)
+            store.evict(("k", j))
+            store.evict(("v", j))
+        assert out_i is not None and lse_i is not None
+        out_i = out_i.to(q.dtype)
+        with record("fpdt/all_to_all"):
+            outs.append(head_to_seq(out_i, opt.group))  # [b, C_i / P, h, d]
+        lses.append(lse_i)
+        store.put(("q", i), q_i)
+        store.put(("o", i), out_i)
+        store.put(("lse", i), lse_i)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)  # [b, s_local, h, d]; lse [b, h/P, S]
+
+
+def _backward(
+    dout: Tensor, q_like: Tensor, kv_like: Tensor, opt: PipelineOptions, store: ChunkStore
+) -> tuple[Tensor, Tensor, Tensor]:
+    s_local = dout.shape[1]
+    bounds = chunk_bounds(s_local, opt.local_chunk_size)
+    n = len(bounds)
+    acc = accumulate_dtype(q_like.dtype)
+    dq_out: list[Tensor | None] = [None] * n
+    dk_out: list[Tensor] = []
+    dv_out: list[Tensor] = []
+
+    def query_chunks(j: int) -> list[int]:
+        return list(range(j, n)) if opt.causal else list(range(n))
+
+    def send_back(x: Tensor, dtype: torch.dtype) -> Tensor:
+        with record("fpdt/all_to_all"):
+            return head_to_seq(x.to(dtype), opt.group)
+
+    for j in range(n):
+        store.prefetch(("k", j))
+        store.prefetch(("v", j))
+        k_j, v_j = store.get(("k", j)), store.get(("v", j))
+        dk_j = torch.zeros(k_j.shape, dtype=acc, device=k_j.device)
+        dv_j = torch.zeros(v_j.shape, dtype=acc, device=v_j.device)
+        rows = query_chunks(j)
+        for pos, i in enumerate(rows):
+            if j == 0:  # first visit of query chunk i: bring its dout over, start its dq
+                lo, hi = bounds[i]
+                with record("fpdt/all_to_all"):
+                    store.put(("do", i), seq_to_head(dout[:, lo:hi], opt.group))
+            if pos + 1 < len(rows):  # prefetch the next query-side set while this one computes
+                for kind in _QUERY_SET:
+                    if (kind, rows[pos + 1]) in store.keys():
+                        store.prefetch((kind, rows[pos + 1]))
+            if j + 1 < n and pos + 1 == len(rows):  # and the next k/v during the last row
+                store.prefetch(("k", j + 1))
+                store.prefetch(("v", j + 1))
+            q_i, o_i, lse_i, do_i = (store.get((kind, i)) for kind in ("q", "o", "lse", "do"))
+            with record("fpdt/attention_chunk_backward"):
+                dq, dk, dv = opt.kernel.backward(do_i, q_i, k_j, v_j, o_i, lse_i, opt.causal and i == j, opt.scale)
+            if ("dq", i) in store.keys():
+                dq_i = store.get(("dq", i)) + dq  # not in place: the old one may still be copying to host
+            else:
+                dq_i = dq.to(acc)
+            dk_j += dk
+            dv_j += dv
+            final = (opt.causal and i == j) or (not opt.causal and j == n - 1)
+            if final:  # dq_i has every contribution: send it home and drop the query-side set
+                dq_out[i] = send_back(dq_i, q_like.dtype)
+                for kind in _QUERY_SET:
+                    store.delete((kind, i))
+            else:
+                store.put(("dq", i), dq_i)
+                for kind in ("q", "o", "lse", "do"):
+                    store.evict((kind, i))
+        dk_out.append(send_back(dk_j, kv_like.dtype))
+        dv_out.append(send_back(dv_j, kv_like.dtype))
+        store.delete(("k", j))
+        store.delete(("v", j))
+    return torch.cat(dq_out, dim=1), torch.cat(dk_out, dim=1), torch.cat(dv_out, dim=1)  # type: ignore[arg-type]
+
+
+class FPDTAttentionFunction(torch.autograd.Function):
+    """``(q, k, v) -> (out, lse)`` over sequence shards; see the module docstring."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, opt: PipelineOptions, needs_backward: bool
+    ) -> tuple[Tensor, Tensor]:
+        store = new_store(q.device, opt)
+        out, lse = _forward(q, k, v, opt, store)
+        if not needs_backward:  # inference: nothing to keep
+            finish(store, opt)
+        ctx.opt, ctx.store = opt, store
+        ctx.q_meta, ctx.kv_meta = q[:, :0], k[:, :0]  # dtype/device only; q, k, v themselves are not kept
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None, None]:
+        opt, store = ctx.opt, ctx.store
+        try:
+            dq, dk, dv = _backward(dout.contiguous(), ctx.q_meta, ctx.kv_meta, opt, store)
+        finally:
+            finish(store, opt)
+        return dq, dk, dv, None, None
+
+
+def new_store(device: torch.device, opt: PipelineOptions) -> ChunkStore:
+    return ChunkStore(device, offload=opt.offload, groups={**KV_KINDS, **QUERY_KINDS}, copy_delay=opt.copy_delay)
+
+
+def finish(store: ChunkStore, opt: PipelineOptions) -> None:
+    """Release everything the store holds and report its figures."""
+    store.close()
+    if opt.stats_sink is not None:
+        opt.stats_sink.append(store.stats)

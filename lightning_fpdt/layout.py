@@ -1,0 +1,149 @@
+"""FPDT sequence layout: label shift, padding, position ids and the strided chunk permutation.
+
+Pure functions on tensors; nothing here communicates.
+
+Notation: ``S`` global sequence length, ``P`` sequence-parallel size, ``C`` chunk size in global
+tokens. The sequence is cut into chunks of ``C`` tokens (the last may be shorter); chunk ``i`` is
+cut into ``P`` equal sub-chunks and rank ``r`` holds sub-chunk ``r`` of every chunk, in chunk
+order. After the all-to-all that gathers the sequence and scatters heads, local chunk ``i`` is
+therefore global chunk ``i``, contiguous (FPDT, Yao et al. 2024, section 3.2). With ``C = None``
+(no chunking) there is one chunk and the layout is the contiguous split of plain Ulysses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+IGNORE_INDEX = -100
+
+
+def chunk_lengths(seq_len: int, chunk_size: int | None) -> list[int]:
+    """Global lengths of the chunks of a sequence: ``chunk_size`` each, the last one shorter.
+
+    Args:
+        seq_len: global sequence length ``S``.
+        chunk_size: global tokens per chunk ``C``; ``None`` means one chunk of ``S`` tokens.
+    """
+    if seq_len <= 0:
+        raise ValueError(f"The sequence length must be positive, got {seq_len}.")
+    if chunk_size is None or chunk_size >= seq_len:
+        return [seq_len]
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}.")
+    full, rest = divmod(seq_len, chunk_size)
+    return [chunk_size] * full + ([rest] if rest else [])
+
+
+def padded_length(seq_len: int, sp_size: int, chunk_size: int | None = None) -> int:
+    """Smallest length ``>= seq_len`` that the layout accepts: every chunk divides by ``sp_size``.
+
+    Chunks are ``chunk_size`` long (a multiple of ``sp_size``) except the last, so only the total
+    needs to be a multiple of ``sp_size``: no whole chunk of padding is ever added.
+    """
+    validate_chunk_size(chunk_size, sp_size)
+    return -(-seq_len // sp_size) * sp_size
+
+
+def validate_chunk_size(chunk_size: int | None, sp_size: int) -> None:
+    """Raise if ``chunk_size`` cannot be cut into ``sp_size`` equal sub-chunks."""
+    if chunk_size is None:
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
+    if chunk_size % sp_size != 0:
+        lower = max(sp_size, chunk_size // sp_size * sp_size)
+        raise ValueError(
+            f"chunk_size={chunk_size} is not divisible by sequence_parallel_size={sp_size}: each chunk is"
+            f" split into {sp_size} equal sub-chunks, one per rank. Use a multiple of {sp_size},"
+            f" e.g. {lower} or {lower + sp_size}."
+        )
+
+
+def local_chunk_lengths(local_len: int, local_chunk_size: int | None) -> list[int]:
+    """Per-rank chunk lengths: ``chunk_lengths`` of the local shard with ``C / P`` per chunk."""
+    return chunk_lengths(local_len, local_chunk_size)
+
+
+def fpdt_permutation(seq_len: int, sp_size: int, chunk_size: int | None = None) -> Tensor:
+    """Global token indices in layout order: rank 0's shard first, then rank 1's, ...
+
+    ``x[:, perm]`` reorders a sequence so that ``x[:, perm].chunk(sp_size, dim=1)[r]`` is rank
+    ``r``'s shard. ``seq_len`` must be a multiple of ``sp_size`` (see :func:`padded_length`).
+
+    Returns:
+        A ``[seq_len]`` int64 tensor.
+    """
+    validate_chunk_size(chunk_size, sp_size)
+    if seq_len % sp_size != 0:
+        raise ValueError(
+            f"The sequence length {seq_len} is not divisible by sequence_parallel_size={sp_size}; pad it"
+            f" to {padded_length(seq_len, sp_size)} first (FPDTStrategy does this for you)."
+        )
+    per_rank: list[list[Tensor]] = [[] for _ in range(sp_size)]
+    start = 0
+    for length in chunk_lengths(seq_len, chunk_size):
+        sub = length // sp_size
+        for r in range(sp_size):
+            per_rank[r].append(torch.arange(start + r * sub, start + (r + 1) * sub))
+        start += length
+    return torch.cat([idx for rank in per_rank for idx in rank])
+
+
+def inverse_permutation(perm: Tensor) -> Tensor:
+    """The permutation ``inv`` with ``x[:, perm][:, inv] == x``."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def shard_indices(seq_len: int, sp_size: int, sp_rank: int, chunk_size: int | None = None) -> Tensor:
+    """Global token indices held by ``sp_rank``, in local order. ``[seq_len // sp_size]`` int64."""
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank={sp_rank} is outside [0, {sp_size}).")
+    return fpdt_permutation(seq_len, sp_size, chunk_size).view(sp_size, -1)[sp_rank]
+
+
+def shard_sequence(x: Tensor, sp_size: int, sp_rank: int, chunk_size: int | None = None, dim: int = 1) -> Tensor:
+    """This rank's shard of a full-sequence tensor along ``dim`` (default: ``[batch, seq, ...]``)."""
+    idx = shard_indices(x.shape[dim], sp_size, sp_rank, chunk_size).to(x.device)
+    return x.index_select(dim, idx)
+
+
+def unshard_sequence(shards: Sequence[Tensor], chunk_size: int | None = None, dim: int = 1) -> Tensor:
+    """Inverse of :func:`shard_sequence`: the full sequence from every rank's shard, in rank order."""
+    sp_size = len(shards)
+    laid_out = torch.cat(list(shards), dim=dim)
+    inv = inverse_permutation(fpdt_permutation(laid_out.shape[dim], sp_size, chunk_size)).to(laid_out.device)
+    return laid_out.index_select(dim, inv)
+
+
+def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Hugging Face labels (``labels[t]`` is token ``t``) to pre-shifted ones (target of token ``t``).
+
+    ``[batch, seq]`` in, ``[batch, seq]`` out; the last position gets ``ignore_index``. This must
+    happen on the whole sequence, before sharding: after sharding the next token may live on
+    another rank.
+    """
+    shifted = torch.full_like(labels, ignore_index)
+    shifted[:, :-1] = labels[:, 1:]
+    return shifted
+
+
+def pad_sequence(x: Tensor, length: int, value: float | int, dim: int = 1) -> Tensor:
+    """Pad ``x`` at the end of ``dim`` to ``length`` with ``value``."""
+    missing = length - x.shape[dim]
+    if missing < 0:
+        raise ValueError(f"Cannot pad a sequence of length {x.shape[dim]} down to {length}.")
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+
+def default_position_ids(batch_size: int, seq_len: int, device: torch.device | None = None) -> Tensor:
+    """``[batch, seq]`` global positions ``0 .. seq-1``."""
+    return torch.arange(seq_len, device=device).unsqueeze(0).expand(batch_size, seq_len)

@@ -1,0 +1,178 @@
+"""A Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) built from FPDT blocks.
+
+The model is a plain ``nn.Module``: it works in one process, and under ``FPDTStrategy`` its blocks
+are bound to the sequence-parallel group from outside. It never shifts labels: the loss takes
+pre-shifted labels (``shift_labels[t]`` is the target of token ``t``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fpdt.block import FPDTAttention, FPDTBlock, RotaryEmbedding
+from lightning_fpdt.layout import default_position_ids
+from lightning_fpdt.models.lm import CausalLM
+
+
+@dataclass
+class LlamaConfig:
+    """Llama hyper-parameters, with Hugging Face's field names.
+
+    Attributes:
+        vocab_size: tokens in the vocabulary.
+        hidden_size: model width.
+        intermediate_size: SwiGLU inner width.
+        num_hidden_layers: transformer blocks.
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (GQA); ``None`` means ``num_attention_heads``.
+        rope_theta: RoPE base.
+        rms_norm_eps: RMSNorm epsilon.
+        tie_word_embeddings: share the input embedding with the output projection.
+        initializer_std: std of the linear and embedding weights; ``None`` means
+            ``1 / sqrt(fan_in)`` per layer.
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 8
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    initializer_std: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}.")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"LlamaConfig: hidden_size={self.hidden_size} is not divisible by"
+                f" num_attention_heads={self.num_attention_heads}."
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"LlamaConfig: num_attention_heads={self.num_attention_heads} is not a multiple of"
+                f" num_key_value_heads={self.num_key_value_heads}."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> LlamaConfig:
+        """A few-hundred-thousand-parameter model for CPU tests and the quick start."""
+        base = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
+        return cls(**{**base, **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        acc = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(acc)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def init_weights(module: nn.Module, std: float | None) -> None:
+    """Normal init, ``std = 1/sqrt(fan_in)`` unless given; biases zero, norm weights one."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std or 1.0 / math.sqrt(m.in_features))
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std or 1.0)
+
+
+class Llama(nn.Module):
+    """Llama decoder. ``forward(input_ids, position_ids) -> logits`` ``[batch, seq, vocab]``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            FPDTBlock(
+                attention=FPDTAttention(
+                    c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                    rope=RotaryEmbedding(c.head_dim, c.rope_theta),
+                ),
+                mlp=SwiGLU(c.hidden_size, c.intermediate_size),
+                attention_norm=RMSNorm(c.hidden_size, c.rms_norm_eps),
+                mlp_norm=RMSNorm(c.hidden_size, c.rms_norm_eps),
+            )
+            for _ in range(c.num_hidden_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        init_weights(self, c.initializer_std)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """Final normed hidden states ``[batch, seq, hidden]`` (``seq`` is this rank's shard under SP)."""
+        if position_ids is None:
+            position_ids = default_position_ids(*input_ids.shape, device=input_ids.device)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, position_ids)
+        return self.norm(x)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        return self.lm_head(self.hidden_states(input_ids, position_ids))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward, causal attention counted once)."""
+        c = self.config
+        n_params = sum(p.numel() for n, p in self.named_parameters() if "embed_tokens" not in n)
+        attention = 2 * c.num_hidden_layers * seq_len * c.hidden_size  # QK^T and PV, halved by causality
+        return 6 * n_params + 3 * attention
+
+
+class LlamaLM(CausalLM):
+    """Trains a :class:`Llama` (see :class:`~lightning_fpdt.models.lm.CausalLM` for batches and options).
+
+    Args:
+        config: the model; defaults to :meth:`LlamaConfig.tiny`.
+    """
+
+    def __init__(self, config: LlamaConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if isinstance(config, dict):  # from a checkpoint's hyper-parameters
+            config = LlamaConfig(**config)
+        self.config = config or LlamaConfig.tiny()
+        self.save_hyperparameters({"config": self.config.to_dict(), **kwargs})
+        self.model = Llama(self.config)

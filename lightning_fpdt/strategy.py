@@ -1,0 +1,293 @@
+"""``FPDTStrategy``: data parallel x sequence parallel training with FPDT attention."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing_extensions import override
+
+from lightning_fpdt.attention.kernels import BACKENDS
+from lightning_fpdt.block import SequenceParallelContext
+from lightning_fpdt.layout import (
+    IGNORE_INDEX,
+    default_position_ids,
+    pad_sequence,
+    padded_length,
+    shard_sequence,
+    shift_labels,
+    validate_chunk_size,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "loss_mask")
+# padding value per sequence key; keys not listed are padded with 0
+_PAD_VALUES = {"shift_labels": IGNORE_INDEX, "labels": IGNORE_INDEX}
+
+
+class FPDTStrategy(DDPStrategy):
+    """Fully Pipelined Distributed Transformer training: Ulysses sequence parallelism with chunked,
+    optionally host-offloaded attention, on top of data parallelism.
+
+    The world is a ``(data_parallel, sequence_parallel)`` device mesh, sequence parallel innermost
+    so that an SP group sits on one node:
+
+    - ``data_parallel``: ranks with different samples (the sampler shards by this coordinate only);
+    - ``sequence_parallel``: ranks that share one sample, each holding ``1 / sp`` of its sequence in
+      the FPDT layout and exchanging heads by all-to-all inside attention.
+
+    Gradients are averaged over the whole world (DDP); with the token-weighted loss of
+    :func:`lightning_fpdt.loss.token_weighted_loss` this is exactly the single-process gradient.
+
+    Args:
+        sequence_parallel_size: ranks per sequence-parallel group, or ``"auto"`` (all processes of
+            a node). Must divide the world size.
+        chunk_size: global tokens per attention chunk (a multiple of ``sequence_parallel_size``);
+            ``None`` runs plain Ulysses.
+        attention_backend: ``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"``.
+        offload: keep attention chunks saved for backward in host memory (pays off when activations,
+            not weights, fill the device; see docs/configuration.md).
+        sequence_keys: batch keys that are ``[batch, seq, ...]`` tensors to pad and shard; other keys
+            pass through untouched.
+        pad_token_id: id used to pad ``input_ids`` to the layout's multiple.
+        **kwargs: the usual :class:`~lightning.pytorch.strategies.DDPStrategy` arguments.
+    """
+
+    strategy_name = "fpdt"
+
+    def __init__(
+        self,
+        sequence_parallel_size: int | Literal["auto"] = "auto",
+        chunk_size: int | None = None,
+        attention_backend: Literal["auto", "math", "sdpa", "flash_attn"] = "auto",
+        offload: bool = False,
+        sequence_keys: Sequence[str] = DEFAULT_SEQUENCE_KEYS,
+        pad_token_id: int = 0,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(minutes=30),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs)
+        if sequence_parallel_size != "auto" and (
+            isinstance(sequence_parallel_size, bool) or not isinstance(sequence_parallel_size, int)
+            or sequence_parallel_size < 1
+        ):
+            raise ValueError(
+                f"FPDTStrategy: sequence_parallel_size must be a positive int or 'auto', got {sequence_parallel_size!r}."
+            )
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"FPDTStrategy: attention_backend={attention_backend!r} is not one of {BACKENDS}.")
+        if chunk_size is not None:
+            validate_chunk_size(chunk_size, 1)  # positive int; divisibility is checked once sp is known
+            if sequence_parallel_size != "auto":
+                validate_chunk_size(chunk_size, sequence_parallel_size)
+        self._sequence_parallel_size = sequence_parallel_size
+        self._chunk_size = chunk_size
+        self._attention_backend = attention_backend
+        self._offload = offload
+        self._sequence_keys = tuple(sequence_keys)
+        self._pad_token_id = pad_token_id
+        self._device_mesh: DeviceMesh | None = None
+
+    # ---- properties ---------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks per sequence-parallel group (``"auto"`` resolved to the processes per node)."""
+        if self._sequence_parallel_size == "auto":
+            return max(1, self.num_processes)
+        return self._sequence_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return max(1, self.world_size // self.sequence_parallel_size)
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        return self.global_rank % self.sequence_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.global_rank // self.sequence_parallel_size
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self._chunk_size
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("FPDTStrategy: the device mesh is not available before the processes are initialized.")
+        return self._device_mesh
+
+    @property
+    def sequence_parallel_group(self) -> ProcessGroup | None:
+        """The SP process group; ``None`` when ``sequence_parallel_size == 1``."""
+        if self.sequence_parallel_size == 1:
+            return None
+        return self.device_mesh["sequence_parallel"].get_group()
+
+    @property
+    def sequence_parallel_context(self) -> SequenceParallelContext:
+        return SequenceParallelContext(
+            group=self.sequence_parallel_group,
+            chunk_size=self._chunk_size,
+            attention_backend=self._attention_backend,
+            offload=self._offload,
+        )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every rank of an SP group reads the same samples: shard by the data-parallel coordinate only
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    # ---- environment --------------------------------------------------------------------------
+
+    @override
+    def setup_environment(self) -> None:
+        self._validate_layout()  # on every rank, before any collective
+        super().setup_environment()
+        dp, sp = self.data_parallel_size, self.sequence_parallel_size
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (dp, sp), mesh_dim_names=("data_parallel", "sequence_parallel")
+        )
+        assert self.model is not None
+        self.model._device_mesh = self._device_mesh  # exposed as `LightningModule.device_mesh`
+        rank_zero_info(
+            f"FPDTStrategy: {self.world_size} processes as data_parallel={dp} x sequence_parallel={sp};"
+            f" chunk_size={self._chunk_size}, attention_backend={self._attention_backend!r}, offload={self._offload}"
+        )
+
+    def _validate_layout(self) -> None:
+        world, sp = self.world_size, self.sequence_parallel_size
+        if world % sp != 0:
+            options = [d for d in range(1, world + 1) if world % d == 0]
+            raise ValueError(
+                f"FPDTStrategy: sequence_parallel_size={sp} does not divide the world size {world}"
+                f" ({self.num_nodes} node(s) x {self.num_processes} device(s)); use one of {options}."
+            )
+        validate_chunk_size(self._chunk_size, sp)
+        if self._offload and self.root_device.type != "cuda":
+            rank_zero_info(
+                "FPDTStrategy: offload=True on a CPU device copies chunks between host buffers through a"
+                " background worker: correct, but it saves no memory. It pays on CUDA devices."
+            )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        self._bind_blocks(self.model)  # before DDP wraps the module; raises on bad head counts
+        super().setup(trainer)
+
+    def _bind_blocks(self, module: torch.nn.Module) -> None:
+        context = self.sequence_parallel_context
+        bound = [name for name, m in module.named_modules() if hasattr(m, "bind") and _is_fpdt_block(m)]
+        for name in bound:
+            module.get_submodule(name).bind(context)
+        if not bound and self.sequence_parallel_size > 1:
+            raise ValueError(
+                f"FPDTStrategy: sequence_parallel_size={self.sequence_parallel_size} but"
+                f" {type(module).__name__} has no FPDTBlock; without one, attention would only see this"
+                " rank's shard of the sequence. Build the model from lightning_fpdt.FPDTBlock (see"
+                " docs/own-model.md) or use sequence_parallel_size=1."
+            )
+        rank_zero_info(f"FPDTStrategy: bound {len(bound)} FPDT block(s) to the sequence-parallel group")
+
+    # ---- batches ------------------------------------------------------------------------------
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return self.shard_batch(batch)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's part of a dict batch of whole sequences.
+
+        Steps (order matters): derive ``labels`` from ``input_ids`` if absent; shift them into
+        ``shift_labels`` on the *whole* sequence (the next token may live on another rank); add
+        global ``position_ids``; pad every sequence key to the layout's multiple (ignored labels);
+        apply the FPDT layout and keep this rank's shard.
+        """
+        sp = self.sequence_parallel_size
+        if not isinstance(batch, Mapping):
+            if sp == 1:
+                return batch
+            raise TypeError(
+                f"FPDTStrategy: sequence_parallel_size={sp} needs dict batches with 'input_ids' [batch, seq]"
+                f" to shard; got a {type(batch).__name__}."
+            )
+        if "input_ids" not in batch:
+            raise ValueError(
+                f"FPDTStrategy: the batch has no 'input_ids'; its keys are {sorted(batch)}. Return a dict with"
+                " 'input_ids' [batch, seq] (and optionally 'labels', 'position_ids') from your dataset."
+            )
+        out = dict(batch)
+        ids = out["input_ids"]
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError(
+                f"FPDTStrategy: 'input_ids' must be a [batch, seq] tensor, got"
+                f" {tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}."
+            )
+        b, s = ids.shape
+        if "shift_labels" not in out:
+            labels = out.pop("labels", None)
+            out["shift_labels"] = shift_labels(ids if labels is None else labels, IGNORE_INDEX)
+        if "position_ids" not in out:
+            out["position_ids"] = default_position_ids(b, s, device=ids.device)
+        length = padded_length(s, sp, self._chunk_size)
+        for key in self._sequence_keys:
+            x = out.get(key)
+            if x is None:
+                continue
+            if not isinstance(x, torch.Tensor) or x.shape[:2] != (b, s):
+                raise ValueError(
+                    f"FPDTStrategy: sequence key {key!r} has shape"
+                    f" {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}, expected"
+                    f" [{b}, {s}, ...] like 'input_ids'. Remove it from `sequence_keys` if it is not per token."
+                )
+            pad = self._pad_token_id if key == "input_ids" else _PAD_VALUES.get(key, 0)
+            x = pad_sequence(x, length, pad)
+            out[key] = shard_sequence(x, sp, self.sequence_parallel_rank, self._chunk_size) if sp > 1 else x
+        return out
+
+    # ---- registration -------------------------------------------------------------------------
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (("fpdt", "popen"), ("fpdt_spawn", "spawn"), ("fpdt_fork", "fork")):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"FPDT sequence-parallel strategy with start_method={start_method!r}",
+                start_method=start_method,
+                override=True,
+            )
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if _distributed_is_initialized():
+            self._device_mesh = None
+
+
+def _is_fpdt_block(module: torch.nn.Module) -> bool:
+    from lightning_fpdt.block import FPDTBlock
+
+    return isinstance(module, FPDTBlock)
