@@ -1,0 +1,89 @@
+"""Shared pieces of the Trainer-level tests: data, gradient capture, the single-process reference."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_fpdt.loss import token_weighted_loss
+from tests.reference import rel_error
+
+
+class TokenDataset(Dataset):
+    """Fixed random samples: ``input_ids``, ``labels`` with a ragged run of ignored (-100) positions
+    so every rank holds a different number of valid tokens, and an ``index`` that is not a sequence."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int, seed: int, with_labels: bool = True) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, seq_len), generator=g)
+        self.labels = self.ids.clone()
+        for i in range(n):  # ignore a different-length tail (padding) and a few random positions
+            tail = int(torch.randint(0, seq_len // 2, (1,), generator=g))
+            if tail:
+                self.labels[i, -tail:] = -100
+            self.labels[i, torch.randint(0, seq_len, (2,), generator=g)] = -100
+        self.with_labels = with_labels
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        item = {"input_ids": self.ids[i], "index": i}
+        if self.with_labels:
+            item["labels"] = self.labels[i]
+        return item
+
+    def full_batch(self) -> dict[str, torch.Tensor]:
+        batch = {"input_ids": self.ids}
+        if self.with_labels:
+            batch["labels"] = self.labels
+        return batch
+
+
+class CaptureStep(L.Callback):
+    """Saves, on every rank, the synchronised gradients, the logged loss and the sample indices of
+    the first optimizer step."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.indices: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.indices = [int(i) for i in batch["index"]]
+        self.seq_keys = {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()}
+        self._pending = {"grads": grads, "indices": self.indices, "shapes": self.seq_keys}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self._pending["loss"] = trainer.callback_metrics["train/loss"].detach().clone()
+            torch.save(self._pending, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
+
+
+def dataloader(ds: Dataset, batch_size: int) -> DataLoader:
+    return DataLoader(ds, batch_size=batch_size, shuffle=False)
+
+
+def reference_step(module: L.LightningModule, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and gradients of the same module in one process on the whole batch (no strategy)."""
+    ref = copy.deepcopy(module).double()
+    loss, mean = token_weighted_loss(*ref.loss_terms(batch))
+    loss.backward()
+    return mean.detach(), {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+
+
+def assert_same_step(results: list[dict], ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor], tol: float, label: str) -> None:
+    for rank, res in enumerate(results):
+        err = rel_error(res["loss"], ref_loss)
+        assert err <= tol, f"{label} rank {rank}: loss {res['loss'].item()} vs {ref_loss.item()} (rel. {err:.2e})"
+        assert res["grads"].keys() == ref_grads.keys()
+        for name, g in ref_grads.items():
+            err = rel_error(res["grads"][name], g)
+            assert err <= tol, f"{label} rank {rank}: grad of {name} rel. error {err:.2e}"

@@ -1,0 +1,83 @@
+"""Attention kernels against the textbook formula, and the overflow-free merge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_fpdt.attention import fpdt_attention, get_kernel, update_out_and_lse
+from lightning_fpdt.attention.kernels import MathKernel, SdpaKernel
+from tests.reference import naive_attention, rel_error
+
+
+def _qkv(dtype, heads=4, kv_heads=2, seq_q=12, seq_k=12, std=1.0, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**30, ())))
+    q = torch.randn(2, seq_q, heads, 16, generator=g, dtype=dtype) * std
+    k = torch.randn(2, seq_k, kv_heads, 16, generator=g, dtype=dtype) * std
+    v = torch.randn(2, seq_k, kv_heads, 16, generator=g, dtype=dtype)
+    dout = torch.randn(2, seq_q, heads, 16, generator=g, dtype=dtype)
+    return q, k, v, dout
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kernel", [MathKernel(), SdpaKernel()], ids=lambda k: k.name)
+def test_kernel_forward_backward_float64(kernel, causal: bool) -> None:
+    q, k, v, dout = _qkv(torch.float64)
+    out, lse = kernel.forward(q, k, v, causal, 0.25)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, 0.25)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = naive_attention(q, k, v, causal, 0.25)
+    ref_out.backward(dout)
+    for a, b in ((out, ref_out), (lse.transpose(1, 2), ref_lse), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        assert rel_error(a, b.detach()) <= 1e-12
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sdpa_matches_math_in_float32(causal: bool) -> None:
+    q, k, v, dout = _qkv(torch.float32, seq_q=40, seq_k=40)
+    m_out, m_lse = MathKernel().forward(q, k, v, causal, 0.25)
+    s_out, s_lse = SdpaKernel().forward(q, k, v, causal, 0.25)
+    assert rel_error(s_out, m_out) <= 1e-5 and rel_error(s_lse, m_lse) <= 1e-5
+    m_grads = MathKernel().backward(dout, q, k, v, m_out, m_lse, causal, 0.25)
+    s_grads = SdpaKernel().backward(dout, q, k, v, s_out, s_lse, causal, 0.25)
+    for a, b in zip(s_grads, m_grads):
+        assert rel_error(a, b) <= 1e-5
+
+
+def test_auto_picks_sdpa_on_cpu() -> None:
+    assert get_kernel("auto", torch.device("cpu"), torch.float32).name == "sdpa"
+    assert get_kernel("auto", torch.device("cpu"), torch.float64).name == "sdpa"
+    with pytest.raises(ValueError, match="flash_attn' needs a CUDA device"):
+        get_kernel("flash_attn", torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="is not one of"):
+        get_kernel("xformers", torch.device("cpu"), torch.float32)
+
+
+def test_merge_of_two_halves_equals_whole() -> None:
+    q, k, v, _ = _qkv(torch.float64, seq_k=20)
+    whole_out, whole_lse = MathKernel().forward(q, k, v, False, 0.25)
+    o1, l1 = MathKernel().forward(q, k[:, :7], v[:, :7], False, 0.25)
+    o2, l2 = MathKernel().forward(q, k[:, 7:], v[:, 7:], False, 0.25)
+    out, lse = update_out_and_lse(*update_out_and_lse(None, None, o1, l1), o2, l2)
+    assert rel_error(out, whole_out) <= 1e-13 and rel_error(lse, whole_lse) <= 1e-13
+
+
+def test_merge_does_not_overflow_when_lse_grows_by_hundreds() -> None:
+    o = torch.randn(1, 3, 1, 4)
+    lse_small = torch.full((1, 1, 3), -50.0)
+    lse_big = torch.full((1, 1, 3), 400.0)  # exp(450) overflows float32
+    out, lse = update_out_and_lse(*update_out_and_lse(None, None, o, lse_small), -o, lse_big)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert torch.allclose(out, -o) and torch.allclose(lse, lse_big)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_large_logits_float32_chunked_stays_close_to_float64(backend: str) -> None:
+    """Attention logits with std ~64: float32 chunked attention is finite and within 1e-4 of float64."""
+    q, k, v, dout = _qkv(torch.float64, seq_q=32, seq_k=32, std=8.0)  # q.k / sqrt(16) has std 8 * 8 * 4 / 4 = 64
+    ref, ref_lse = naive_attention(q, k, v, True)
+    out32, lse32 = fpdt_attention(q.float(), k.float(), v.float(), chunk_size=8, backend=backend, return_lse=True)
+    assert ref_lse.std() > 40
+    assert torch.isfinite(out32).all() and torch.isfinite(lse32).all()
+    assert (out32.double() - ref).abs().max() <= 1e-4
+    assert ((lse32.double() - ref_lse).abs() / ref_lse.abs().clamp_min(1)).max() <= 1e-4

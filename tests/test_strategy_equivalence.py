@@ -1,0 +1,91 @@
+"""Real ``Trainer.fit`` steps under FPDTStrategy equal one process on the whole batch (float64)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_fpdt import FPDTStrategy
+from lightning_fpdt.models import LlamaConfig, LlamaLM
+from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader, reference_step
+
+
+@dataclass(frozen=True)
+class Case:
+    dp: int
+    sp: int
+    seq_len: int
+    kv_heads: int = 4
+    chunk_size: int | None = None
+    labels: bool = True
+    offload: bool = False
+
+    @property
+    def name(self) -> str:
+        return (f"{self.dp}x{self.sp}-S{self.seq_len}-kv{self.kv_heads}-C{self.chunk_size}"
+                f"{'' if self.labels else '-nolabels'}{'-offload' if self.offload else ''}")
+
+
+CASES = [
+    # plain Ulysses (one chunk)
+    Case(dp=1, sp=2, seq_len=32),
+    Case(dp=2, sp=1, seq_len=32),
+    Case(dp=2, sp=2, seq_len=31, kv_heads=1, labels=False),  # GQA with kv_heads < sp, padded length
+    Case(dp=1, sp=4, seq_len=30, kv_heads=2),  # kv_heads < sp, 30 -> 32
+    # FPDT chunking: 2 and 4 chunks
+    Case(dp=1, sp=2, seq_len=32, chunk_size=16),
+    Case(dp=1, sp=2, seq_len=32, chunk_size=8, kv_heads=1),
+    Case(dp=2, sp=2, seq_len=32, chunk_size=16),
+    Case(dp=2, sp=2, seq_len=29, chunk_size=8, kv_heads=2),  # 29 -> 30: chunks 8, 8, 8, 6
+    Case(dp=1, sp=4, seq_len=32, chunk_size=16, kv_heads=1),
+    Case(dp=1, sp=4, seq_len=32, chunk_size=8),
+]
+
+BATCH_PER_RANK = 2
+
+
+def run_case(case: Case, tmp_path, precision: str = "64-true") -> tuple[list[dict], LlamaLM, TokenDataset]:
+    seed = int(torch.randint(0, 2**30, ()).item())
+    torch.manual_seed(seed)
+    config = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=case.kv_heads, hidden_size=32,
+                              intermediate_size=64, vocab_size=64)
+    module = LlamaLM(config, learning_rate=1e-3, warmup_steps=1)
+    ds = TokenDataset(case.dp * BATCH_PER_RANK, case.seq_len, config.vocab_size, seed, with_labels=case.labels)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=case.dp * case.sp,
+        strategy=FPDTStrategy(sequence_parallel_size=case.sp, chunk_size=case.chunk_size,
+                              attention_backend="math", offload=case.offload, start_method="fork"),
+        precision=precision,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[CaptureStep(str(tmp_path))],
+    )
+    initial = copy.deepcopy(module)  # the launcher loads rank 0's trained weights back into `module`
+    trainer.fit(module, dataloader(ds, BATCH_PER_RANK))
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(case.dp * case.sp)]
+    return results, initial, ds
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_fit_step_matches_single_process(case: Case, tmp_path) -> None:
+    results, module, ds = run_case(case, tmp_path)
+    ref_loss, ref_grads = reference_step(module, ds.full_batch())
+    assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=case.name)
+    # data: every rank of an SP group read the same samples, different DP groups different ones
+    seen = [tuple(r["indices"]) for r in results]
+    for rank, idx in enumerate(seen):
+        assert idx == seen[rank - rank % case.sp], f"rank {rank} of an SP group saw other samples: {seen}"
+    assert sorted(i for g in seen[:: case.sp] for i in g) == list(range(len(ds)))
+    # each rank held its shard of the padded sequence, and non-sequence keys passed through
+    padded = -(-case.seq_len // case.sp) * case.sp
+    assert results[0]["shapes"]["input_ids"] == (BATCH_PER_RANK, padded // case.sp)
+    assert results[0]["shapes"]["index"] == (BATCH_PER_RANK,)
