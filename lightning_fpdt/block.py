@@ -41,11 +41,22 @@ class SequenceParallelContext:
 
 @dataclass
 class BlockRecord:
-    """What a block did in its last step, for callbacks (``FPDTMonitor``)."""
+    """What a block's attention did in its last step, for callbacks (``FPDTMonitor``).
+
+    ``sink`` receives the pipeline's :class:`OffloadStats` once its backward (or, without
+    gradients, its forward) has finished, so read it after the step.
+    """
 
     seq_len_local: int = 0
     chunks: int = 0
-    stats: OffloadStats = field(default_factory=OffloadStats)
+    sink: list[OffloadStats] = field(default_factory=list)
+
+    @property
+    def stats(self) -> OffloadStats:
+        total = OffloadStats()
+        for s in self.sink:
+            total.merge(s)
+        return total
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -122,15 +133,12 @@ class FPDTAttention(nn.Module):
         if self.rope is not None:
             q, k = self.rope(q, position_ids), self.rope(k, position_ids)
         ctx = self.context
-        stats: list[OffloadStats] = []
+        self.record = BlockRecord(
+            seq_len_local=s_local, chunks=1 if ctx.chunk_size is None else -(-s_local * ctx.size // ctx.chunk_size)
+        )
         out = fpdt_attention(
             q, k, v, group=ctx.group, chunk_size=ctx.chunk_size, causal=self.causal,
-            backend=ctx.attention_backend, offload=ctx.offload, stats_sink=stats,
-        )
-        self.record = BlockRecord(
-            seq_len_local=s_local,
-            chunks=1 if ctx.chunk_size is None else -(-s_local * ctx.size // ctx.chunk_size),
-            stats=stats[0] if stats else OffloadStats(),
+            backend=ctx.attention_backend, offload=ctx.offload, stats_sink=self.record.sink,
         )
         return self.o_proj(out.reshape(b, s_local, self.n_heads * self.head_dim))
 

@@ -30,7 +30,9 @@ from lightning_fpdt.layout import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "loss_mask")
+DEFAULT_SEQUENCE_KEYS = (
+    "input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "loss_mask", "answer_mask",
+)
 # padding value per sequence key; keys not listed are padded with 0
 _PAD_VALUES = {"shift_labels": IGNORE_INDEX, "labels": IGNORE_INDEX}
 

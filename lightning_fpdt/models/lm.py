@@ -8,9 +8,28 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from torchmetrics import Metric
 
 from lightning_fpdt.layout import IGNORE_INDEX, shift_labels
 from lightning_fpdt.loss import cross_entropy_sum, token_weighted_loss
+
+
+class AnswerAccuracy(Metric):
+    """Fraction of answer tokens predicted exactly (greedy), summed over every rank that holds some."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("correct", default=torch.tensor(0), dist_reduce_fx="sum")
+        self.add_state("total", default=torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, predictions: Tensor, targets: Tensor) -> None:
+        self.correct += (predictions == targets).sum()
+        self.total += targets.numel()
+
+    def compute(self) -> Tensor:
+        return self.correct.float() / self.total.clamp_min(1)
 
 
 class CausalLM(pl.LightningModule):
@@ -44,6 +63,7 @@ class CausalLM(pl.LightningModule):
         self.warmup_steps = warmup_steps
         self.min_lr_ratio = min_lr_ratio
         self.model: nn.Module
+        self.val_answer_accuracy = AnswerAccuracy()
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
         return self.model(input_ids, position_ids)
@@ -55,25 +75,46 @@ class CausalLM(pl.LightningModule):
             return batch["shift_labels"]
         return shift_labels(batch.get("labels", batch["input_ids"]), IGNORE_INDEX)
 
-    def loss_terms(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        """``(loss_sum, num_tokens)`` of this rank's part of the batch."""
+    def hidden_states(self, batch: dict[str, Any]) -> Tensor:
+        """Final hidden states ``[batch, seq, hidden]`` of this rank's part of a dict batch."""
         if not isinstance(batch, dict) or "input_ids" not in batch:
-            keys = list(batch) if isinstance(batch, dict) else type(batch).__name__
+            keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
             raise ValueError(
                 f"{type(self).__name__} expects dict batches with 'input_ids' [batch, seq]; got {keys}."
             )
-        hidden = self.model.hidden_states(batch["input_ids"], batch.get("position_ids"))
-        logits = self.model.lm_head(hidden)
-        return cross_entropy_sum(logits, self.targets(batch))
+        return self.model.hidden_states(batch["input_ids"], batch.get("position_ids"))
+
+    def loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(loss_sum, num_tokens)`` of this rank's part of the batch."""
+        hidden = self.hidden_states(batch) if hidden is None else hidden
+        return cross_entropy_sum(self.model.lm_head(hidden), self.targets(batch))
+
+    def answer_predictions(self, batch: dict[str, Any], hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """Greedy predictions and targets where ``answer_mask`` is set (the next token is an answer)."""
+        mask = batch["answer_mask"].bool()
+        logits = self.model.lm_head(hidden[mask])  # only the answer positions: [n_answer, vocab]
+        return logits.argmax(-1), self.targets(batch)[mask]
+
+    def sequence_parallel_size(self) -> int:
+        mesh = self.device_mesh
+        return 1 if mesh is None else mesh["sequence_parallel"].size()
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        if hasattr(self.model, "flops_per_token"):  # read by ThroughputMonitor for FLOP/s and MFU
+            ids = batch["input_ids"]
+            self.flops_per_batch = self.model.flops_per_token(ids.shape[1] * self.sequence_parallel_size()) * ids.numel()
         loss, mean = token_weighted_loss(*self.loss_terms(batch))
         self.log("train/loss", mean, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        _, mean = token_weighted_loss(*self.loss_terms(batch))
-        self.log("val/loss", mean, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        hidden = self.hidden_states(batch)
+        _, mean = token_weighted_loss(*self.loss_terms(batch, hidden))
+        # identical on every rank already; sync_dist only averages equal values
+        self.log("val/loss", mean, prog_bar=True, batch_size=batch["input_ids"].shape[0], sync_dist=True)
+        if "answer_mask" in batch:
+            self.val_answer_accuracy.update(*self.answer_predictions(batch, hidden))
+            self.log("val/answer_accuracy", self.val_answer_accuracy, on_epoch=True, prog_bar=True)
         return mean
 
     def configure_optimizers(self) -> Any:

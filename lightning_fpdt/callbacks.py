@@ -1,0 +1,112 @@
+"""Callbacks: FPDT's own figures for the logger, throughput/MFU wiring, and a console loss printer."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_fpdt.block import FPDTBlock
+from lightning_fpdt.offload import OffloadStats
+
+
+class FPDTMonitor(pl.Callback):
+    """Logs what the FPDT pipeline did each training step, summed over the model's FPDT blocks.
+
+    Scalars (under ``fpdt/``): ``seq_len`` (global tokens per sample), ``chunks`` (per block),
+    ``offload_bytes_to_host``, ``offload_bytes_to_device``, ``offload_gbps`` (bytes moved per second
+    of step time), ``prefetch_wait_s`` (compute time spent waiting for copies), ``prefetch_stalls``
+    (chunks used without a prefetch), ``pipeline_peak_device_mib`` (largest device footprint of
+    one block's saved chunks) and, on CUDA, ``peak_device_memory_mib``
+    (``torch.cuda.max_memory_allocated``, reset every step).
+
+    Args:
+        log_every_n_steps: log every n-th optimizer step.
+    """
+
+    def __init__(self, log_every_n_steps: int = 1) -> None:
+        self.log_every_n_steps = log_every_n_steps
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step % self.log_every_n_steps != 0:
+            return
+        blocks = [m for m in pl_module.modules() if isinstance(m, FPDTBlock)]
+        if not blocks:
+            return
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        total = OffloadStats()
+        for block in blocks:
+            total.merge(block.record.stats)
+        sp = getattr(trainer.strategy, "sequence_parallel_size", 1)
+        metrics = {
+            "fpdt/seq_len": float(blocks[0].record.seq_len_local * sp),
+            "fpdt/chunks": float(blocks[0].record.chunks),
+            "fpdt/offload_bytes_to_host": float(total.bytes_to_host),
+            "fpdt/offload_bytes_to_device": float(total.bytes_to_device),
+            "fpdt/offload_gbps": (total.bytes_to_host + total.bytes_to_device) / elapsed / 1e9,
+            "fpdt/prefetch_wait_s": total.wait_seconds,
+            "fpdt/prefetch_stalls": float(total.stalls),
+            "fpdt/pipeline_peak_device_mib": total.peak_device_bytes / 2**20,
+        }
+        if trainer.strategy.root_device.type == "cuda":
+            metrics["fpdt/peak_device_memory_mib"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / 2**20
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
+
+
+def tokens_in_batch(batch: Any) -> int:
+    """This rank's tokens in a (sharded) dict batch: ``input_ids.numel()``."""
+    return int(batch["input_ids"].numel())
+
+
+def samples_in_batch(batch: Any) -> int:
+    return int(batch["input_ids"].shape[0])
+
+
+class TokenThroughputMonitor(ThroughputMonitor):
+    """Lightning's ``ThroughputMonitor`` counting tokens of dict batches (usable by name in YAML).
+
+    Under sequence parallelism each rank counts its shard's tokens and Lightning multiplies by the
+    world size, which gives the true tokens per second. The module's ``flops_per_batch`` (set by
+    :class:`~lightning_fpdt.models.lm.CausalLM` every step) gives FLOP/s and, on GPUs Lightning
+    knows, MFU.
+
+    Args:
+        window_size: batches averaged over.
+        separator: between the stage and the metric name in logged keys.
+    """
+
+    def __init__(self, window_size: int = 20, separator: str = "/") -> None:
+        super().__init__(batch_size_fn=samples_in_batch, length_fn=tokens_in_batch, window_size=window_size,
+                         separator=separator)
+
+
+class LossPrinter(pl.Callback):
+    """Prints ``step N  loss X`` on rank zero every ``every_n_steps`` steps (for terminals and CI logs)."""
+
+    def __init__(self, every_n_steps: int = 10) -> None:
+        self.every_n_steps = every_n_steps
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is not None and (step % self.every_n_steps == 0 or step == 1):
+            rank_zero_info(f"step {step:5d}  loss {float(loss):.4f}")
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        if shown and not trainer.sanity_checking:
+            rank_zero_info("validation  " + "  ".join(f"{k} {v:.4f}" for k, v in sorted(shown.items())))
