@@ -71,7 +71,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, opt: PipelineOptions, store: Chunk
     b, s_local, h, d = q.shape  # s_local = S // P; h = all query heads
     bounds = chunk_bounds(s_local, opt.local_chunk_size)
     n = len(bounds)
-    outs: list[Tensor] = []
+    out = torch.empty_like(q)  # [b, s_local, h, d]: chunks are written in as they finish
     lses: list[Tensor] = []
 
     def gather_kv(j: int, keep: bool) -> None:
@@ -103,12 +103,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, opt: PipelineOptions, store: Chunk
         assert out_i is not None and lse_i is not None
         out_i = out_i.to(q.dtype)
         with record("fpdt/all_to_all"):
-            outs.append(head_to_seq(out_i, opt.group))  # [b, C_i / P, h, d]
+            out[:, lo:hi] = head_to_seq(out_i, opt.group)  # [b, C_i / P, h, d]
         lses.append(lse_i)
         store.put(("q", i), q_i)
         store.put(("o", i), out_i)
         store.put(("lse", i), lse_i)
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)  # [b, s_local, h, d]; lse [b, h/P, S]
+    return out, lses[0] if n == 1 else torch.cat(lses, dim=2)  # lse [b, h/P, S]
 
 
 def _backward(
@@ -118,23 +118,26 @@ def _backward(
     bounds = chunk_bounds(s_local, opt.local_chunk_size)
     n = len(bounds)
     acc = accumulate_dtype(q_like.dtype)
-    dq_out: list[Tensor | None] = [None] * n
-    dk_out: list[Tensor] = []
-    dv_out: list[Tensor] = []
+    b, _, h, d = dout.shape
+    h_kv = kv_like.shape[2]
+    # local gradients [b, s_local, heads, d]; each chunk is written in once it is final
+    dq_local = torch.empty(b, s_local, h, d, dtype=q_like.dtype, device=dout.device)
+    dk_local = torch.empty(b, s_local, h_kv, d, dtype=kv_like.dtype, device=dout.device)
+    dv_local = torch.empty_like(dk_local)
 
     def query_chunks(j: int) -> list[int]:
         return list(range(j, n)) if opt.causal else list(range(n))
 
-    def send_back(x: Tensor, dtype: torch.dtype) -> Tensor:
+    def send_back(x: Tensor, into: Tensor, chunk: int) -> None:
+        lo, hi = bounds[chunk]
         with record("fpdt/all_to_all"):
-            return head_to_seq(x.to(dtype), opt.group)
+            into[:, lo:hi] = head_to_seq(x.to(into.dtype), opt.group)
 
     for j in range(n):
         store.prefetch(("k", j))
         store.prefetch(("v", j))
         k_j, v_j = store.get(("k", j)), store.get(("v", j))
-        dk_j = torch.zeros(k_j.shape, dtype=acc, device=k_j.device)
-        dv_j = torch.zeros(v_j.shape, dtype=acc, device=v_j.device)
+        dk_j = dv_j = None
         rows = query_chunks(j)
         for pos, i in enumerate(rows):
             if j == 0:  # first visit of query chunk i: bring its dout over, start its dq
@@ -151,26 +154,30 @@ def _backward(
             q_i, o_i, lse_i, do_i = (store.get((kind, i)) for kind in ("q", "o", "lse", "do"))
             with record("fpdt/attention_chunk_backward"):
                 dq, dk, dv = opt.kernel.backward(do_i, q_i, k_j, v_j, o_i, lse_i, opt.causal and i == j, opt.scale)
-            if ("dq", i) in store.keys():
+            if ("dq", i) not in store.keys():
+                dq_i = dq.to(acc)
+            elif store.offload:
                 dq_i = store.get(("dq", i)) + dq  # not in place: the old one may still be copying to host
             else:
-                dq_i = dq.to(acc)
-            dk_j += dk
-            dv_j += dv
+                dq_i = store.get(("dq", i)).add_(dq)
+            # the first contribution is the kernel's own fresh tensor: accumulate into it
+            dk_j = dk.to(acc) if dk_j is None else dk_j.add_(dk)
+            dv_j = dv.to(acc) if dv_j is None else dv_j.add_(dv)
             final = (opt.causal and i == j) or (not opt.causal and j == n - 1)
             if final:  # dq_i has every contribution: send it home and drop the query-side set
-                dq_out[i] = send_back(dq_i, q_like.dtype)
+                send_back(dq_i, dq_local, i)
                 for kind in _QUERY_SET:
                     store.delete((kind, i))
             else:
                 store.put(("dq", i), dq_i)
                 for kind in ("q", "o", "lse", "do"):
                     store.evict((kind, i))
-        dk_out.append(send_back(dk_j, kv_like.dtype))
-        dv_out.append(send_back(dv_j, kv_like.dtype))
+        assert dk_j is not None and dv_j is not None
+        send_back(dk_j, dk_local, j)
+        send_back(dv_j, dv_local, j)
         store.delete(("k", j))
         store.delete(("v", j))
-    return torch.cat(dq_out, dim=1), torch.cat(dk_out, dim=1), torch.cat(dv_out, dim=1)  # type: ignore[arg-type]
+    return dq_local, dk_local, dv_local
 
 
 class FPDTAttentionFunction(torch.autograd.Function):

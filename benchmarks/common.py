@@ -1,0 +1,66 @@
+"""Shared pieces of the benchmark scripts: process launch, timing, tables."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any) -> Any:
+    """``fn(rank, world, *args)`` on ``world`` gloo CPU processes; returns rank 0's result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_entry, args=(world, _free_port(), fn, args, queue), nprocs=world, start_method="spawn")
+    return queue.get()
+
+
+def timed(fn: Callable[[], Any], repeats: int, group: Any = None) -> float:
+    """Mean seconds of ``fn()`` over ``repeats`` runs, all ranks starting together."""
+    total = 0.0
+    for _ in range(repeats):
+        if dist.is_initialized():
+            dist.barrier(group)
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if dist.is_initialized():
+            dist.barrier(group)
+        total += time.perf_counter() - start
+    return total / repeats
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table (printed and returned)."""
+    cells = [[str(h) for h in headers]] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
