@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
 from lightning_fpdt.attention.kernels import BACKENDS
-from lightning_fpdt.block import SequenceParallelContext
+from lightning_fpdt.block import SequenceParallelContext, new_checkpoint_store
+from lightning_fpdt.offload import ChunkStore
 from lightning_fpdt.layout import (
     IGNORE_INDEX,
     default_position_ids,
@@ -59,6 +60,10 @@ class FPDTStrategy(DDPStrategy):
         attention_backend: ``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"``.
         offload: keep attention chunks saved for backward in host memory (pays off when activations,
             not weights, fill the device; see docs/configuration.md).
+        activation_checkpointing: keep only each FPDT block's input for backward and recompute the
+            block (attention chunks included) in backward.
+        offload_checkpoints: with ``activation_checkpointing``, keep those block inputs in host memory
+            and prefetch the previous block's input during backward.
         sequence_keys: batch keys that are ``[batch, seq, ...]`` tensors to pad and shard; other keys
             pass through untouched.
         pad_token_id: id used to pad ``input_ids`` to the layout's multiple.
@@ -73,6 +78,8 @@ class FPDTStrategy(DDPStrategy):
         chunk_size: int | None = None,
         attention_backend: Literal["auto", "math", "sdpa", "flash_attn"] = "auto",
         offload: bool = False,
+        activation_checkpointing: bool = False,
+        offload_checkpoints: bool = False,
         sequence_keys: Sequence[str] = DEFAULT_SEQUENCE_KEYS,
         pad_token_id: int = 0,
         process_group_backend: str | None = None,
@@ -97,7 +104,15 @@ class FPDTStrategy(DDPStrategy):
         self._sequence_parallel_size = sequence_parallel_size
         self._chunk_size = chunk_size
         self._attention_backend = attention_backend
+        if offload_checkpoints and not activation_checkpointing:
+            raise ValueError(
+                "FPDTStrategy: offload_checkpoints=True needs activation_checkpointing=True (only checkpointed"
+                " block inputs are offloaded)."
+            )
         self._offload = offload
+        self._activation_checkpointing = activation_checkpointing
+        self._offload_checkpoints = offload_checkpoints
+        self._checkpoint_store: ChunkStore | None = None
         self._sequence_keys = tuple(sequence_keys)
         self._pad_token_id = pad_token_id
         self._device_mesh: DeviceMesh | None = None
@@ -146,11 +161,14 @@ class FPDTStrategy(DDPStrategy):
 
     @property
     def sequence_parallel_context(self) -> SequenceParallelContext:
+        """What every FPDT block is bound to (the checkpoint store exists once ``setup`` ran)."""
         return SequenceParallelContext(
             group=self.sequence_parallel_group,
             chunk_size=self._chunk_size,
             attention_backend=self._attention_backend,
             offload=self._offload,
+            activation_checkpointing=self._activation_checkpointing,
+            checkpoint_store=self._checkpoint_store,
         )
 
     @property
@@ -198,10 +216,12 @@ class FPDTStrategy(DDPStrategy):
         super().setup(trainer)
 
     def _bind_blocks(self, module: torch.nn.Module) -> None:
+        if self._activation_checkpointing and self._offload_checkpoints and self._checkpoint_store is None:
+            self._checkpoint_store = new_checkpoint_store(self.root_device)
         context = self.sequence_parallel_context
-        bound = [name for name, m in module.named_modules() if hasattr(m, "bind") and _is_fpdt_block(m)]
-        for name in bound:
-            module.get_submodule(name).bind(context)
+        bound = [name for name, m in module.named_modules() if _is_fpdt_block(m)]
+        for index, name in enumerate(bound):  # module order = forward order for a stack of layers
+            module.get_submodule(name).bind(context, layer_index=index)
         if not bound and self.sequence_parallel_size > 1:
             raise ValueError(
                 f"FPDTStrategy: sequence_parallel_size={self.sequence_parallel_size} but"
@@ -209,7 +229,11 @@ class FPDTStrategy(DDPStrategy):
                 " rank's shard of the sequence. Build the model from lightning_fpdt.FPDTBlock (see"
                 " docs/own-model.md) or use sequence_parallel_size=1."
             )
-        rank_zero_info(f"FPDTStrategy: bound {len(bound)} FPDT block(s) to the sequence-parallel group")
+        rank_zero_info(
+            f"FPDTStrategy: bound {len(bound)} FPDT block(s) to the sequence-parallel group"
+            f" (activation_checkpointing={self._activation_checkpointing},"
+            f" offload_checkpoints={self._offload_checkpoints})"
+        )
 
     # ---- batches ------------------------------------------------------------------------------
 
@@ -284,6 +308,9 @@ class FPDTStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._checkpoint_store is not None:
+            self._checkpoint_store.close()
+            self._checkpoint_store = None
         super().teardown()
         if _distributed_is_initialized():
             self._device_mesh = None

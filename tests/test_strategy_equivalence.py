@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.models import GPTConfig, GPTLM, LlamaConfig, LlamaLM
 from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader, reference_step
 
 
@@ -24,11 +24,18 @@ class Case:
     chunk_size: int | None = None
     labels: bool = True
     offload: bool = False
+    model: str = "llama"
+    tiles: int | None = None  # MLP and loss tiles (None: automatic, 1 tile at these sizes)
+    checkpointing: bool = False
+    offload_checkpoints: bool = False
 
     @property
     def name(self) -> str:
-        return (f"{self.dp}x{self.sp}-S{self.seq_len}-kv{self.kv_heads}-C{self.chunk_size}"
-                f"{'' if self.labels else '-nolabels'}{'-offload' if self.offload else ''}")
+        flags = [f for f, on in (("nolabels", not self.labels), ("offload", self.offload),
+                                 (f"tiles{self.tiles}", self.tiles), ("ckpt", self.checkpointing),
+                                 ("ckpt-offload", self.offload_checkpoints)) if on]
+        return "-".join([self.model, f"{self.dp}x{self.sp}", f"S{self.seq_len}", f"kv{self.kv_heads}",
+                         f"C{self.chunk_size}", *flags])
 
 
 CASES = [
@@ -44,6 +51,19 @@ CASES = [
     Case(dp=2, sp=2, seq_len=29, chunk_size=8, kv_heads=2),  # 29 -> 30: chunks 8, 8, 8, 6
     Case(dp=1, sp=4, seq_len=32, chunk_size=16, kv_heads=1),
     Case(dp=1, sp=4, seq_len=32, chunk_size=8),
+    # attention chunks offloaded to host
+    Case(dp=1, sp=2, seq_len=32, chunk_size=8, kv_heads=2, offload=True),
+    Case(dp=2, sp=2, seq_len=29, chunk_size=8, offload=True),
+    # the whole FPDT memory design: tiled MLP and loss, checkpointing with host-offloaded block inputs,
+    # for Llama and GPT, sp 1/2/4, chunk counts 1 and 4
+    *[
+        Case(dp=1, sp=sp, seq_len=32, kv_heads=kv, chunk_size=chunk, model=model, tiles=3, checkpointing=True,
+             offload_checkpoints=True, offload=chunk is not None)
+        for model, kv in (("llama", 2), ("gpt", 4))
+        for sp in (1, 2, 4)
+        for chunk in (None, 8)
+    ],
+    Case(dp=2, sp=2, seq_len=30, chunk_size=8, model="gpt", tiles=2, checkpointing=True),
 ]
 
 BATCH_PER_RANK = 2
@@ -52,15 +72,22 @@ BATCH_PER_RANK = 2
 def run_case(case: Case, tmp_path, precision: str = "64-true") -> tuple[list[dict], LlamaLM, TokenDataset]:
     seed = int(torch.randint(0, 2**30, ()).item())
     torch.manual_seed(seed)
-    config = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=case.kv_heads, hidden_size=32,
-                              intermediate_size=64, vocab_size=64)
-    module = LlamaLM(config, learning_rate=1e-3, warmup_steps=1)
+    if case.model == "llama":
+        config = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=case.kv_heads, hidden_size=32,
+                                  intermediate_size=64, vocab_size=64, mlp_tiles=case.tiles, loss_tiles=case.tiles)
+        module = LlamaLM(config, learning_rate=1e-3, warmup_steps=1)
+    else:
+        config = GPTConfig.tiny(n_head=4, n_embd=32, vocab_size=64, n_positions=64, mlp_tiles=case.tiles,
+                                loss_tiles=case.tiles)
+        module = GPTLM(config, learning_rate=1e-3, warmup_steps=1)
     ds = TokenDataset(case.dp * BATCH_PER_RANK, case.seq_len, config.vocab_size, seed, with_labels=case.labels)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=case.dp * case.sp,
         strategy=FPDTStrategy(sequence_parallel_size=case.sp, chunk_size=case.chunk_size,
-                              attention_backend="math", offload=case.offload, start_method="fork"),
+                              attention_backend="math", offload=case.offload,
+                              activation_checkpointing=case.checkpointing,
+                              offload_checkpoints=case.offload_checkpoints, start_method="fork"),
         precision=precision,
         max_steps=1,
         logger=False,

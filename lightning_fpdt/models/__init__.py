@@ -1,6 +1,7 @@
 """Reference models built from ``FPDTBlock``."""
 
+from lightning_fpdt.models.gpt import GPT, GPTConfig, GPTLM
 from lightning_fpdt.models.llama import Llama, LlamaConfig, LlamaLM
 from lightning_fpdt.models.lm import CausalLM
 
-__all__ = ["CausalLM", "Llama", "LlamaConfig", "LlamaLM"]
+__all__ = ["GPT", "CausalLM", "GPTConfig", "GPTLM", "Llama", "LlamaConfig", "LlamaLM"]

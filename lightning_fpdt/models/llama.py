@@ -16,12 +16,13 @@ from torch import Tensor, nn
 
 from lightning_fpdt.block import FPDTAttention, FPDTBlock, RotaryEmbedding
 from lightning_fpdt.layout import default_position_ids
+from lightning_fpdt.mlp import TiledMLP
 from lightning_fpdt.models.lm import CausalLM
 
 
 @dataclass
 class LlamaConfig:
-    """Llama hyper-parameters, with Hugging Face's field names.
+    """Llama hyper-parameters, with Hugging Face's field names (the defaults are Llama-3-8B's).
 
     Attributes:
         vocab_size: tokens in the vocabulary.
@@ -33,11 +34,18 @@ class LlamaConfig:
         rope_theta: RoPE base.
         rms_norm_eps: RMSNorm epsilon.
         tie_word_embeddings: share the input embedding with the output projection.
+        attention_bias: biases on the q/k/v/o projections.
+        mlp_bias: biases on the MLP projections.
         initializer_std: std of the linear and embedding weights; ``None`` means
-            ``1 / sqrt(fan_in)`` per layer.
+            ``1 / sqrt(fan_in)`` per layer (and 1 for embeddings).
+        mlp_tiles: sequence tiles of the MLP (``None``: from the sequence and hidden sizes; 1: off).
+        loss_tiles: token tiles of the output projection + cross-entropy (``None``: from the
+            vocabulary and hidden sizes; 1: one tile).
+        norm_compute_dtype: dtype RMSNorm computes in; ``None`` means float32 or wider (float64
+            models stay float64). Hugging Face's Llama always uses float32 (set by ``from_hf``).
     """
 
-    vocab_size: int = 32000
+    vocab_size: int = 128256
     hidden_size: int = 4096
     intermediate_size: int = 14336
     num_hidden_layers: int = 32
@@ -46,12 +54,18 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
     initializer_std: float | None = None
+    mlp_tiles: int | None = None
+    loss_tiles: int | None = None
+    norm_compute_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}.")
         if self.hidden_size % self.num_attention_heads != 0:
@@ -64,6 +78,8 @@ class LlamaConfig:
                 f"LlamaConfig: num_attention_heads={self.num_attention_heads} is not a multiple of"
                 f" num_key_value_heads={self.num_key_value_heads}."
             )
+        if self.norm_compute_dtype not in (None, "float32", "float64"):
+            raise ValueError(f"LlamaConfig.norm_compute_dtype must be None, 'float32' or 'float64', got {self.norm_compute_dtype!r}.")
 
     @property
     def head_dim(self) -> int:
@@ -71,7 +87,7 @@ class LlamaConfig:
 
     @classmethod
     def tiny(cls, **overrides: Any) -> LlamaConfig:
-        """A few-hundred-thousand-parameter model for CPU tests and the quick start."""
+        """A ~125K-parameter model for CPU tests and the quick start."""
         base = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
         return cls(**{**base, **overrides})
@@ -81,13 +97,15 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    """``weight * x / rms(x)``, computed in ``compute_dtype`` (default: float32 or wider)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.compute_dtype = eps, compute_dtype
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        acc = torch.promote_types(x.dtype, torch.float32)
+        acc = self.compute_dtype or torch.promote_types(x.dtype, torch.float32)
         h = x.to(acc)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -107,7 +125,7 @@ class SwiGLU(nn.Module):
 
 
 def init_weights(module: nn.Module, std: float | None) -> None:
-    """Normal init, ``std = 1/sqrt(fan_in)`` unless given; biases zero, norm weights one."""
+    """Normal init, ``std = 1/sqrt(fan_in)`` unless given (embeddings: 1); biases zero."""
     for m in module.modules():
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=std or 1.0 / math.sqrt(m.in_features))
@@ -123,20 +141,21 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = c = config
+        norm_dtype = getattr(torch, c.norm_compute_dtype) if c.norm_compute_dtype else None
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
             FPDTBlock(
                 attention=FPDTAttention(
-                    c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                    c.hidden_size, c.num_attention_heads, c.num_key_value_heads, bias=c.attention_bias,
                     rope=RotaryEmbedding(c.head_dim, c.rope_theta),
                 ),
-                mlp=SwiGLU(c.hidden_size, c.intermediate_size),
-                attention_norm=RMSNorm(c.hidden_size, c.rms_norm_eps),
-                mlp_norm=RMSNorm(c.hidden_size, c.rms_norm_eps),
+                mlp=TiledMLP(SwiGLU(c.hidden_size, c.intermediate_size, c.mlp_bias), c.mlp_tiles),
+                attention_norm=RMSNorm(c.hidden_size, c.rms_norm_eps, norm_dtype),
+                mlp_norm=RMSNorm(c.hidden_size, c.rms_norm_eps, norm_dtype),
             )
             for _ in range(c.num_hidden_layers)
         )
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, norm_dtype)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         init_weights(self, c.initializer_std)
         if c.tie_word_embeddings:
@@ -155,11 +174,32 @@ class Llama(nn.Module):
         return self.lm_head(self.hidden_states(input_ids, position_ids))
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward, causal attention counted once)."""
+        """Training FLOPs per token at global length ``seq_len`` (6 x matmul parameters, plus attention
+        ``QK^T`` and ``PV``, halved by causality, x3 for backward)."""
         c = self.config
         n_params = sum(p.numel() for n, p in self.named_parameters() if "embed_tokens" not in n)
-        attention = 2 * c.num_hidden_layers * seq_len * c.hidden_size  # QK^T and PV, halved by causality
+        attention = 2 * c.num_hidden_layers * seq_len * c.hidden_size
         return 6 * n_params + 3 * attention
+
+    # ---- Hugging Face ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, model: Any, **overrides: Any) -> Llama:
+        """A :class:`Llama` with the weights of a ``transformers`` ``LlamaForCausalLM`` (or a path to one).
+
+        RMSNorm computes in float32 and RoPE uses the checkpoint's own frequencies (including scaled
+        schedules such as Llama 3's), exactly as ``transformers`` does. ``overrides`` set
+        :class:`LlamaConfig` fields that have no Hugging Face counterpart (``mlp_tiles``, ...).
+        """
+        from lightning_fpdt.models.hf import load_llama
+
+        return load_llama(cls, model, overrides)
+
+    def to_hf(self) -> Any:
+        """A ``transformers`` ``LlamaForCausalLM`` with this model's weights."""
+        from lightning_fpdt.models.hf import export_llama
+
+        return export_llama(self)
 
 
 class LlamaLM(CausalLM):

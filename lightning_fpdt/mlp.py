@@ -1,0 +1,111 @@
+"""Sequence-tiled MLP: any MLP module run tile by tile, recomputed per tile in backward.
+
+The MLP's intermediate (``[tokens, intermediate]``, 3.5-4x the hidden size) is the largest activation
+of a block after attention is chunked. :class:`TiledMLP` runs the wrapped module on ``num_tiles``
+slices of the sequence under ``no_grad`` and keeps only its input; backward recomputes one tile at a
+time. The MLP's parameters are passed to the autograd function as explicit inputs and their
+gradients returned from it, so every parameter's gradient is produced once per backward (what DDP's
+reducer and FSDP expect), never accumulated from a nested backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fpdt.autocast_state import AutocastState
+from lightning_fpdt.profiling import record
+
+
+def tile_bounds(length: int, num_tiles: int) -> list[tuple[int, int]]:
+    """``num_tiles`` contiguous, nearly equal ``[lo, hi)`` slices of ``range(length)`` (no empty ones)."""
+    num_tiles = max(1, min(num_tiles, length))
+    step, rest = divmod(length, num_tiles)
+    bounds, lo = [], 0
+    for t in range(num_tiles):
+        hi = lo + step + (1 if t < rest else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+class _TiledFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, module: nn.Module, num_tiles: int, *params: Tensor) -> Tensor:
+        ctx.module, ctx.num_tiles = module, num_tiles
+        ctx.autocast = AutocastState.capture(x.device.type)
+        ctx.save_for_backward(x)
+        out = None
+        for lo, hi in tile_bounds(x.shape[1], num_tiles):
+            with record("fpdt/mlp_tile"):
+                y = module(x[:, lo:hi])
+            if out is None:
+                out = y.new_empty(x.shape[0], x.shape[1], *y.shape[2:])
+            out[:, lo:hi] = y
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+        (x,) = ctx.saved_tensors
+        params = [p for p in ctx.module.parameters() if p.requires_grad]
+        dx = torch.empty_like(x)
+        dparams: list[Tensor | None] = [None] * len(params)
+        for lo, hi in tile_bounds(x.shape[1], ctx.num_tiles):
+            x_tile = x[:, lo:hi].detach().requires_grad_(x.requires_grad)
+            with torch.enable_grad(), ctx.autocast.restore(), record("fpdt/mlp_tile_backward"):
+                y = ctx.module(x_tile)
+                inputs = [x_tile, *params] if x.requires_grad else params
+                grads = torch.autograd.grad(y, inputs, grad[:, lo:hi], allow_unused=True)
+            if x.requires_grad:
+                dx[:, lo:hi] = grads[0]
+                grads = grads[1:]
+            for i, g in enumerate(grads):
+                if g is not None:
+                    dparams[i] = g if dparams[i] is None else dparams[i].add_(g)
+        # gradients for (x, module, num_tiles, *params) in the order forward received them
+        all_params = list(ctx.module.parameters())
+        by_param = {id(p): g for p, g in zip(params, dparams)}
+        return (dx if x.requires_grad else None, None, None, *(by_param.get(id(p)) for p in all_params))
+
+
+class TiledMLP(nn.Module):
+    """Run ``mlp`` over ``[batch, seq, hidden]`` in ``num_tiles`` sequence tiles.
+
+    Args:
+        mlp: any module applied position-wise (SwiGLU, GeLU MLP, ...). It must not mix positions.
+        num_tiles: tiles per call; ``None`` picks :meth:`auto_tiles` from the sequence and hidden
+            sizes; ``1`` runs the module directly (no recomputation).
+    """
+
+    def __init__(self, mlp: nn.Module, num_tiles: int | None = None) -> None:
+        super().__init__()
+        if num_tiles is not None and num_tiles < 1:
+            raise ValueError(f"TiledMLP: num_tiles must be >= 1 or None, got {num_tiles}.")
+        self.mlp = mlp
+        self.num_tiles = num_tiles
+
+    @staticmethod
+    def auto_tiles(seq_len: int, hidden_size: int) -> int:
+        """``ceil(seq / hidden)`` tiles of about ``hidden`` tokens: a tile's intermediate
+        (``hidden x intermediate`` numbers) stays a few MiB to a few hundred MiB however long the
+        sequence, while tiles stay large enough for efficient matrix multiplies."""
+        return max(1, -(-seq_len // max(hidden_size, 1)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        tiles = self.num_tiles if self.num_tiles is not None else self.auto_tiles(x.shape[1], x.shape[-1])
+        if tiles == 1 or not torch.is_grad_enabled():
+            if tiles == 1:
+                return self.mlp(x)
+            return _TiledFunction.forward(_NoCtx(), x, self.mlp, tiles)  # inference: tiles, nothing saved
+        return _TiledFunction.apply(x, self.mlp, tiles, *self.mlp.parameters())
+
+
+class _NoCtx:
+    """A stand-in autograd context for running the tiled forward without autograd."""
+
+    autocast: AutocastState | None = None
+
+    def save_for_backward(self, *tensors: Tensor) -> None:
+        pass

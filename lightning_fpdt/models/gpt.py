@@ -1,0 +1,161 @@
+"""A GPT-2 style decoder (LayerNorm, GeLU MLP with bias, learned or rotary positions) on FPDT blocks."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fpdt.block import FPDTAttention, FPDTBlock, RotaryEmbedding
+from lightning_fpdt.layout import default_position_ids
+from lightning_fpdt.mlp import TiledMLP
+from lightning_fpdt.models.llama import init_weights
+from lightning_fpdt.models.lm import CausalLM
+
+
+@dataclass
+class GPTConfig:
+    """GPT-2 hyper-parameters with Hugging Face's field names (defaults: GPT-2 small).
+
+    Attributes:
+        vocab_size: tokens in the vocabulary.
+        n_positions: learned position embeddings (the longest sequence with ``position_embedding="learned"``).
+        n_embd: model width.
+        n_layer: transformer blocks.
+        n_head: attention heads.
+        n_inner: MLP inner width; ``None`` means ``4 * n_embd``.
+        layer_norm_epsilon: LayerNorm epsilon.
+        tie_word_embeddings: share the token embedding with the output projection.
+        position_embedding: ``"learned"`` (GPT-2) or ``"rotary"`` (no length limit: for long context).
+        rope_theta: RoPE base when ``position_embedding="rotary"``.
+        initializer_std: weight std; ``None`` means ``1 / sqrt(fan_in)`` (embeddings: 1).
+        mlp_tiles: sequence tiles of the MLP (``None``: automatic; 1: off).
+        loss_tiles: token tiles of the output projection + cross-entropy (``None``: automatic).
+    """
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = True
+    position_embedding: Literal["learned", "rotary"] = "learned"
+    rope_theta: float = 10000.0
+    initializer_std: float | None = None
+    mlp_tiles: int | None = None
+    loss_tiles: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_inner is None:
+            self.n_inner = 4 * self.n_embd
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}.")
+        if self.position_embedding not in ("learned", "rotary"):
+            raise ValueError(f"GPTConfig.position_embedding must be 'learned' or 'rotary', got {self.position_embedding!r}.")
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> GPTConfig:
+        base = dict(vocab_size=256, n_positions=2048, n_embd=64, n_layer=2, n_head=4)
+        return cls(**{**base, **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class GeLUMLP(nn.Module):
+    """``c_proj(gelu_tanh(c_fc(x)))`` with biases (GPT-2's MLP)."""
+
+    def __init__(self, hidden_size: int, inner_size: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(hidden_size, inner_size)
+        self.c_proj = nn.Linear(inner_size, hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(nn.functional.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """GPT-2 style decoder. ``forward(input_ids, position_ids) -> logits`` ``[batch, seq, vocab]``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        head_dim = c.n_embd // c.n_head
+        self.wte = nn.Embedding(c.vocab_size, c.n_embd)
+        self.wpe = nn.Embedding(c.n_positions, c.n_embd) if c.position_embedding == "learned" else None
+        self.layers = nn.ModuleList(
+            FPDTBlock(
+                attention=FPDTAttention(
+                    c.n_embd, c.n_head, bias=True,
+                    rope=RotaryEmbedding(head_dim, c.rope_theta) if c.position_embedding == "rotary" else None,
+                ),
+                mlp=TiledMLP(GeLUMLP(c.n_embd, c.n_inner or 4 * c.n_embd), c.mlp_tiles),
+                attention_norm=nn.LayerNorm(c.n_embd, eps=c.layer_norm_epsilon),
+                mlp_norm=nn.LayerNorm(c.n_embd, eps=c.layer_norm_epsilon),
+            )
+            for _ in range(c.n_layer)
+        )
+        self.ln_f = nn.LayerNorm(c.n_embd, eps=c.layer_norm_epsilon)
+        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        init_weights(self, c.initializer_std)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """Final normed hidden states ``[batch, seq, n_embd]`` (``seq`` is this rank's shard under SP)."""
+        if position_ids is None:
+            position_ids = default_position_ids(*input_ids.shape, device=input_ids.device)
+        x = self.wte(input_ids)
+        if self.wpe is not None:
+            # global positions (the strategy adds them before sharding), so learned positions shard too
+            longest = int(position_ids.max()) + 1 if position_ids.numel() else 0
+            if longest > self.config.n_positions:
+                raise ValueError(
+                    f"GPT: position {longest - 1} is beyond n_positions={self.config.n_positions} learned"
+                    " positions; shorten the sequence, raise n_positions, or use position_embedding='rotary'."
+                )
+            x = x + self.wpe(position_ids)
+        for layer in self.layers:
+            x = layer(x, position_ids)
+        return self.ln_f(x)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        return self.lm_head(self.hidden_states(input_ids, position_ids))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        c = self.config
+        n_params = sum(p.numel() for n, p in self.named_parameters() if n.split(".")[0] not in ("wte", "wpe"))
+        return 6 * n_params + 3 * 2 * c.n_layer * seq_len * c.n_embd
+
+    @classmethod
+    def from_hf(cls, model: Any, **overrides: Any) -> GPT:
+        """A :class:`GPT` with the weights of a ``transformers`` ``GPT2LMHeadModel`` (or a path to one)."""
+        from lightning_fpdt.models.hf import load_gpt2
+
+        return load_gpt2(cls, model, overrides)
+
+    def to_hf(self) -> Any:
+        """A ``transformers`` ``GPT2LMHeadModel`` with this model's weights (learned positions only)."""
+        from lightning_fpdt.models.hf import export_gpt2
+
+        return export_gpt2(self)
+
+
+class GPTLM(CausalLM):
+    """Trains a :class:`GPT` (same batches, options and precisions as ``LlamaLM``).
+
+    Args:
+        config: the model; defaults to :meth:`GPTConfig.tiny`.
+    """
+
+    def __init__(self, config: GPTConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if isinstance(config, dict):
+            config = GPTConfig(**config)
+        self.config = config or GPTConfig.tiny()
+        self.save_hyperparameters({"config": self.config.to_dict(), **kwargs})
+        self.model = GPT(self.config)
