@@ -10,6 +10,7 @@ with its options; the model and data by ``class_path``.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -29,8 +30,28 @@ class FPDTCLI(LightningCLI):
                              "data": {"class_path": "lightning_fpdt.data.PasskeyDataModule"}})
 
 
+def check_config_files(args: list[str]) -> None:
+    """Fail with the file's name when a ``--config`` file is missing or is not valid YAML.
+
+    jsonargparse reports YAML errors without saying which file they come from.
+    """
+    import yaml
+
+    paths = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    paths += [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "-c")]
+    for path in paths:
+        if not os.path.isfile(path):
+            raise SystemExit(f"fpdt-train: config file {path!r} does not exist.")
+        try:
+            with open(path) as f:
+                yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            raise SystemExit(f"fpdt-train: {path!r} is not valid YAML: {err}") from None
+
+
 def run(args: list[str] | None = None) -> FPDTCLI:
     """Run the CLI (``args`` defaults to ``sys.argv[1:]``) and return it."""
+    check_config_files(sys.argv[1:] if args is None else args)
     return FPDTCLI(
         CausalLM,
         pl.LightningDataModule,

@@ -12,12 +12,19 @@ therefore global chunk ``i``, contiguous (FPDT, Yao et al. 2024, section 3.2). W
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100
+
+DEFAULT_SEQUENCE_KEYS = (
+    "input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "loss_mask", "answer_mask",
+)
+# padding value per sequence key; other keys are padded with 0
+_PAD_VALUES = {"shift_labels": IGNORE_INDEX, "labels": IGNORE_INDEX}
 
 
 def chunk_lengths(seq_len: int, chunk_size: int | None) -> list[int]:
@@ -147,3 +154,57 @@ def pad_sequence(x: Tensor, length: int, value: float | int, dim: int = 1) -> Te
 def default_position_ids(batch_size: int, seq_len: int, device: torch.device | None = None) -> Tensor:
     """``[batch, seq]`` global positions ``0 .. seq-1``."""
     return torch.arange(seq_len, device=device).unsqueeze(0).expand(batch_size, seq_len)
+
+
+def shard_batch(
+    batch: Mapping[str, Any],
+    sp_size: int,
+    sp_rank: int,
+    chunk_size: int | None = None,
+    sequence_keys: Sequence[str] = DEFAULT_SEQUENCE_KEYS,
+    pad_token_id: int = 0,
+    owner: str = "shard_batch",
+) -> dict[str, Any]:
+    """This rank's part of a dict batch of whole sequences.
+
+    Steps, in this order: derive ``labels`` from ``input_ids`` if absent; shift them into
+    ``shift_labels`` on the *whole* sequence (the next token may live on another rank); add global
+    ``position_ids``; pad every sequence key to a multiple of ``sp_size`` (labels with
+    ``IGNORE_INDEX``, ``input_ids`` with ``pad_token_id``, others with 0); apply the FPDT layout and
+    keep rank ``sp_rank``'s shard. Keys not in ``sequence_keys`` pass through untouched.
+
+    Raises:
+        ValueError: no ``input_ids``, ``input_ids`` not ``[batch, seq]``, or a sequence key whose
+            leading dims differ from ``input_ids``'.
+    """
+    if "input_ids" not in batch:
+        raise ValueError(
+            f"{owner}: the batch has no 'input_ids'; its keys are {sorted(batch)}. Return a dict with"
+            " 'input_ids' [batch, seq] (and optionally 'labels', 'position_ids') from your dataset."
+        )
+    out = dict(batch)
+    ids = out["input_ids"]
+    if not isinstance(ids, Tensor) or ids.dim() != 2:
+        shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+        raise ValueError(f"{owner}: 'input_ids' must be a [batch, seq] tensor, got {shape}.")
+    b, s = ids.shape
+    if "shift_labels" not in out:
+        labels = out.pop("labels", None)
+        out["shift_labels"] = shift_labels(ids if labels is None else labels, IGNORE_INDEX)
+    if "position_ids" not in out:
+        out["position_ids"] = default_position_ids(b, s, device=ids.device)
+    length = padded_length(s, sp_size, chunk_size)
+    for key in sequence_keys:
+        x = out.get(key)
+        if x is None:
+            continue
+        if not isinstance(x, Tensor) or x.shape[:2] != (b, s):
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(
+                f"{owner}: sequence key {key!r} has shape {shape}, expected [{b}, {s}, ...] like 'input_ids'."
+                " Remove it from `sequence_keys` if it is not per token."
+            )
+        pad = pad_token_id if key == "input_ids" else _PAD_VALUES.get(key, 0)
+        x = pad_sequence(x, length, pad)
+        out[key] = shard_sequence(x, sp_size, sp_rank, chunk_size) if sp_size > 1 else x
+    return out

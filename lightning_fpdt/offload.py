@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fpdt.profiling import record
+
 Key = tuple[str, int]
 
 
@@ -147,6 +149,10 @@ class ChunkStore:
         self._account()
         if not self.offload:
             return
+        with record("fpdt/offload"):
+            self._start_offload(entry, x, keep_on_device)
+
+    def _start_offload(self, entry: _Entry, x: Tensor, keep_on_device: bool) -> None:
         host = self._pool.acquire(x)
         self.stats.bytes_to_host += _nbytes(x)
         if self._cuda:
@@ -175,6 +181,11 @@ class ChunkStore:
         host = entry.host
         assert host is not None
         self.stats.bytes_to_device += _nbytes(host)
+        with record("fpdt/prefetch"):
+            self._start_prefetch(entry, host)
+        self._account()
+
+    def _start_prefetch(self, entry: _Entry, host: Tensor) -> None:
         if self._cuda:
             with torch.cuda.stream(self._stream):
                 # ordered after this chunk's host copy: same stream
@@ -186,7 +197,6 @@ class ChunkStore:
         else:
             # ordered after this chunk's host copy: one worker runs copies in submission order
             entry.to_device = self._submit(lambda: host.clone())
-        self._account()
 
     def get(self, key: Key) -> Tensor:
         """The chunk on the device, waiting for its prefetch if one is in flight."""
@@ -197,13 +207,14 @@ class ChunkStore:
             self.stats.stalls += 1
             self.prefetch(key)
         start = time.perf_counter()
-        if self._cuda:
-            dev, ready = entry.to_device
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(ready)  # the compute stream waits on the GPU; the host does not
-            dev.record_stream(compute)
-        else:
-            dev = entry.to_device.result()
+        with record("fpdt/prefetch_wait"):
+            if self._cuda:
+                dev, ready = entry.to_device
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(ready)  # the compute stream waits on the GPU; the host does not
+                dev.record_stream(compute)
+            else:
+                dev = entry.to_device.result()
         self.stats.wait_seconds += time.perf_counter() - start
         entry.device, entry.to_device = dev, None
         self._account()

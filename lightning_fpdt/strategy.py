@@ -19,23 +19,10 @@ from typing_extensions import override
 from lightning_fpdt.attention.kernels import BACKENDS
 from lightning_fpdt.block import SequenceParallelContext, new_checkpoint_store
 from lightning_fpdt.offload import ChunkStore
-from lightning_fpdt.layout import (
-    IGNORE_INDEX,
-    default_position_ids,
-    pad_sequence,
-    padded_length,
-    shard_sequence,
-    shift_labels,
-    validate_chunk_size,
-)
+from lightning_fpdt.layout import DEFAULT_SEQUENCE_KEYS, shard_batch, validate_chunk_size
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SEQUENCE_KEYS = (
-    "input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "loss_mask", "answer_mask",
-)
-# padding value per sequence key; keys not listed are padded with 0
-_PAD_VALUES = {"shift_labels": IGNORE_INDEX, "labels": IGNORE_INDEX}
 
 
 class FPDTStrategy(DDPStrategy):
@@ -243,13 +230,7 @@ class FPDTStrategy(DDPStrategy):
         return self.shard_batch(batch)
 
     def shard_batch(self, batch: Any) -> Any:
-        """This rank's part of a dict batch of whole sequences.
-
-        Steps (order matters): derive ``labels`` from ``input_ids`` if absent; shift them into
-        ``shift_labels`` on the *whole* sequence (the next token may live on another rank); add
-        global ``position_ids``; pad every sequence key to the layout's multiple (ignored labels);
-        apply the FPDT layout and keep this rank's shard.
-        """
+        """This rank's part of a dict batch of whole sequences (see :func:`lightning_fpdt.layout.shard_batch`)."""
         sp = self.sequence_parallel_size
         if not isinstance(batch, Mapping):
             if sp == 1:
@@ -258,39 +239,8 @@ class FPDTStrategy(DDPStrategy):
                 f"FPDTStrategy: sequence_parallel_size={sp} needs dict batches with 'input_ids' [batch, seq]"
                 f" to shard; got a {type(batch).__name__}."
             )
-        if "input_ids" not in batch:
-            raise ValueError(
-                f"FPDTStrategy: the batch has no 'input_ids'; its keys are {sorted(batch)}. Return a dict with"
-                " 'input_ids' [batch, seq] (and optionally 'labels', 'position_ids') from your dataset."
-            )
-        out = dict(batch)
-        ids = out["input_ids"]
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            raise ValueError(
-                f"FPDTStrategy: 'input_ids' must be a [batch, seq] tensor, got"
-                f" {tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}."
-            )
-        b, s = ids.shape
-        if "shift_labels" not in out:
-            labels = out.pop("labels", None)
-            out["shift_labels"] = shift_labels(ids if labels is None else labels, IGNORE_INDEX)
-        if "position_ids" not in out:
-            out["position_ids"] = default_position_ids(b, s, device=ids.device)
-        length = padded_length(s, sp, self._chunk_size)
-        for key in self._sequence_keys:
-            x = out.get(key)
-            if x is None:
-                continue
-            if not isinstance(x, torch.Tensor) or x.shape[:2] != (b, s):
-                raise ValueError(
-                    f"FPDTStrategy: sequence key {key!r} has shape"
-                    f" {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}, expected"
-                    f" [{b}, {s}, ...] like 'input_ids'. Remove it from `sequence_keys` if it is not per token."
-                )
-            pad = self._pad_token_id if key == "input_ids" else _PAD_VALUES.get(key, 0)
-            x = pad_sequence(x, length, pad)
-            out[key] = shard_sequence(x, sp, self.sequence_parallel_rank, self._chunk_size) if sp > 1 else x
-        return out
+        return shard_batch(batch, sp, self.sequence_parallel_rank, self._chunk_size, self._sequence_keys,
+                           self._pad_token_id, owner="FPDTStrategy")
 
     # ---- registration -------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ class GPTConfig:
         rope_theta: RoPE base when ``position_embedding="rotary"``.
         initializer_std: weight std; ``None`` means ``1 / sqrt(fan_in)`` (embeddings: 1).
         mlp_tiles: sequence tiles of the MLP (``None``: automatic; 1: off).
-        loss_tiles: token tiles of the output projection + cross-entropy (``None``: automatic).
+        loss_tiles: token tiles of the output projection + cross-entropy (``None``: automatic; 1: off).
     """
 
     vocab_size: int = 50257

@@ -40,7 +40,7 @@ class LlamaConfig:
             ``1 / sqrt(fan_in)`` per layer (and 1 for embeddings).
         mlp_tiles: sequence tiles of the MLP (``None``: from the sequence and hidden sizes; 1: off).
         loss_tiles: token tiles of the output projection + cross-entropy (``None``: from the
-            vocabulary and hidden sizes; 1: one tile).
+            vocabulary and hidden sizes; 1: off, full logits kept for backward).
         norm_compute_dtype: dtype RMSNorm computes in; ``None`` means float32 or wider (float64
             models stay float64). Hugging Face's Llama always uses float32 (set by ``from_hf``).
     """

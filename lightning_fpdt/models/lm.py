@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_fpdt.layout import IGNORE_INDEX, shift_labels
-from lightning_fpdt.loss import tiled_cross_entropy_sum, token_weighted_loss
+from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
 
 
 class AnswerAccuracy(Metric):
@@ -88,6 +88,8 @@ class CausalLM(pl.LightningModule):
         """``(loss_sum, num_tokens)`` of this rank's part of the batch."""
         hidden = self.hidden_states(batch) if hidden is None else hidden
         tiles = getattr(getattr(self.model, "config", None), "loss_tiles", None)
+        if tiles == 1:  # no tiling: full logits, kept for backward by autograd
+            return cross_entropy_sum(self.model.lm_head(hidden), self.targets(batch))
         return tiled_cross_entropy_sum(hidden, self.model.lm_head.weight, self.targets(batch), tiles)
 
     def answer_predictions(self, batch: dict[str, Any], hidden: Tensor) -> tuple[Tensor, Tensor]:
