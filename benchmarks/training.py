@@ -124,11 +124,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--backend", default="sdpa")
     args = parser.parse_args()
-    threads = max(1, (os.cpu_count() or 1) // args.world)
-    peak_flops = matmul_flops(threads)
+    def threads(world: int) -> int:  # what benchmarks/common.py gives each process
+        return max(1, (os.cpu_count() or 1) // world)
+
+    # the matmul rate a process with that many threads reaches: the "peak" of CPU MFU
+    peak_flops = {w: matmul_flops(threads(w)) for w in {1, args.world}}
     print(f"Llama-style hidden {args.hidden}, {args.heads} heads, {args.layers} layers, vocab {args.vocab}; "
-          f"{args.world} processes x {threads} thread(s); float32 matmul {peak_flops / 1e9:.1f} GFLOP/s per process",
-          flush=True)
+          + "; ".join(f"{w} process(es) x {threads(w)} thread(s): float32 matmul {f / 1e9:.1f} GFLOP/s per process"
+                      for w, f in sorted(peak_flops.items())), flush=True)
     results: dict[tuple[str, int], dict] = {}
     for variant in args.variants:
         world = 1 if variant == "single" else args.world
@@ -145,7 +148,7 @@ def main() -> None:
         for seq in args.seq:
             r = results[(variant, seq)]
             rows.append([variant, seq, world, seq / r["seconds"], r["rss"] / 2**20, r["tensors"] / 2**20,
-                         slope_rss / 1024, slope_t / 1024, f"{100 * r['flops'] / peak_flops:.1f}%"])
+                         slope_rss / 1024, slope_t / 1024, f"{100 * r['flops'] / peak_flops[world]:.1f}%"])
     print_table(["variant", "seq", "procs", "tokens/s", "peak RSS MiB/rank", "peak tensors MiB/rank",
                  "RSS KiB/token", "tensors KiB/token", "CPU MFU"], rows)
 

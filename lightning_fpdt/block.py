@@ -7,15 +7,28 @@ look for process groups themselves.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_fpdt.attention import fpdt_attention
-from lightning_fpdt.comm import check_heads, group_size
+from lightning_fpdt.attention.kernels import get_kernel
+from lightning_fpdt.attention.pipeline import (
+    ChunkSink,
+    ChunkSource,
+    PipelineOptions,
+    pipeline_backward,
+    pipeline_forward,
+    finish,
+    new_store,
+)
+from lightning_fpdt.comm import check_heads, expand_kv_heads, group_size
+from lightning_fpdt.layout import validate_chunk_size
 from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.offload import ChunkStore, OffloadStats
 
@@ -88,13 +101,24 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding: inv_freq has shape {tuple(inv_freq.shape)}, expected ({head_dim // 2},).")
         self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        """``x`` ``[batch, seq, heads, head_dim]``, ``position_ids`` ``[batch, seq]`` (global positions)."""
+    def _cos_sin(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = position_ids.float().unsqueeze(-1) * self.inv_freq.float()  # [b, s, d/2]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [b, s, 1, d]
-        cos = (emb.cos() * self.attention_scaling).to(x.dtype)
-        sin = (emb.sin() * self.attention_scaling).to(x.dtype)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+        """``x`` ``[batch, seq, heads, head_dim]``, ``position_ids`` ``[batch, seq]`` (global positions)."""
+        cos, sin = self._cos_sin(position_ids, x.dtype)
         return x * cos + rotate_half(x) * sin
+
+    def transpose(self, dy: Tensor, position_ids: Tensor) -> Tensor:
+        """The adjoint of :meth:`forward` (it is linear in ``x``): the gradient with respect to ``x``.
+
+        ``rotate_half`` maps ``[x1, x2]`` to ``[-x2, x1]``; its adjoint maps ``[y1, y2]`` to ``[y2, -y1]``.
+        """
+        cos, sin = self._cos_sin(position_ids, dy.dtype)
+        y1, y2 = (dy * sin).chunk(2, dim=-1)
+        return dy * cos + torch.cat((y2, -y1), dim=-1)
 
 
 class FPDTAttention(nn.Module):
@@ -138,17 +162,24 @@ class FPDTAttention(nn.Module):
         self.context = context
 
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        """``x`` ``[batch, s_local, hidden]`` (this rank's shard), ``position_ids`` ``[batch, s_local]``."""
+        """``x`` ``[batch, s_local, hidden]`` (this rank's shard), ``position_ids`` ``[batch, s_local]``.
+
+        With chunking the q/k/v projections and RoPE run chunk by chunk inside the pipeline, so no
+        ``[s_local, heads, head_dim]`` q, k or v exists at once, forward or backward.
+        """
         b, s_local, _ = x.shape  # s_local = S // sp
+        ctx = self.context
+        self.record = BlockRecord(
+            seq_len_local=s_local, chunks=1 if ctx.chunk_size is None else -(-s_local * ctx.size // ctx.chunk_size)
+        )
+        if ctx.chunk_size is not None:
+            out = projected_fpdt_attention(self, x, position_ids)
+            return self.o_proj(out.reshape(b, s_local, self.n_heads * self.head_dim))
         q = self.q_proj(x).view(b, s_local, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, s_local, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s_local, self.n_kv_heads, self.head_dim)
         if self.rope is not None:
             q, k = self.rope(q, position_ids), self.rope(k, position_ids)
-        ctx = self.context
-        self.record = BlockRecord(
-            seq_len_local=s_local, chunks=1 if ctx.chunk_size is None else -(-s_local * ctx.size // ctx.chunk_size)
-        )
         out = fpdt_attention(
             q, k, v, group=ctx.group, chunk_size=ctx.chunk_size, causal=self.causal,
             backend=ctx.attention_backend, offload=ctx.offload, stats_sink=self.record.sink,
@@ -198,6 +229,132 @@ class FPDTBlock(nn.Module):
             params = [p for p in self.parameters() if p.requires_grad]
             return _CheckpointedBlock.apply(x, position_ids, self, len(params), *params)
         return self.block_forward(x, position_ids)
+
+
+class _ProjectionSource(ChunkSource):
+    """Local q/k/v chunks computed on demand from the block's input: ``x[:, lo:hi]`` -> projections -> RoPE."""
+
+    def __init__(self, attn: FPDTAttention, x: Tensor, position_ids: Tensor) -> None:
+        b, s_local, _ = x.shape
+        self.attn, self.x, self.position_ids = attn, x, position_ids
+        self.q_shape = torch.Size((b, s_local, attn.n_heads, attn.head_dim))
+        self.dtype: torch.dtype | None = None  # the projections' output dtype (autocast may change it)
+
+    def _project(self, proj: nn.Linear, n_heads: int, lo: int, hi: int, rope: bool) -> Tensor:
+        a = self.attn
+        y = F.linear(self.x[:, lo:hi], proj.weight, proj.bias).view(self.x.shape[0], hi - lo, n_heads, a.head_dim)
+        self.dtype = y.dtype
+        return a.rope(y, self.position_ids[:, lo:hi]) if rope and a.rope is not None else y
+
+    def q(self, lo: int, hi: int) -> Tensor:
+        return self._project(self.attn.q_proj, self.attn.n_heads, lo, hi, rope=True)
+
+    def kv(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        a, p = self.attn, self.attn.context.size
+        k = self._project(a.k_proj, a.n_kv_heads, lo, hi, rope=True)
+        v = self._project(a.v_proj, a.n_kv_heads, lo, hi, rope=False)
+        return expand_kv_heads(k, p), expand_kv_heads(v, p)
+
+
+class _ProjectionSink(ChunkSink):
+    """Backward of the per-chunk projections, run as each chunk's q/k/v gradients become final.
+
+    Projections and RoPE are linear in their input, so no recomputation is needed: for a chunk,
+    ``dW += dY^T x_c``, ``db += sum(dY)``, ``dx_c += dY W``, with ``dY`` the RoPE-transposed gradient.
+    """
+
+    def __init__(self, attn: FPDTAttention, x: Tensor, position_ids: Tensor, autocast: AutocastState) -> None:
+        self.attn, self.x, self.position_ids, self.autocast = attn, x, position_ids, autocast
+        acc = torch.promote_types(x.dtype, torch.float32)
+        self.dx = torch.zeros(x.shape, dtype=acc, device=x.device)
+        self.grads: dict[str, Tensor] = {}
+
+    def _linear_backward(self, name: str, proj: nn.Linear, dy: Tensor, lo: int, hi: int) -> None:
+        b, n = dy.shape[:2]
+        dy2 = dy.reshape(b * n, -1)  # [tokens of the chunk, out_features]
+        x2 = self.x[:, lo:hi].reshape(b * n, -1)
+        with self.autocast.restore():  # under autocast the matmuls cast as they did in forward
+            if not self.autocast.enabled:
+                dy2 = dy2.to(x2.dtype)
+            dw = dy2.t() @ x2
+            dx = dy2 @ proj.weight
+        self.dx[:, lo:hi] += dx.view(b, n, -1)
+        acc = self.dx.dtype
+        self.grads[f"{name}.weight"] = self.grads.get(f"{name}.weight", 0) + dw.to(acc)
+        if proj.bias is not None:
+            self.grads[f"{name}.bias"] = self.grads.get(f"{name}.bias", 0) + dy2.sum(0).to(acc)
+
+    def _rope_t(self, dy: Tensor, lo: int, hi: int) -> Tensor:
+        rope = self.attn.rope
+        return dy if rope is None else rope.transpose(dy, self.position_ids[:, lo:hi])
+
+    def q(self, lo: int, hi: int, dq: Tensor) -> None:
+        self._linear_backward("q_proj", self.attn.q_proj, self._rope_t(dq, lo, hi), lo, hi)
+
+    def kv(self, lo: int, hi: int, dk: Tensor, dv: Tensor) -> None:
+        g = self.attn.n_kv_heads
+        if dk.shape[2] != g:  # KV heads were replicated for the all-to-all: sum the replicas
+            b, n, p, d = dk.shape
+            dk, dv = dk.view(b, n, g, p // g, d).sum(3), dv.view(b, n, g, p // g, d).sum(3)
+        self._linear_backward("k_proj", self.attn.k_proj, self._rope_t(dk, lo, hi), lo, hi)
+        self._linear_backward("v_proj", self.attn.v_proj, dv, lo, hi)
+
+
+def _projection_params(attn: FPDTAttention) -> list[tuple[str, nn.Parameter]]:
+    return [(f"{name}.{kind}", getattr(getattr(attn, name), kind)) for name in ("q_proj", "k_proj", "v_proj")
+            for kind in ("weight", "bias") if getattr(getattr(attn, name), kind) is not None]
+
+
+class _ProjectedAttentionFunction(torch.autograd.Function):
+    """``x -> attention output`` (before ``o_proj``) with the q/k/v projections done per chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, position_ids: Tensor, attn: FPDTAttention, opt: PipelineOptions,
+                needs_backward: bool, *params: Tensor) -> Tensor:
+        store = new_store(x.device, opt)
+        source = _ProjectionSource(attn, x, position_ids)
+        out, _ = pipeline_forward(source, opt, store)
+        if not needs_backward:
+            finish(store, opt)
+        ctx.attn, ctx.opt, ctx.store, ctx.out_dtype = attn, opt, store, source.dtype
+        ctx.autocast = AutocastState.capture(x.device.type)
+        ctx.save_for_backward(x, position_ids)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Any, ...]:
+        x, position_ids = ctx.saved_tensors
+        sink = _ProjectionSink(ctx.attn, x, position_ids, ctx.autocast)
+        try:
+            pipeline_backward(dout.contiguous(), ctx.out_dtype, ctx.opt, ctx.store, sink)
+        finally:
+            finish(ctx.store, ctx.opt)
+        grads = [sink.grads[name].to(p.dtype) for name, p in _projection_params(ctx.attn)]
+        return (sink.dx.to(x.dtype), None, None, None, None, *grads)
+
+
+def projected_fpdt_attention(attn: FPDTAttention, x: Tensor, position_ids: Tensor) -> Tensor:
+    """``attn``'s q/k/v projection, RoPE and FPDT attention in one pipeline, chunk by chunk.
+
+    Returns the attention output ``[batch, s_local, n_heads, head_dim]`` (before ``o_proj``).
+    """
+    ctx = attn.context
+    p = ctx.size
+    validate_chunk_size(ctx.chunk_size, p)
+    kernel = get_kernel(ctx.attention_backend, x.device, _compute_dtype(attn, x))
+    opt = PipelineOptions(
+        group=ctx.group, local_chunk_size=None if ctx.chunk_size is None else ctx.chunk_size // p, causal=attn.causal,
+        scale=1.0 / math.sqrt(attn.head_dim), kernel=kernel, offload=ctx.offload, stats_sink=attn.record.sink,
+    )
+    params = [param for _, param in _projection_params(attn)]
+    needs_backward = torch.is_grad_enabled() and (x.requires_grad or any(q.requires_grad for q in params))
+    return _ProjectedAttentionFunction.apply(x, position_ids, attn, opt, needs_backward, *params)
+
+
+def _compute_dtype(attn: FPDTAttention, x: Tensor) -> torch.dtype:
+    if x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return torch.promote_types(x.dtype, attn.q_proj.weight.dtype)
 
 
 def new_checkpoint_store(device: torch.device, copy_delay: float = 0.0) -> ChunkStore:

@@ -19,13 +19,15 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 
 
 class PasskeyDataset(Dataset):
-    """Pass-key retrieval (Mohtashami & Jaggi 2023): a number hidden in filler text at a chosen depth,
-    asked for at the end. Only a model that attends back over the distance can answer.
+    """Pass-key retrieval (after Mohtashami & Jaggi 2023): a number hidden in filler text at a chosen
+    depth, asked for at the end. Only a model that attends back over the distance can answer.
 
     Each sample is ``seq_len`` byte tokens::
 
-        <filler> The pass key is 48213. Remember it. 48213 is the pass key. <filler>
-        What is the pass key? The pass key is 48213
+        <filler> The pass key is #48213. Remember it. <filler> What is the pass key? #48213
+
+    The filler has no digits and no ``#``, so the key is the only thing to copy: a small model can
+    learn the task (induction over ``#`` and the digits) in a few hundred CPU steps.
 
     Items: ``input_ids`` ``[seq_len]``, ``answer_mask`` ``[seq_len]`` (True at positions whose *next*
     token is an answer digit: aligned with shifted labels), ``depth`` (float).
@@ -48,10 +50,10 @@ class PasskeyDataset(Dataset):
             raise ValueError(f"PasskeyDataset: depth={depth} must be in [0, 1].")
 
     def _needle(self, key: str) -> list[int]:
-        return self.tokenizer.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+        return self.tokenizer.encode(f" The pass key is #{key}. Remember it. ")
 
     def _tail(self, key: str) -> list[int]:
-        return self.tokenizer.encode(f" What is the pass key? The pass key is {key}")
+        return self.tokenizer.encode(f" What is the pass key? #{key}")
 
     def __len__(self) -> int:
         return self.num_samples
@@ -76,11 +78,13 @@ class PasskeyDataModule(pl.LightningDataModule):
     """The embedded long-context task as a LightningDataModule.
 
     Args:
-        seq_len: tokens per sample (global, before sequence sharding).
+        seq_len: tokens per training sample (global, before sequence sharding).
         batch_size: samples per data-parallel rank per step.
         train_samples / val_samples: dataset sizes (train samples are drawn from a different seed).
         depth: key depth for validation samples (``None``: random); training depth is always random.
         digits: pass-key length.
+        val_seq_len: tokens per validation sample (default ``seq_len``); longer than ``seq_len``
+            tests whether retrieval learnt on short samples holds over longer distances.
         num_workers: DataLoader workers.
     """
 
@@ -92,13 +96,14 @@ class PasskeyDataModule(pl.LightningDataModule):
         val_samples: int = 64,
         depth: float | None = None,
         digits: int = 5,
+        val_seq_len: int | None = None,
         num_workers: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.seq_len, self.batch_size, self.num_workers = seq_len, batch_size, num_workers
         self.train_set = PasskeyDataset(train_samples, seq_len, None, digits, seed=1)
-        self.val_set = PasskeyDataset(val_samples, seq_len, depth, digits, seed=2)
+        self.val_set = PasskeyDataset(val_samples, val_seq_len or seq_len, depth, digits, seed=2)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.layout import IGNORE_INDEX
-from lightning_fpdt.mlp import tile_bounds
+from lightning_fpdt.mlp import MIN_TILE_TOKENS, tile_bounds
 from lightning_fpdt.profiling import record
 
 
@@ -56,9 +56,10 @@ def token_weighted_loss(loss_sum: Tensor, num_tokens: Tensor) -> tuple[Tensor, T
     return loss_sum / count, (loss_sum / count).detach()
 
 
-def auto_loss_tiles(vocab_size: int, hidden_size: int) -> int:
-    """``ceil(vocab / hidden)`` tiles: a tile's logits are about the size of the hidden states."""
-    return max(1, -(-vocab_size // max(hidden_size, 1)))
+def auto_loss_tiles(num_tokens: int) -> int:
+    """Tiles of ``MIN_TILE_TOKENS`` (1024) tokens: a tile's logits (``1024 x vocab`` float32) do not grow
+    with the sequence, and each tile is a large enough matrix multiply."""
+    return max(1, -(-num_tokens // MIN_TILE_TOKENS))
 
 
 class _TiledCrossEntropy(torch.autograd.Function):
@@ -120,13 +121,13 @@ def tiled_cross_entropy_sum(
         hidden: final hidden states ``[batch, seq, hidden]`` (this rank's shard under SP).
         weight: the output embedding ``[vocab, hidden]``.
         shift_labels: pre-shifted targets ``[batch, seq]``.
-        num_tiles: token tiles; ``None`` uses :func:`auto_loss_tiles`.
+        num_tiles: token tiles; ``None`` uses :func:`auto_loss_tiles` of this rank's tokens.
 
     Returns:
         ``(loss_sum, num_tokens)`` like :func:`cross_entropy_sum`; logits are float32 (float64 for
         float64 models) per tile and go through log-softmax, never ``softmax().log()``.
     """
-    tiles = auto_loss_tiles(weight.shape[0], weight.shape[1]) if num_tiles is None else num_tiles
+    tiles = auto_loss_tiles(hidden.shape[0] * hidden.shape[1]) if num_tiles is None else num_tiles
     if tiles < 1:
         raise ValueError(f"tiled_cross_entropy_sum: num_tiles must be >= 1, got {tiles}.")
     loss_sum = _TiledCrossEntropy.apply(hidden, weight, shift_labels, tiles, ignore_index)

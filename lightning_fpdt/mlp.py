@@ -19,6 +19,9 @@ from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.profiling import record
 
 
+MIN_TILE_TOKENS = 1024
+
+
 def tile_bounds(length: int, num_tiles: int) -> list[tuple[int, int]]:
     """``num_tiles`` contiguous, nearly equal ``[lo, hi)`` slices of ``range(length)`` (no empty ones)."""
     num_tiles = max(1, min(num_tiles, length))
@@ -76,7 +79,8 @@ class TiledMLP(nn.Module):
     Args:
         mlp: any module applied position-wise (SwiGLU, GeLU MLP, ...). It must not mix positions.
         num_tiles: tiles per call; ``None`` picks :meth:`auto_tiles` from the sequence and hidden
-            sizes; ``1`` runs the module directly (no recomputation).
+            sizes (and recomputes in backward even when that is one tile); ``1`` runs the module
+            directly (tiling off: no recomputation, intermediates kept).
     """
 
     def __init__(self, mlp: nn.Module, num_tiles: int | None = None) -> None:
@@ -88,16 +92,16 @@ class TiledMLP(nn.Module):
 
     @staticmethod
     def auto_tiles(seq_len: int, hidden_size: int) -> int:
-        """``ceil(seq / hidden)`` tiles of about ``hidden`` tokens: a tile's intermediate
-        (``hidden x intermediate`` numbers) stays a few MiB to a few hundred MiB however long the
-        sequence, while tiles stay large enough for efficient matrix multiplies."""
-        return max(1, -(-seq_len // max(hidden_size, 1)))
+        """Tiles of ``max(hidden, 1024)`` tokens: a tile's intermediate stays bounded however long the
+        sequence, and tiles stay large enough for efficient matrix multiplies."""
+        return max(1, -(-seq_len // max(hidden_size, MIN_TILE_TOKENS)))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.num_tiles == 1:  # tiling off: the module as is, its intermediates kept by autograd
+            return self.mlp(x)
+        # automatic tiling may pick one tile for a short shard: still recomputed, nothing kept
         tiles = self.num_tiles if self.num_tiles is not None else self.auto_tiles(x.shape[1], x.shape[-1])
-        if tiles == 1 or not torch.is_grad_enabled():
-            if tiles == 1:
-                return self.mlp(x)
+        if not torch.is_grad_enabled():
             return _TiledFunction.forward(_NoCtx(), x, self.mlp, tiles)  # inference: tiles, nothing saved
         return _TiledFunction.apply(x, self.mlp, tiles, *self.mlp.parameters())
 

@@ -11,23 +11,23 @@ from lightning_fpdt.layout import shard_sequence
 from lightning_fpdt.offload import ChunkStore, OffloadStats
 from tests.distributed import run_distributed
 
-SEQ = 32
-CHUNKS = (2, 3, 4, 5, 8)  # chunk counts; 3 and 5 leave a short last chunk
+CHUNKS = range(2, 9)  # every chunk count from 2 to 8
 
 
-def _chunk_size(n: int, sp: int) -> int:
-    size = -(-SEQ // n)
-    return -(-size // sp) * sp  # a multiple of sp
+def _layout(n: int, sp: int) -> tuple[int, int]:
+    """(global length, chunk size) with exactly ``n`` chunks; odd counts get a shorter last chunk."""
+    chunk = 4 * sp
+    return n * chunk - (2 * sp if n % 2 else 0), chunk
 
 
 def _run(rank: int, world: int, seed: int, copy_delay: float) -> list[dict]:
     group = dist.group.WORLD if world > 1 else None
     out = []
     for n in CHUNKS:
-        chunk = _chunk_size(n, world)
+        seq, chunk = _layout(n, world)
         for causal in (True, False):
             g = torch.Generator().manual_seed(seed + n)
-            full = [torch.randn(2, SEQ, 4, 8, generator=g, dtype=torch.float64) for _ in range(4)]
+            full = [torch.randn(2, seq, 4, 8, generator=g, dtype=torch.float64) for _ in range(4)]
             q, k, v, dout = (shard_sequence(x, world, rank, chunk) for x in full)
             k, v = k[:, :, :2], v[:, :, :2]  # GQA
             res = {}
@@ -49,7 +49,7 @@ def _check(per_rank: list[list[dict]]) -> None:
             label = f"chunks={case['n']} (C={case['chunk']}) causal={case['causal']}"
             for a, b in zip(off, plain):
                 assert torch.equal(a, b), f"{label}: offload changed the result"
-            n_chunks = -(-SEQ // case["chunk"])
+            n_chunks = case["n"]
             # offload: at most two k/v chunks and two query-side sets on the device, whatever the count
             assert off_stats.peak_resident_chunks["kv"] <= 2, label
             assert off_stats.peak_resident_chunks["query"] <= 2, label

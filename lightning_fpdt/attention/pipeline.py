@@ -67,25 +67,60 @@ def _key_order(i: int, n: int, causal: bool) -> list[int]:
     return [i, *others]
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, opt: PipelineOptions, store: ChunkStore) -> tuple[Tensor, Tensor]:
-    b, s_local, h, d = q.shape  # s_local = S // P; h = all query heads
+class ChunkSource:
+    """Where the forward gets local chunks of q, k, v: slices of whole tensors (this class), or a
+    projection computed chunk by chunk (``lightning_fpdt.block``)."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        self._q, self._k, self._v = q, k, v
+        self.q_shape, self.dtype = q.shape, q.dtype  # [b, s_local, h, d]
+
+    def q(self, lo: int, hi: int) -> Tensor:
+        return self._q[:, lo:hi]
+
+    def kv(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        return self._k[:, lo:hi], self._v[:, lo:hi]
+
+
+class ChunkSink:
+    """Where the backward puts final local gradient chunks: whole preallocated tensors (this class),
+    or a projection's backward run chunk by chunk (``lightning_fpdt.block``)."""
+
+    def __init__(self, b: int, s_local: int, h: int, kv_heads: int, d: int, q_dtype: torch.dtype,
+                 kv_dtype: torch.dtype, device: torch.device) -> None:
+        self.dq = torch.empty(b, s_local, h, d, dtype=q_dtype, device=device)
+        self.dk = torch.empty(b, s_local, kv_heads, d, dtype=kv_dtype, device=device)
+        self.dv = torch.empty_like(self.dk)
+
+    def q(self, lo: int, hi: int, dq: Tensor) -> None:
+        self.dq[:, lo:hi] = dq
+
+    def kv(self, lo: int, hi: int, dk: Tensor, dv: Tensor) -> None:
+        self.dk[:, lo:hi] = dk
+        self.dv[:, lo:hi] = dv
+
+
+def pipeline_forward(source: ChunkSource, opt: PipelineOptions, store: ChunkStore) -> tuple[Tensor, Tensor]:
+    b, s_local, h, d = source.q_shape  # s_local = S // P; h = all query heads
     bounds = chunk_bounds(s_local, opt.local_chunk_size)
     n = len(bounds)
-    out = torch.empty_like(q)  # [b, s_local, h, d]: chunks are written in as they finish
+    out: Tensor | None = None  # [b, s_local, h, d]: chunks are written in as they finish
     lses: list[Tensor] = []
 
     def gather_kv(j: int, keep: bool) -> None:
-        lo, hi = bounds[j]
+        k_c, v_c = source.kv(*bounds[j])
         with record("fpdt/all_to_all"):
-            store.put(("k", j), seq_to_head(k[:, lo:hi], opt.group), keep_on_device=keep)  # [b, C_j, h_kv/P, d]
-            store.put(("v", j), seq_to_head(v[:, lo:hi], opt.group), keep_on_device=keep)
+            store.put(("k", j), seq_to_head(k_c, opt.group), keep_on_device=keep)  # [b, C_j, h_kv/P, d]
+            store.put(("v", j), seq_to_head(v_c, opt.group), keep_on_device=keep)
 
     if not opt.causal:  # every query chunk needs every key chunk: gather them all first
         for j in range(n):
             gather_kv(j, keep=j == 0)
     for i, (lo, hi) in enumerate(bounds):
+        q_c = source.q(lo, hi)
         with record("fpdt/all_to_all"):
-            q_i = seq_to_head(q[:, lo:hi], opt.group)  # [b, C_i, h/P, d], global chunk i
+            q_i = seq_to_head(q_c, opt.group)  # [b, C_i, h/P, d], global chunk i
+        del q_c
         if opt.causal:
             gather_kv(i, keep=True)
         out_i = lse_i = None
@@ -101,37 +136,32 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, opt: PipelineOptions, store: Chunk
             store.evict(("k", j))
             store.evict(("v", j))
         assert out_i is not None and lse_i is not None
-        out_i = out_i.to(q.dtype)
+        out_i = out_i.to(source.dtype)
         with record("fpdt/all_to_all"):
-            out[:, lo:hi] = head_to_seq(out_i, opt.group)  # [b, C_i / P, h, d]
+            out_c = head_to_seq(out_i, opt.group)  # [b, C_i / P, h, d]
+        if out is None:
+            out = out_c.new_empty(b, s_local, h, d)
+        out[:, lo:hi] = out_c
         lses.append(lse_i)
         store.put(("q", i), q_i)
         store.put(("o", i), out_i)
         store.put(("lse", i), lse_i)
+    assert out is not None
     return out, lses[0] if n == 1 else torch.cat(lses, dim=2)  # lse [b, h/P, S]
 
 
-def _backward(
-    dout: Tensor, q_like: Tensor, kv_like: Tensor, opt: PipelineOptions, store: ChunkStore
-) -> tuple[Tensor, Tensor, Tensor]:
+def pipeline_backward(dout: Tensor, q_dtype: torch.dtype, opt: PipelineOptions, store: ChunkStore, sink: ChunkSink) -> None:
     s_local = dout.shape[1]
     bounds = chunk_bounds(s_local, opt.local_chunk_size)
     n = len(bounds)
-    acc = accumulate_dtype(q_like.dtype)
-    b, _, h, d = dout.shape
-    h_kv = kv_like.shape[2]
-    # local gradients [b, s_local, heads, d]; each chunk is written in once it is final
-    dq_local = torch.empty(b, s_local, h, d, dtype=q_like.dtype, device=dout.device)
-    dk_local = torch.empty(b, s_local, h_kv, d, dtype=kv_like.dtype, device=dout.device)
-    dv_local = torch.empty_like(dk_local)
+    acc = accumulate_dtype(q_dtype)
 
     def query_chunks(j: int) -> list[int]:
         return list(range(j, n)) if opt.causal else list(range(n))
 
-    def send_back(x: Tensor, into: Tensor, chunk: int) -> None:
-        lo, hi = bounds[chunk]
+    def send_back(x: Tensor) -> Tensor:
         with record("fpdt/all_to_all"):
-            into[:, lo:hi] = head_to_seq(x.to(into.dtype), opt.group)
+            return head_to_seq(x, opt.group)
 
     for j in range(n):
         store.prefetch(("k", j))
@@ -165,7 +195,7 @@ def _backward(
             dv_j = dv.to(acc) if dv_j is None else dv_j.add_(dv)
             final = (opt.causal and i == j) or (not opt.causal and j == n - 1)
             if final:  # dq_i has every contribution: send it home and drop the query-side set
-                send_back(dq_i, dq_local, i)
+                sink.q(*bounds[i], send_back(dq_i.to(q_dtype)))
                 for kind in _QUERY_SET:
                     store.delete((kind, i))
             else:
@@ -173,11 +203,9 @@ def _backward(
                 for kind in ("q", "o", "lse", "do"):
                     store.evict((kind, i))
         assert dk_j is not None and dv_j is not None
-        send_back(dk_j, dk_local, j)
-        send_back(dv_j, dv_local, j)
         store.delete(("k", j))
         store.delete(("v", j))
-    return dq_local, dk_local, dv_local
+        sink.kv(*bounds[j], send_back(dk_j.to(q_dtype)), send_back(dv_j.to(q_dtype)))
 
 
 class FPDTAttentionFunction(torch.autograd.Function):
@@ -188,22 +216,25 @@ class FPDTAttentionFunction(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, opt: PipelineOptions, needs_backward: bool
     ) -> tuple[Tensor, Tensor]:
         store = new_store(q.device, opt)
-        out, lse = _forward(q, k, v, opt, store)
+        out, lse = pipeline_forward(ChunkSource(q, k, v), opt, store)
         if not needs_backward:  # inference: nothing to keep
             finish(store, opt)
         ctx.opt, ctx.store = opt, store
-        ctx.q_meta, ctx.kv_meta = q[:, :0], k[:, :0]  # dtype/device only; q, k, v themselves are not kept
+        # only shapes and dtypes: a view of q or k here would keep its whole storage alive
+        ctx.q_dtype, ctx.kv_heads = q.dtype, k.shape[2]
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None, None]:
         opt, store = ctx.opt, ctx.store
+        b, s_local, h, d = dout.shape
+        sink = ChunkSink(b, s_local, h, ctx.kv_heads, d, ctx.q_dtype, ctx.q_dtype, dout.device)
         try:
-            dq, dk, dv = _backward(dout.contiguous(), ctx.q_meta, ctx.kv_meta, opt, store)
+            pipeline_backward(dout.contiguous(), ctx.q_dtype, opt, store, sink)
         finally:
             finish(store, opt)
-        return dq, dk, dv, None, None
+        return sink.dq, sink.dk, sink.dv, None, None
 
 
 def new_store(device: torch.device, opt: PipelineOptions) -> ChunkStore:

@@ -1,0 +1,260 @@
+"""An analytic per-rank memory model of a training step, and ``chunk_size="auto"``.
+
+    python -m lightning_fpdt.memory --config examples/configs/tiny_cpu.yaml
+    python -m lightning_fpdt.memory --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --vocab 128256 \\
+        --seq 1048576 --sp 8 --chunk-size 65536 --offload --checkpointing --precision bf16-mixed
+
+The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-works.md): per rank,
+``T = batch x S / sp`` tokens of every sample.
+
+- parameters, gradients and AdamW state (replicated: every rank holds the full model);
+- saved activations per layer (block input, norm outputs, the attention pipeline's head-sharded
+  q/k/v/out chunks and lse, the o_proj input, the MLP intermediates unless tiled); with
+  checkpointing only the block input (on the host with ``offload_checkpoints``);
+- the largest transient: the loss (full logits unless tiled) or the recomputation of one block,
+  plus the attention working set of one chunk;
+- host memory: offloaded attention chunks (one layer's worth at a time: the pipeline keeps a layer's
+  chunks from its forward to its backward only when it is not checkpointed) and block checkpoints.
+
+It is an estimate for planning. ``benchmarks/training.py`` measures the real peak of live tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+GIB = 2**30
+
+_PRECISION_BYTES = {  # (parameter bytes, activation bytes)
+    "32-true": (4, 4), "32": (4, 4), "64-true": (8, 8), "64": (8, 8),
+    "bf16-mixed": (4, 2), "16-mixed": (4, 2), "bf16-true": (2, 2), "16-true": (2, 2),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs to know about a decoder."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    num_params: int
+    tied_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """From a :class:`~lightning_fpdt.models.LlamaConfig` or :class:`~lightning_fpdt.models.GPTConfig`."""
+        if hasattr(config, "hidden_size"):  # Llama
+            h, n_layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+            kv, inter, vocab, tied = config.num_key_value_heads, config.intermediate_size, config.vocab_size, config.tie_word_embeddings
+            kv_dim = h // heads * kv
+            per_layer = h * (h + 2 * kv_dim) + h * h + 3 * h * inter + 2 * h
+            mlp_intermediates = 4 * inter  # gate, silu(gate), up, product
+        else:  # GPT
+            h, n_layers, heads = config.n_embd, config.n_layer, config.n_head
+            kv, inter, vocab, tied = heads, config.n_inner or 4 * h, config.vocab_size, config.tie_word_embeddings
+            per_layer = 4 * h * h + 4 * h + 2 * h * inter + inter + h + 4 * h
+            mlp_intermediates = 3 * inter  # fc out, gelu out (and its tanh intermediate)
+        n_params = n_layers * per_layer + vocab * h * (1 if tied else 2) + h
+        shape = cls(h, n_layers, heads, kv, inter, vocab, n_params, tied)
+        object.__setattr__(shape, "_mlp_intermediates", mlp_intermediates)
+        return shape
+
+    @property
+    def mlp_intermediates(self) -> int:
+        return getattr(self, "_mlp_intermediates", 4 * self.intermediate_size)
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank. ``device_peak`` is the estimated peak of live tensors on the compute device."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    saved_activations: int
+    chunk_buffers: int
+    peak_transient: int
+    host: int
+    device_peak: int
+    notes: list[str] = field(default_factory=list)
+
+    def table(self) -> str:
+        rows = [("parameters", self.parameters), ("gradients", self.gradients), ("optimizer state", self.optimizer),
+                ("saved activations", self.saved_activations), ("attention chunk buffers", self.chunk_buffers),
+                ("peak transient", self.peak_transient), ("device peak", self.device_peak),
+                ("host (pinned)", self.host)]
+        width = max(len(r[0]) for r in rows)
+        lines = [f"{'per rank':<{width}}  {'GiB':>10}"] + [f"{name:<{width}}  {value / GIB:>10.3f}" for name, value in rows]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def estimate(
+    shape: ModelShape,
+    seq_len: int,
+    batch_size: int = 1,
+    sequence_parallel_size: int = 1,
+    chunk_size: int | None = None,
+    offload: bool = False,
+    activation_checkpointing: bool = False,
+    offload_checkpoints: bool = False,
+    mlp_tiled: bool = False,
+    loss_tiled: bool = False,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+) -> MemoryEstimate:
+    """Per-rank memory of one training step (see the module docstring for what is counted)."""
+    if precision not in _PRECISION_BYTES:
+        raise ValueError(f"precision={precision!r} is not one of {sorted(_PRECISION_BYTES)}.")
+    pe, e = _PRECISION_BYTES[precision]
+    p = sequence_parallel_size
+    s_pad = -(-seq_len // p) * p
+    t = batch_size * s_pad // p  # tokens per rank
+    h, hd = shape.hidden_size, shape.hidden_size // shape.num_heads
+    kv_eff = max(shape.num_kv_heads, p) * hd  # KV heads are replicated up to sp
+    chunk = s_pad if chunk_size is None else min(chunk_size, s_pad)
+    chunk_tokens_rank = batch_size * chunk // p  # one chunk, per rank
+
+    params = shape.num_params * pe
+    grads = shape.num_params * pe
+    opt = 2 * shape.num_params * 4 if optimizer == "adamw" else 0
+    if precision in ("bf16-mixed", "16-mixed"):
+        pass  # fp32 master weights are the parameters; autocast casts per op
+
+    # what one layer saves between its forward and its backward (bytes)
+    pipeline_saved = t * e * (2 * h + 2 * kv_eff) + t * shape.num_heads * 4  # q, out, k, v chunks + lse
+    rope = 4 * t * hd * e if chunk_size is None else 0  # with chunking RoPE runs inside the pipeline
+    mlp_saved = 0 if mlp_tiled else t * shape.mlp_intermediates * e
+    layer_saved = t * e * 7 * h + pipeline_saved + rope + mlp_saved  # x, 2 norms x 2, o_proj in, residual
+    layer_device = layer_saved - (pipeline_saved if offload else 0)
+    checkpoint = t * h * e
+
+    # the loss: full float32 logits unless tiled (then tiles of 1024 tokens)
+    tile_tokens = min(t, 1024) if loss_tiled else t
+    logits = tile_tokens * shape.vocab_size * 4
+    final = 3 * t * h * e  # final norm input, normalized, output
+    loss_saved = 0 if loss_tiled else logits  # the log-softmax output, kept for backward
+    loss_transient = 2 * logits  # gradients of the log-softmax output and of the logits
+
+    # attention working set: the current and the prefetched chunk (one chunk: the whole local q/k/v
+    # and their head-sharded copies)
+    chunk_buffers = 2 * min(chunk_tokens_rank, t) * (2 * h + 2 * kv_eff) * e
+
+    if activation_checkpointing:
+        saved = shape.num_layers * (0 if offload_checkpoints else checkpoint) + final + loss_saved
+        transient = max(loss_transient, layer_device + t * h * e + chunk_buffers)  # one block recomputed
+    else:
+        saved = shape.num_layers * layer_device + final + loss_saved
+        transient = loss_transient  # the peak is at the start of backward, in the loss
+    host = 0
+    notes = []
+    if offload:
+        host += pipeline_saved * (1 if activation_checkpointing else shape.num_layers)
+    if activation_checkpointing and offload_checkpoints:
+        host += shape.num_layers * checkpoint
+    # gradients are created during backward; AdamW's update adds about half a parameter set
+    device_peak = max(params + grads + opt + shape.num_params * pe // 2, params + opt + saved + transient)
+    if p > 1 and shape.num_heads % p:
+        notes.append(f"num_heads={shape.num_heads} is not divisible by sp={p}: the run will be refused")
+    return MemoryEstimate(params, grads, opt, saved, chunk_buffers, transient, host, device_peak, notes)
+
+
+def auto_chunk_size(
+    shape: ModelShape, seq_len: int, budget_bytes: int, sequence_parallel_size: int = 1, **options: Any
+) -> int | None:
+    """The largest chunk size (a multiple of ``sequence_parallel_size``, halving from the whole sequence)
+    whose estimated device peak fits ``budget_bytes``; ``None`` means no chunking fits best (one chunk).
+
+    Raises:
+        ValueError: when not even the smallest chunk fits, naming the estimate and the budget.
+    """
+    p = sequence_parallel_size
+    s_pad = -(-seq_len // p) * p
+    candidates: list[int | None] = [None]  # no chunking first, then halving chunks (multiples of p)
+    size = s_pad // 2 // p * p
+    while size >= p:
+        candidates.append(size)
+        size = size // 2 // p * p
+    smallest = None
+    for candidate in candidates:
+        smallest = estimate(shape, seq_len, sequence_parallel_size=p, chunk_size=candidate, **options)
+        if smallest.device_peak <= budget_bytes:
+            return candidate
+    assert smallest is not None
+    raise ValueError(
+        f"chunk_size='auto': nothing fits a budget of {budget_bytes / GIB:.2f} GiB per rank; the smallest chunk"
+        f" still needs {smallest.device_peak / GIB:.2f} GiB (saved activations {smallest.saved_activations / GIB:.2f},"
+        f" parameters+gradients+optimizer {(smallest.parameters + smallest.gradients + smallest.optimizer) / GIB:.2f})."
+        " Turn on activation_checkpointing / offload, raise sequence_parallel_size, or shorten the sequence."
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="an fpdt-train YAML; its model, data.seq_len and strategy are used")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--intermediate", type=int, default=14336)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--seq", type=int, default=262144)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--sp", type=int, default=1)
+    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--offload-checkpoints", action="store_true")
+    parser.add_argument("--tiled", action="store_true", help="tiled MLP and loss")
+    parser.add_argument("--precision", default="32-true")
+    args = parser.parse_args(argv)
+    from lightning_fpdt.models import LlamaConfig
+
+    options: dict[str, Any] = {}
+    if args.config:
+        import yaml
+
+        with open(args.config) as f:
+            cfg = yaml.safe_load(f)
+        model_cfg = cfg["model"]["init_args"].get("config", {})
+        if "GPT" in cfg["model"]["class_path"]:
+            from lightning_fpdt.models import GPTConfig
+
+            config: Any = GPTConfig(**model_cfg)
+            tiles = (config.mlp_tiles, config.loss_tiles)
+        else:
+            config = LlamaConfig(**model_cfg)
+            tiles = (config.mlp_tiles, config.loss_tiles)
+        strategy = cfg["trainer"].get("strategy", {})
+        init = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
+        devices = cfg["trainer"].get("devices", 1)
+        data = cfg.get("data", {}).get("init_args", {})
+        options = dict(seq_len=data.get("seq_len", args.seq), batch_size=data.get("batch_size", args.batch),
+                       sequence_parallel_size=init.get("sequence_parallel_size", devices if isinstance(devices, int) else 1),
+                       chunk_size=init.get("chunk_size"), offload=init.get("offload", False),
+                       activation_checkpointing=init.get("activation_checkpointing", False),
+                       offload_checkpoints=init.get("offload_checkpoints", False),
+                       mlp_tiled=tiles[0] != 1, loss_tiled=tiles[1] != 1,
+                       precision=str(cfg["trainer"].get("precision", "32-true")))
+    else:
+        config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                             num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                             num_key_value_heads=args.kv_heads)
+        options = dict(seq_len=args.seq, batch_size=args.batch, sequence_parallel_size=args.sp,
+                       chunk_size=args.chunk_size, offload=args.offload, activation_checkpointing=args.checkpointing,
+                       offload_checkpoints=args.offload_checkpoints, mlp_tiled=args.tiled, loss_tiled=args.tiled,
+                       precision=args.precision)
+    shape = ModelShape.from_config(config)
+    seq = options.pop("seq_len")
+    print(f"{shape.num_params / 1e6:.1f}M parameters, seq_len {seq}, " + ", ".join(f"{k}={v}" for k, v in options.items()))
+    print(estimate(shape, seq, **options).table())
+
+
+if __name__ == "__main__":
+    main()
