@@ -47,6 +47,24 @@ def _rope_theta(cfg: Any) -> float:
     return float(theta)
 
 
+def _llama_pairs(ours: Any) -> list[tuple[nn.Parameter, str]]:
+    """(our parameter, its Hugging Face name) for every Llama weight: one table for import and export."""
+    pairs = [(ours.embed_tokens.weight, "model.embed_tokens.weight"), (ours.norm.weight, "model.norm.weight")]
+    for i, layer in enumerate(ours.layers):
+        p = f"model.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            pairs += [(getattr(getattr(layer.attention, proj), kind), f"{p}self_attn.{proj}.{kind}")
+                      for kind in ("weight", "bias") if getattr(getattr(layer.attention, proj), kind) is not None]
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            pairs += [(getattr(getattr(layer.mlp.mlp, proj), kind), f"{p}mlp.{proj}.{kind}")
+                      for kind in ("weight", "bias") if getattr(getattr(layer.mlp.mlp, proj), kind) is not None]
+        pairs += [(layer.attention_norm.weight, f"{p}input_layernorm.weight"),
+                  (layer.mlp_norm.weight, f"{p}post_attention_layernorm.weight")]
+    if not ours.config.tie_word_embeddings:
+        pairs.append((ours.lm_head.weight, "lm_head.weight"))
+    return pairs
+
+
 def load_llama(cls: type, model: Any, overrides: dict[str, Any]) -> Any:
     from lightning_fpdt.models.llama import LlamaConfig
 
@@ -65,27 +83,14 @@ def load_llama(cls: type, model: Any, overrides: dict[str, Any]) -> Any:
         raise NotImplementedError(f"Llama.from_hf: head_dim={c.head_dim} != hidden_size / heads is not supported.")
     ours = cls(config).to(next(hf.parameters()).dtype)
     src = dict(hf.named_parameters())
+    for param, name in _llama_pairs(ours):
+        _copy(param, src[name], name)
     rotary = hf.model.rotary_emb
-    _copy(ours.embed_tokens.weight, src["model.embed_tokens.weight"], "model.embed_tokens.weight")
-    for i, layer in enumerate(ours.layers):
-        p = f"model.layers.{i}."
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            for kind in ("weight", "bias"):
-                if f"{p}self_attn.{proj}.{kind}" in src:
-                    _copy(getattr(getattr(layer.attention, proj), kind), src[f"{p}self_attn.{proj}.{kind}"], proj)
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            for kind in ("weight", "bias"):
-                if f"{p}mlp.{proj}.{kind}" in src:
-                    _copy(getattr(getattr(layer.mlp.mlp, proj), kind), src[f"{p}mlp.{proj}.{kind}"], proj)
-        _copy(layer.attention_norm.weight, src[f"{p}input_layernorm.weight"], "input_layernorm")
-        _copy(layer.mlp_norm.weight, src[f"{p}post_attention_layernorm.weight"], "post_attention_layernorm")
+    for layer in ours.layers:
         # the checkpoint's own frequencies: covers scaled schedules (Llama 3, linear, dynamic at init)
         layer.attention.rope = RotaryEmbedding(
             config.head_dim, config.rope_theta, rotary.inv_freq.detach().cpu(), float(rotary.attention_scaling)
         )
-    _copy(ours.norm.weight, src["model.norm.weight"], "model.norm.weight")
-    if not config.tie_word_embeddings:
-        _copy(ours.lm_head.weight, src["lm_head.weight"], "lm_head.weight")
     return ours
 
 
@@ -103,22 +108,8 @@ def export_llama(ours: Any) -> Any:
         hf_config.rope_parameters = {**hf_config.rope_parameters, "rope_theta": c.rope_theta}
     hf = transformers.LlamaForCausalLM(hf_config).to(next(ours.parameters()).dtype)
     dst = dict(hf.named_parameters())
-    _copy(dst["model.embed_tokens.weight"], ours.embed_tokens.weight, "embed_tokens")
-    for i, layer in enumerate(ours.layers):
-        p = f"model.layers.{i}."
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            for kind in ("weight", "bias"):
-                if f"{p}self_attn.{proj}.{kind}" in dst:
-                    _copy(dst[f"{p}self_attn.{proj}.{kind}"], getattr(getattr(layer.attention, proj), kind), proj)
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            for kind in ("weight", "bias"):
-                if f"{p}mlp.{proj}.{kind}" in dst:
-                    _copy(dst[f"{p}mlp.{proj}.{kind}"], getattr(getattr(layer.mlp.mlp, proj), kind), proj)
-        _copy(dst[f"{p}input_layernorm.weight"], layer.attention_norm.weight, "input_layernorm")
-        _copy(dst[f"{p}post_attention_layernorm.weight"], layer.mlp_norm.weight, "post_attention_layernorm")
-    _copy(dst["model.norm.weight"], ours.norm.weight, "norm")
-    if not c.tie_word_embeddings:
-        _copy(dst["lm_head.weight"], ours.lm_head.weight, "lm_head")
+    for param, name in _llama_pairs(ours):
+        _copy(dst[name], param, name)
     return hf
 
 
