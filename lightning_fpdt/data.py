@@ -30,7 +30,8 @@ class PasskeyDataset(Dataset):
     learn the task (induction over ``#`` and the digits) in a few hundred CPU steps.
 
     Items: ``input_ids`` ``[seq_len]``, ``answer_mask`` ``[seq_len]`` (True at positions whose *next*
-    token is an answer digit: aligned with shifted labels), ``depth`` (float).
+    token is an answer digit: aligned with shifted labels), ``depth`` (float), and with
+    ``loss_on="answer"`` also ``labels`` that ignore (-100) everything but the answer digits.
 
     Args:
         num_samples: dataset length.
@@ -38,9 +39,16 @@ class PasskeyDataset(Dataset):
         depth: where the key sits, as a fraction of the filler (0 = start); ``None`` draws it per sample.
         digits: length of the pass key.
         seed: samples are a pure function of ``(seed, index)``.
+        loss_on: ``"all"`` tokens (language modelling of the filler too) or only the ``"answer"``.
     """
 
-    def __init__(self, num_samples: int, seq_len: int, depth: float | None = None, digits: int = 5, seed: int = 0) -> None:
+    def __init__(
+        self, num_samples: int, seq_len: int, depth: float | None = None, digits: int = 5, seed: int = 0,
+        loss_on: str = "all",
+    ) -> None:
+        if loss_on not in ("all", "answer"):
+            raise ValueError(f"PasskeyDataset: loss_on={loss_on!r} must be 'all' or 'answer'.")
+        self.loss_on = loss_on
         self.tokenizer = ByteTokenizer()
         self.num_samples, self.seq_len, self.depth, self.digits, self.seed = num_samples, seq_len, depth, digits, seed
         minimum = len(self._tail("0" * digits)) + len(self._needle("0" * digits)) + 1
@@ -71,7 +79,12 @@ class PasskeyDataset(Dataset):
         ids = filler[:cut] + needle + filler[cut:] + tail
         answer_mask = torch.zeros(self.seq_len, dtype=torch.bool)
         answer_mask[self.seq_len - self.digits - 1 : self.seq_len - 1] = True  # next token is a key digit
-        return {"input_ids": torch.tensor(ids, dtype=torch.long), "answer_mask": answer_mask, "depth": depth}
+        item = {"input_ids": torch.tensor(ids, dtype=torch.long), "answer_mask": answer_mask, "depth": depth}
+        if self.loss_on == "answer":  # Hugging Face convention: labels[t] is token t, unshifted
+            labels = torch.full((self.seq_len,), -100, dtype=torch.long)
+            labels[-self.digits :] = item["input_ids"][-self.digits :]
+            item["labels"] = labels
+        return item
 
 
 class PasskeyDataModule(pl.LightningDataModule):
@@ -85,6 +98,8 @@ class PasskeyDataModule(pl.LightningDataModule):
         digits: pass-key length.
         val_seq_len: tokens per validation sample (default ``seq_len``); longer than ``seq_len``
             tests whether retrieval learnt on short samples holds over longer distances.
+        loss_on: training loss on ``"all"`` tokens or only on the ``"answer"`` (validation loss is
+            always on all tokens).
         num_workers: DataLoader workers.
     """
 
@@ -97,12 +112,13 @@ class PasskeyDataModule(pl.LightningDataModule):
         depth: float | None = None,
         digits: int = 5,
         val_seq_len: int | None = None,
+        loss_on: str = "all",
         num_workers: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.seq_len, self.batch_size, self.num_workers = seq_len, batch_size, num_workers
-        self.train_set = PasskeyDataset(train_samples, seq_len, None, digits, seed=1)
+        self.train_set = PasskeyDataset(train_samples, seq_len, None, digits, seed=1, loss_on=loss_on)
         self.val_set = PasskeyDataset(val_samples, val_seq_len or seq_len, depth, digits, seed=2)
 
     def train_dataloader(self) -> DataLoader:

@@ -66,3 +66,38 @@ def test_pipeline_matches_single_device_float64(sp: int) -> None:
     seed = int(torch.randint(0, 2**30, ()).item())  # fresh inputs every run
     per_rank = run_distributed(_run_cases, sp, seed, False, 0.0) if sp > 1 else [_run_cases(0, 1, seed, False, 0.0)]
     _check(per_rank, seed, sp)
+
+
+def _bf16_errors(rank: int, world: int, seed: int) -> dict:
+    """bf16 pipeline error vs the float64 reference, per chunk count (output and gradients)."""
+    group = dist.group.WORLD if world > 1 else None
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(2, 64, HEADS, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(4))
+    errors = {}
+    for chunk in (None, 32, 16, 8):
+        shards = [shard_sequence(x, world, rank, chunk).bfloat16().requires_grad_() for x in (q, k, v)]
+        out = fpdt_attention(*shards, group=group, chunk_size=chunk, causal=True, backend="sdpa")
+        out.backward(shard_sequence(dout, world, rank, chunk).bfloat16())
+        errors[chunk] = [t.detach().double() for t in (out, *(x.grad for x in shards))]
+    return errors
+
+
+def test_bf16_error_does_not_grow_with_world_size_or_chunks() -> None:
+    """DESIGN.md section 5: a bf16 run against its float64 twin, compared with single-device bf16."""
+    seed = int(torch.randint(0, 2**30, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(2, 64, HEADS, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(4))
+    q64, k64, v64 = (x.clone().requires_grad_() for x in (q, k, v))
+    ref, _ = naive_attention(q64, k64, v64, True)
+    ref.backward(dout)
+    expected = [ref.detach(), q64.grad, k64.grad, v64.grad]
+    # single-device bf16 on the whole sequence: the error budget
+    base = _bf16_errors(0, 1, seed)[None]
+    budget = [rel_error(a, b) for a, b in zip(base, expected)]
+    for world in (1, 2):
+        per_rank = run_distributed(_bf16_errors, world, seed) if world > 1 else [_bf16_errors(0, 1, seed)]
+        for chunk in (None, 32, 16, 8):
+            got = [unshard_sequence([r[chunk][t] for r in per_rank], chunk) for t in range(4)]
+            for name, a, b, limit in zip(("out", "dq", "dk", "dv"), got, expected, budget):
+                err = rel_error(a, b)
+                assert err <= 2 * limit + 1e-3, f"sp={world} chunk={chunk}: bf16 {name} error {err:.2e} vs single-device {limit:.2e}"
