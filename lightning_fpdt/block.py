@@ -28,7 +28,6 @@ from lightning_fpdt.attention.pipeline import (
     new_store,
 )
 from lightning_fpdt.comm import check_heads, expand_kv_heads, group_size
-from lightning_fpdt.layout import validate_chunk_size
 from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.offload import ChunkStore, OffloadStats
 
@@ -227,7 +226,7 @@ class FPDTBlock(nn.Module):
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
         if self.context.activation_checkpointing and torch.is_grad_enabled():
             params = [p for p in self.parameters() if p.requires_grad]
-            return _CheckpointedBlock.apply(x, position_ids, self, len(params), *params)
+            return _CheckpointedBlock.apply(x, position_ids, self, *params)
         return self.block_forward(x, position_ids)
 
 
@@ -339,12 +338,10 @@ def projected_fpdt_attention(attn: FPDTAttention, x: Tensor, position_ids: Tenso
     Returns the attention output ``[batch, s_local, n_heads, head_dim]`` (before ``o_proj``).
     """
     ctx = attn.context
-    p = ctx.size
-    validate_chunk_size(ctx.chunk_size, p)
     kernel = get_kernel(ctx.attention_backend, x.device, _compute_dtype(attn, x))
-    opt = PipelineOptions(
-        group=ctx.group, local_chunk_size=None if ctx.chunk_size is None else ctx.chunk_size // p, causal=attn.causal,
-        scale=1.0 / math.sqrt(attn.head_dim), kernel=kernel, offload=ctx.offload, stats_sink=attn.record.sink,
+    opt = PipelineOptions.for_chunk_size(
+        ctx.group, ctx.chunk_size, causal=attn.causal, scale=1.0 / math.sqrt(attn.head_dim), kernel=kernel,
+        offload=ctx.offload, stats_sink=attn.record.sink,
     )
     params = [param for _, param in _projection_params(attn)]
     needs_backward = torch.is_grad_enabled() and (x.requires_grad or any(q.requires_grad for q in params))
@@ -370,7 +367,7 @@ class _CheckpointedBlock(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, position_ids: Tensor, block: FPDTBlock, n_params: int, *params: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, position_ids: Tensor, block: FPDTBlock, *params: Tensor) -> Tensor:
         with torch.no_grad():
             y = block.block_forward(x, position_ids)
         store = block.context.checkpoint_store
@@ -404,4 +401,4 @@ class _CheckpointedBlock(torch.autograd.Function):
         if store is not None:
             store.delete(ctx.key)
         dx = grads.pop(0) if ctx.x_requires_grad else None
-        return (dx, None, None, None, *grads)
+        return (dx, None, None, *grads)

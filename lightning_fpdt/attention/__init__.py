@@ -10,7 +10,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_fpdt.attention.kernels import BACKENDS, get_kernel
 from lightning_fpdt.attention.merge import update_out_and_lse
-from lightning_fpdt.attention.pipeline import FPDTAttentionFunction, PipelineOptions
+from lightning_fpdt.attention.pipeline import FPDTAttentionFunction, PipelineOptions, chunk_bounds
 from lightning_fpdt.attention.ulysses import ulysses_attention
 from lightning_fpdt.comm import check_heads, expand_kv_heads, group_size, head_to_seq
 from lightning_fpdt.layout import validate_chunk_size
@@ -73,14 +73,8 @@ def fpdt_attention(
     k, v = expand_kv_heads(k, p), expand_kv_heads(v, p)
     if chunk_size is None and not offload and not return_lse:
         return ulysses_attention(q, k, v, group, kernel, causal, scale)
-    opt = PipelineOptions(
-        group=group,
-        local_chunk_size=None if chunk_size is None else chunk_size // p,
-        causal=causal,
-        scale=scale,
-        kernel=kernel,
-        offload=offload,
-        copy_delay=copy_delay,
+    opt = PipelineOptions.for_chunk_size(
+        group, chunk_size, causal=causal, scale=scale, kernel=kernel, offload=offload, copy_delay=copy_delay,
         stats_sink=stats_sink,
     )
     needs_backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
@@ -93,8 +87,6 @@ def fpdt_attention(
 
 
 def _lse_to_seq(lse: Tensor, s_local: int, opt: PipelineOptions) -> Tensor:
-    from lightning_fpdt.attention.pipeline import chunk_bounds
-
     parts, start = [], 0
     p = group_size(opt.group)
     for lo, hi in chunk_bounds(s_local, opt.local_chunk_size):

@@ -29,8 +29,8 @@ from torch.distributed import ProcessGroup
 
 from lightning_fpdt.attention.kernels import AttentionKernel, accumulate_dtype
 from lightning_fpdt.attention.merge import update_out_and_lse
-from lightning_fpdt.comm import head_to_seq, seq_to_head
-from lightning_fpdt.layout import local_chunk_lengths
+from lightning_fpdt.comm import group_size, head_to_seq, seq_to_head
+from lightning_fpdt.layout import local_chunk_lengths, validate_chunk_size
 from lightning_fpdt.offload import ChunkStore, OffloadStats
 from lightning_fpdt.profiling import record
 
@@ -51,6 +51,13 @@ class PipelineOptions:
     offload: bool = False
     copy_delay: float = 0.0
     stats_sink: list[OffloadStats] | None = None
+
+    @classmethod
+    def for_chunk_size(cls, group: ProcessGroup | None, chunk_size: int | None, **options: Any) -> PipelineOptions:
+        """Options for a global ``chunk_size`` (validated against the group's size, then cut per rank)."""
+        p = group_size(group)
+        validate_chunk_size(chunk_size, p)
+        return cls(group=group, local_chunk_size=None if chunk_size is None else chunk_size // p, **options)
 
 
 def chunk_bounds(s_local: int, local_chunk_size: int | None) -> list[tuple[int, int]]:
@@ -86,10 +93,10 @@ class ChunkSink:
     """Where the backward puts final local gradient chunks: whole preallocated tensors (this class),
     or a projection's backward run chunk by chunk (``lightning_fpdt.block``)."""
 
-    def __init__(self, b: int, s_local: int, h: int, kv_heads: int, d: int, q_dtype: torch.dtype,
-                 kv_dtype: torch.dtype, device: torch.device) -> None:
-        self.dq = torch.empty(b, s_local, h, d, dtype=q_dtype, device=device)
-        self.dk = torch.empty(b, s_local, kv_heads, d, dtype=kv_dtype, device=device)
+    def __init__(self, b: int, s_local: int, h: int, kv_heads: int, d: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.dq = torch.empty(b, s_local, h, d, dtype=dtype, device=device)
+        self.dk = torch.empty(b, s_local, kv_heads, d, dtype=dtype, device=device)
         self.dv = torch.empty_like(self.dk)
 
     def q(self, lo: int, hi: int, dq: Tensor) -> None:
@@ -229,7 +236,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None, None]:
         opt, store = ctx.opt, ctx.store
         b, s_local, h, d = dout.shape
-        sink = ChunkSink(b, s_local, h, ctx.kv_heads, d, ctx.q_dtype, ctx.q_dtype, dout.device)
+        sink = ChunkSink(b, s_local, h, ctx.kv_heads, d, ctx.q_dtype, dout.device)
         try:
             pipeline_backward(dout.contiguous(), ctx.q_dtype, opt, store, sink)
         finally:
