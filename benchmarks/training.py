@@ -36,7 +36,8 @@ from common import print_table, run_on_ranks  # noqa: E402
 from lightning_fpdt.block import FPDTBlock, SequenceParallelContext  # noqa: E402
 from lightning_fpdt.layout import shard_batch  # noqa: E402
 from lightning_fpdt.loss import token_weighted_loss  # noqa: E402
-from lightning_fpdt.memtrack import TensorMemoryTracker  # noqa: E402
+from lightning_fpdt.memory import ModelShape, estimate  # noqa: E402
+from lightning_fpdt.memtrack import peak_step_bytes  # noqa: E402
 from lightning_fpdt.models import LlamaConfig, LlamaLM  # noqa: E402
 
 VARIANTS = ("single", "ulysses", "fpdt", "fpdt_full")
@@ -49,6 +50,18 @@ def model_config(variant: str, args: argparse.Namespace) -> LlamaConfig:
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
         rope_theta=10000.0, mlp_tiles=None if tiled else 1, loss_tiles=None if tiled else 1,
     )
+
+
+def chunk_size(variant: str, seq: int, world: int, args: argparse.Namespace) -> int | None:
+    return None if variant in ("single", "ulysses") else max(world, seq // args.chunks // world * world)
+
+
+def estimated_peak(variant: str, seq: int, world: int, args: argparse.Namespace) -> int:
+    """``lightning_fpdt.memory``'s device peak for this variant (the measured column's counterpart)."""
+    tiled = variant == "fpdt_full"
+    return estimate(ModelShape.from_config(model_config(variant, args)), seq, sequence_parallel_size=world,
+                    chunk_size=chunk_size(variant, seq, world, args), mlp_tiled=tiled, loss_tiled=tiled,
+                    activation_checkpointing=tiled).device_peak
 
 
 def _rss_bytes() -> int:
@@ -73,7 +86,7 @@ def _run(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace
     torch.manual_seed(0)
     config = model_config(variant, args)
     module = LlamaLM(config)
-    chunk = None if variant in ("single", "ulysses") else max(world, seq // args.chunks // world * world)
+    chunk = chunk_size(variant, seq, world, args)
     context = SequenceParallelContext(group=group, chunk_size=chunk, attention_backend=args.backend,
                                       activation_checkpointing=variant == "fpdt_full")
     for index, block in enumerate(m for m in module.modules() if isinstance(m, FPDTBlock)):
@@ -95,10 +108,7 @@ def _run(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace
     rss_before = _rss_bytes()
     step()  # the measured step: optimizer state is created here too (a constant, not per token)
     rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
-    with TensorMemoryTracker() as tracker:
-        tracker.reset_peak()
-        step()
-    tensor_peak = tracker.peak_bytes
+    tensor_peak = peak_step_bytes(step, module, optimizer)  # parameters, gradients, AdamW state, activations
     if world > 1:
         dist.barrier()
     start = time.perf_counter()
@@ -147,10 +157,12 @@ def main() -> None:
         slope_t = (results[(variant, hi)]["tensors"] - results[(variant, lo)]["tensors"]) / ((hi - lo) / world)
         for seq in args.seq:
             r = results[(variant, seq)]
+            est = estimated_peak(variant, seq, world, args)
             rows.append([variant, seq, world, seq / r["seconds"], r["rss"] / 2**20, r["tensors"] / 2**20,
-                         slope_rss / 1024, slope_t / 1024, f"{100 * r['flops'] / peak_flops[world]:.1f}%"])
+                         est / 2**20, f"{est / r['tensors']:.2f}", slope_rss / 1024, slope_t / 1024,
+                         f"{100 * r['flops'] / peak_flops[world]:.1f}%"])
     print_table(["variant", "seq", "procs", "tokens/s", "peak RSS MiB/rank", "peak tensors MiB/rank",
-                 "RSS KiB/token", "tensors KiB/token", "CPU MFU"], rows)
+                 "estimate MiB", "estimate/tensors", "RSS KiB/token", "tensors KiB/token", "CPU MFU"], rows)
 
 
 if __name__ == "__main__":

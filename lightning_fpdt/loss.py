@@ -77,6 +77,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
             with record("fpdt/loss_tile"):
                 logits = F.linear(flat_h[lo:hi], weight).to(acc)  # [tile, vocab]: never all tokens at once
                 total = total + F.cross_entropy(logits, flat_t[lo:hi], ignore_index=ignore_index, reduction="sum")
+                del logits  # else it lives on while the next tile's logits are computed
         ctx.save_for_backward(hidden, weight, targets)
         ctx.num_tiles, ctx.ignore_index = num_tiles, ignore_index
         ctx.autocast = AutocastState.capture(hidden.device.type)
@@ -95,6 +96,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
                 logits = F.linear(flat_h[lo:hi], weight).to(acc)
                 # d(sum of -log softmax[target]) / d logits = softmax - onehot(target), 0 on ignored rows
                 d_logits = torch.softmax(logits, dim=-1)
+                del logits  # at most two [tile, vocab] tensors are alive: this and the next tile's
                 t = flat_t[lo:hi]
                 valid = t != ctx.ignore_index
                 d_logits[valid, t[valid]] -= 1
@@ -102,7 +104,8 @@ class _TiledCrossEntropy(torch.autograd.Function):
                 d_logits *= grad
                 if ctx.needs_input_grad[0]:
                     d_hidden[lo:hi] = d_logits.to(weight.dtype) @ weight
-                d_weight += d_logits.T @ flat_h[lo:hi].to(acc)
+                d_weight.addmm_(d_logits.T, flat_h[lo:hi].to(acc))  # in place: no [vocab, hidden] temporary
+                del d_logits
         return (
             d_hidden.view(b, s, h) if ctx.needs_input_grad[0] else None,
             d_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None,

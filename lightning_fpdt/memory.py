@@ -32,6 +32,7 @@ _PRECISION_BYTES = {  # (parameter bytes, activation bytes)
     "32-true": (4, 4), "32": (4, 4), "64-true": (8, 8), "64": (8, 8),
     "bf16-mixed": (4, 2), "16-mixed": (4, 2), "bf16-true": (2, 2), "16-true": (2, 2),
 }
+_OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # float tensors per parameter
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,26 @@ class ModelShape:
     @property
     def mlp_intermediates(self) -> int:
         return getattr(self, "_mlp_intermediates", 4 * self.intermediate_size)
+
+    @classmethod
+    def from_module(cls, module: Any) -> tuple[ModelShape, dict[str, bool]]:
+        """The shape of the first :class:`~lightning_fpdt.models.LlamaConfig` / ``GPTConfig`` found as a
+        ``config`` attribute in ``module`` or its submodules, and whether its MLP and loss are tiled.
+
+        Raises:
+            ValueError: when the module carries no such config (a custom model).
+        """
+        from lightning_fpdt.models import GPTConfig, LlamaConfig
+
+        for sub in module.modules():
+            config = getattr(sub, "config", None)
+            if isinstance(config, (LlamaConfig, GPTConfig)):
+                return cls.from_config(config), {"mlp_tiled": config.mlp_tiles != 1, "loss_tiled": config.loss_tiles != 1}
+        raise ValueError(
+            f"{type(module).__name__} has no LlamaConfig/GPTConfig `config` attribute, so its memory cannot be"
+            " estimated: set an explicit chunk_size instead of 'auto' (`python -m lightning_fpdt.memory` helps"
+            " choose one)."
+        )
 
 
 @dataclass
@@ -123,7 +144,9 @@ def estimate(
 
     params = shape.num_params * pe
     grads = shape.num_params * pe
-    opt = 2 * shape.num_params * 4 if optimizer == "adamw" else 0
+    if optimizer not in _OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(_OPTIMIZER_STATES)}.")
+    opt = _OPTIMIZER_STATES[optimizer] * shape.num_params * max(pe, 4)  # states in float32 or wider
     if precision in ("bf16-mixed", "16-mixed"):
         pass  # fp32 master weights are the parameters; autocast casts per op
 
@@ -141,6 +164,8 @@ def estimate(
     final = 3 * t * h * e  # final norm input, normalized, output
     loss_saved = 0 if loss_tiled else logits  # the log-softmax output, kept for backward
     loss_transient = 2 * logits  # gradients of the log-softmax output and of the logits
+    if loss_tiled:  # a tile's logits and their softmax; the output-embedding gradient and d(hidden)
+        loss_transient += shape.vocab_size * h * max(pe, 4) + t * h * e
 
     # attention working set: the current and the prefetched chunk (one chunk: the whole local q/k/v
     # and their head-sharded copies)
@@ -163,6 +188,29 @@ def estimate(
     if p > 1 and shape.num_heads % p:
         notes.append(f"num_heads={shape.num_heads} is not divisible by sp={p}: the run will be refused")
     return MemoryEstimate(params, grads, opt, saved, chunk_buffers, transient, host, device_peak, notes)
+
+
+def optimizer_kind(optimizer: Any) -> str:
+    """``"adamw"`` (two moments per parameter), ``"sgd"`` (one momentum buffer) or ``"none"``."""
+    name = type(optimizer).__name__.lower()
+    if "adam" in name or "lamb" in name:
+        return "adamw"
+    if name == "sgd" and optimizer.defaults.get("momentum", 0):
+        return "sgd"
+    return "none" if name == "sgd" else "adamw"  # unknown optimizers: assume two states (conservative)
+
+
+def available_memory(device: Any, local_processes: int = 1) -> int:
+    """Bytes this rank may use: the CUDA device's free memory, or on CPU the host's available memory
+    (``MemAvailable``) shared by the ``local_processes`` ranks on this host."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024 // max(1, local_processes)
 
 
 def auto_chunk_size(

@@ -7,6 +7,7 @@ references, polled after every op) and keeps the peak. On CUDA, prefer the alloc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,8 +19,10 @@ from torch.utils._pytree import tree_flatten
 class TensorMemoryTracker(TorchDispatchMode):
     """``with TensorMemoryTracker() as t: ...`` then ``t.peak_bytes`` / ``t.current_bytes``.
 
-    Tensors alive before the block are counted from the first op that touches them (parameters,
-    inputs). Storages touched only on other threads are not seen until an op here uses them.
+    Tensors alive before the block are counted from the first op that touches them, unless passed to
+    :meth:`track` first (do that for parameters and optimizer state, which a training step touches late:
+    otherwise the peak during backward misses the optimizer's moments). Storages touched only on other
+    threads are not seen until an op here uses them.
     """
 
     def __init__(self) -> None:
@@ -31,6 +34,13 @@ class TensorMemoryTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         self._collect()
         self.peak_bytes = self.current_bytes
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        """Count these (already alive) tensors from now on."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t)
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -54,3 +64,16 @@ class TensorMemoryTracker(TorchDispatchMode):
         dead = [key for key, (ref, _) in self._live.items() if ref.expired()]
         for key in dead:
             self.current_bytes -= self._live.pop(key)[1]
+
+
+def peak_step_bytes(step: Callable[[], Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Peak bytes of live tensors while ``step()`` runs, counting ``module``'s parameters and
+    ``optimizer``'s state from the start (run one step before, so that the state exists)."""
+    alive = list(module.parameters())
+    if optimizer is not None:
+        alive += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    with TensorMemoryTracker() as tracker:
+        tracker.track(*alive)
+        tracker.reset_peak()
+        step()
+    return tracker.peak_bytes

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from lightning_fpdt.block import FPDTBlock, SequenceParallelContext
+from lightning_fpdt.layout import shard_batch
+from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.memory import ModelShape, auto_chunk_size, estimate
-from lightning_fpdt.models import LlamaConfig
+from lightning_fpdt.memtrack import peak_step_bytes
+from lightning_fpdt.models import LlamaConfig, LlamaLM
+from tests.distributed import run_distributed
 
 SHAPE = ModelShape.from_config(LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                                            num_attention_heads=8, num_key_value_heads=4, vocab_size=32000))
@@ -45,3 +52,42 @@ def test_auto_chunk_size_fits_the_budget_or_refuses() -> None:
     assert estimate(SHAPE, seq, sequence_parallel_size=2, chunk_size=chunk, **options).device_peak <= budget
     with pytest.raises(ValueError, match=r"chunk_size='auto': nothing fits a budget of 0.10 GiB per rank"):
         auto_chunk_size(SHAPE, seq, int(0.1 * 2**30), sequence_parallel_size=2, **options)
+
+
+def _measured_and_estimated(rank: int, world: int, seq: int, full: bool) -> tuple[int, int]:
+    """One training step of a small Llama at sp=``world``: measured peak of live tensors (parameters,
+    gradients, AdamW state and activations) and the estimator's device peak."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, mlp_tiles=None if full else 1,
+                         loss_tiles=None if full else 1)
+    module = LlamaLM(config)
+    chunk = seq // 4 if full else None
+    context = SequenceParallelContext(group=dist.group.WORLD, chunk_size=chunk, attention_backend="sdpa",
+                                      activation_checkpointing=full)
+    for index, block in enumerate(m for m in module.modules() if isinstance(m, FPDTBlock)):
+        block.bind(context, layer_index=index)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
+    batch = shard_batch({"input_ids": ids}, world, rank, chunk)
+
+    def step() -> None:
+        loss, _ = token_weighted_loss(*module.loss_terms(batch))
+        loss.backward()
+        for p in module.parameters():
+            dist.all_reduce(p.grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # creates the optimizer state
+    measured = peak_step_bytes(step, module, optimizer)
+    estimated = estimate(ModelShape.from_config(config), seq, sequence_parallel_size=world, chunk_size=chunk,
+                         mlp_tiled=full, loss_tiled=full, activation_checkpointing=full).device_peak
+    return measured, estimated
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["ulysses", "chunked_tiled_checkpointed"])
+def test_estimate_matches_a_measured_step_at_two_lengths(full: bool) -> None:
+    for seq in (1024, 4096):
+        measured, estimated = run_distributed(_measured_and_estimated, 2, seq, full)[0]
+        assert abs(estimated / measured - 1) <= 0.15, (seq, measured / 2**20, estimated / 2**20)
