@@ -16,8 +16,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_fpdt  # noqa: F401  (registers the "fpdt" strategy names)
+from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.data import PasskeyDataModule
 from lightning_fpdt.models import CausalLM, LlamaLM
 
@@ -28,6 +30,35 @@ class FPDTCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.set_defaults({"model": {"class_path": "lightning_fpdt.models.LlamaLM"},
                              "data": {"class_path": "lightning_fpdt.data.PasskeyDataModule"}})
+
+    def before_fit(self) -> None:
+        """Print the memory estimate of the run (rank 0, before any process is launched or model moved)."""
+        table = memory_report(self.model, self.datamodule, self.trainer)
+        if table is not None:
+            rank_zero_info(table)
+
+
+def memory_report(model: pl.LightningModule, datamodule: Any, trainer: pl.Trainer) -> str | None:
+    """:func:`lightning_fpdt.memory.report` for this model, the data module's ``seq_len`` and
+    ``batch_size`` and an :class:`FPDTStrategy`; ``None`` when one of them is missing (a custom model
+    without a Llama/GPT config, a data module without ``seq_len``, another strategy)."""
+    from lightning_fpdt.memory import ModelShape, report
+
+    seq_len = getattr(datamodule, "seq_len", None)
+    if not isinstance(trainer.strategy, FPDTStrategy) or not isinstance(seq_len, int):
+        return None
+    try:
+        shape, tiling = ModelShape.from_module(model)
+    except ValueError:
+        return None
+    options = trainer.strategy.memory_options()
+    options.setdefault("chunk_size", "auto")
+    budget = trainer.strategy._memory_budget
+    try:
+        return report(shape, seq_len, budget_gib=budget, batch_size=getattr(datamodule, "batch_size", 1),
+                      precision=str(trainer.precision), **options, **tiling)
+    except ValueError as err:  # nothing fits the budget: the strategy raises the same at the first batch
+        return f"memory estimate: {err}"
 
 
 def check_config_files(args: list[str]) -> None:

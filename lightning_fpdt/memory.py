@@ -92,6 +92,14 @@ class ModelShape:
         )
 
 
+def format_bytes(n: float) -> str:
+    """``1.50 GiB``, ``12.3 MiB``, ``640 KiB``: the unit that keeps the number readable."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{n / 1024:.0f} KiB"
+
+
 @dataclass
 class MemoryEstimate:
     """Bytes per rank. ``device_peak`` is the estimated peak of live tensors on the compute device."""
@@ -112,7 +120,7 @@ class MemoryEstimate:
                 ("peak transient", self.peak_transient), ("device peak", self.device_peak),
                 ("host (pinned)", self.host)]
         width = max(len(r[0]) for r in rows)
-        lines = [f"{'per rank':<{width}}  {'GiB':>10}"] + [f"{name:<{width}}  {value / GIB:>10.3f}" for name, value in rows]
+        lines = [f"{name:<{width}}  {format_bytes(value):>11}" for name, value in rows]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
@@ -129,6 +137,7 @@ def estimate(
     loss_tiled: bool = False,
     precision: str = "32-true",
     optimizer: str = "adamw",
+    attention_backend: str = "sdpa",
 ) -> MemoryEstimate:
     """Per-rank memory of one training step (see the module docstring for what is counted)."""
     if precision not in _PRECISION_BYTES:
@@ -167,16 +176,29 @@ def estimate(
     if loss_tiled:  # a tile's logits and their softmax; the output-embedding gradient and d(hidden)
         loss_transient += shape.vocab_size * h * max(pe, 4) + t * h * e
 
+    # a tiled MLP recomputes one tile of tokens at a time in backward: its intermediates and their gradients
+    s_local = s_pad // p
+    tile_tokens = batch_size * -(-s_local // -(-s_local // max(h, 1024)))
+    mlp_tile_work = (shape.mlp_intermediates + 2 * shape.intermediate_size) * tile_tokens * e if mlp_tiled else 0
+
     # attention working set: the current and the prefetched chunk (one chunk: the whole local q/k/v
     # and their head-sharded copies)
     chunk_buffers = 2 * min(chunk_tokens_rank, t) * (2 * h + 2 * kv_eff) * e
+    if attention_backend == "math":  # it materializes a chunk pair's scores: S, P, dP and dS in backward
+        chunk_global = min(chunk, s_pad)
+        chunk_buffers += 4 * batch_size * (shape.num_heads // p or 1) * chunk_global**2 * max(e, 4)
 
     if activation_checkpointing:
         saved = shape.num_layers * (0 if offload_checkpoints else checkpoint) + final + loss_saved
-        transient = max(loss_transient, layer_device + t * h * e + chunk_buffers)  # one block recomputed
+        # one block recomputed and its backward: the block's saved activations, the incoming gradient,
+        # and the larger of the attention chunk buffers and one MLP tile's forward and backward
+        recompute = layer_device + t * h * e + max(chunk_buffers, mlp_tile_work)
+        transient = max(loss_transient, recompute)
     else:
         saved = shape.num_layers * layer_device + final + loss_saved
-        transient = loss_transient  # the peak is at the start of backward, in the loss
+        # the peak is at the start of backward, in the loss; with offload, the chunks of the layer being
+        # computed stay on the device
+        transient = max(loss_transient, chunk_buffers) if offload else loss_transient
     host = 0
     notes = []
     if offload:
@@ -236,10 +258,12 @@ def auto_chunk_size(
             return candidate
     assert smallest is not None
     raise ValueError(
-        f"chunk_size='auto': nothing fits a budget of {budget_bytes / GIB:.2f} GiB per rank; the smallest chunk"
-        f" still needs {smallest.device_peak / GIB:.2f} GiB (saved activations {smallest.saved_activations / GIB:.2f},"
-        f" parameters+gradients+optimizer {(smallest.parameters + smallest.gradients + smallest.optimizer) / GIB:.2f})."
-        " Turn on activation_checkpointing / offload, raise sequence_parallel_size, or shorten the sequence."
+        f"chunk_size='auto': nothing fits a budget of {format_bytes(budget_bytes)} per rank at {seq_len} tokens; the"
+        f" smallest chunk ({candidates[-1]}) still needs {format_bytes(smallest.device_peak)} (saved activations"
+        f" {format_bytes(smallest.saved_activations)}, parameters+gradients+optimizer"
+        f" {format_bytes(smallest.parameters + smallest.gradients + smallest.optimizer)})."
+        " Turn on activation_checkpointing / offload, raise sequence_parallel_size, shorten the sequence, or raise"
+        " memory_budget."
     )
 
 
@@ -255,16 +279,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=262144)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--sp", type=int, default=1)
-    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--chunk-size", type=lambda v: v if v == "auto" else int(v), default=None)
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--offload-checkpoints", action="store_true")
     parser.add_argument("--tiled", action="store_true", help="tiled MLP and loss")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "flash_attn", "math"])
+    parser.add_argument("--budget", type=float, default=None, help="GiB per rank, to resolve chunk_size 'auto'")
     args = parser.parse_args(argv)
     from lightning_fpdt.models import LlamaConfig
 
     options: dict[str, Any] = {}
+    init: dict[str, Any] = {}
     if args.config:
         import yaml
 
@@ -289,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
                        activation_checkpointing=init.get("activation_checkpointing", False),
                        offload_checkpoints=init.get("offload_checkpoints", False),
                        mlp_tiled=tiles[0] != 1, loss_tiled=tiles[1] != 1,
-                       precision=str(cfg["trainer"].get("precision", "32-true")))
+                       precision=str(cfg["trainer"].get("precision", "32-true")),
+                       attention_backend=init.get("attention_backend", "sdpa"))
     else:
         config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                              num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -297,11 +325,33 @@ def main(argv: list[str] | None = None) -> None:
         options = dict(seq_len=args.seq, batch_size=args.batch, sequence_parallel_size=args.sp,
                        chunk_size=args.chunk_size, offload=args.offload, activation_checkpointing=args.checkpointing,
                        offload_checkpoints=args.offload_checkpoints, mlp_tiled=args.tiled, loss_tiled=args.tiled,
-                       precision=args.precision)
+                       precision=args.precision, attention_backend=args.attention_backend)
     shape = ModelShape.from_config(config)
     seq = options.pop("seq_len")
-    print(f"{shape.num_params / 1e6:.1f}M parameters, seq_len {seq}, " + ", ".join(f"{k}={v}" for k, v in options.items()))
-    print(estimate(shape, seq, **options).table())
+    try:
+        print(report(shape, seq, budget_gib=args.budget if args.budget is not None else init.get("memory_budget"), **options))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+
+
+def report(shape: ModelShape, seq_len: int, budget_gib: float | None = None, **options: Any) -> str:
+    """The estimate as printed by ``python -m lightning_fpdt.memory`` and by ``fpdt-train fit``: a header
+    line with the run's options, then :meth:`MemoryEstimate.table`. ``chunk_size="auto"`` is resolved
+    against ``budget_gib`` when given, else estimated as one chunk with a note."""
+    lines = []
+    if options.get("chunk_size") == "auto":
+        if budget_gib is not None:
+            options.pop("chunk_size")
+            options["chunk_size"] = auto_chunk_size(shape, seq_len, int(budget_gib * GIB), **options)
+            lines.append(f"chunk_size='auto' with a budget of {budget_gib} GiB per rank picks {options['chunk_size']}")
+        else:
+            options["chunk_size"] = None
+            lines.append("chunk_size='auto' is picked at the first batch from the device's free memory;"
+                         " estimated here as one chunk (give a budget to resolve it)")
+    settings = ", ".join(f"{k}={v}" for k, v in options.items())
+    lines.insert(0, f"memory estimate per rank: {shape.num_params / 1e6:.1f}M parameters, seq_len {seq_len}, {settings}")
+    lines.append(estimate(shape, seq_len, **options).table())
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,12 @@ class FPDTStrategy(DDPStrategy):
         sequence_parallel_size: ranks per sequence-parallel group, or ``"auto"`` (all processes of
             a node). Must divide the world size.
         chunk_size: global tokens per attention chunk (a multiple of ``sequence_parallel_size``);
-            ``None`` runs plain Ulysses.
+            ``None`` runs plain Ulysses; ``"auto"`` picks, per sequence length (at the first batch of
+            that length), the largest chunk whose estimated device peak
+            (:mod:`lightning_fpdt.memory`) fits ``memory_budget``, and logs it.
+        memory_budget: GiB per rank that ``chunk_size="auto"`` may plan for. Default: 90% of the
+            device's free memory at setup (CUDA), or of the host's available memory shared by this
+            node's processes (CPU); the smallest over all ranks.
         attention_backend: ``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"``.
         offload: keep attention chunks saved for backward in host memory (pays off when activations,
             not weights, fill the device; see docs/configuration.md).
@@ -62,7 +67,8 @@ class FPDTStrategy(DDPStrategy):
     def __init__(
         self,
         sequence_parallel_size: int | Literal["auto"] = "auto",
-        chunk_size: int | None = None,
+        chunk_size: int | Literal["auto"] | None = None,
+        memory_budget: float | None = None,
         attention_backend: Literal["auto", "math", "sdpa", "flash_attn"] = "auto",
         offload: bool = False,
         activation_checkpointing: bool = False,
@@ -84,12 +90,25 @@ class FPDTStrategy(DDPStrategy):
             )
         if attention_backend not in BACKENDS:
             raise ValueError(f"FPDTStrategy: attention_backend={attention_backend!r} is not one of {BACKENDS}.")
-        if chunk_size is not None:
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                          or memory_budget <= 0):
+            raise ValueError(f"FPDTStrategy: memory_budget must be a positive number of GiB, got {memory_budget!r}.")
+        if memory_budget is not None and chunk_size != "auto":
+            raise ValueError(
+                f"FPDTStrategy: memory_budget={memory_budget} only applies to chunk_size='auto', but chunk_size={chunk_size!r}."
+            )
+        if isinstance(chunk_size, str) and chunk_size != "auto":
+            raise ValueError(f"FPDTStrategy: chunk_size must be a positive int, None or 'auto', got {chunk_size!r}.")
+        if chunk_size is not None and chunk_size != "auto":
             validate_chunk_size(chunk_size, 1)  # positive int; divisibility is checked once sp is known
             if sequence_parallel_size != "auto":
                 validate_chunk_size(chunk_size, sequence_parallel_size)
         self._sequence_parallel_size = sequence_parallel_size
         self._chunk_size = chunk_size
+        self._memory_budget = memory_budget
+        self._budget_bytes: int | None = None  # chunk_size="auto": resolved in setup_environment
+        self._auto_chunks: dict[tuple[int, int], int | None] = {}  # (batch, seq_len) -> chunk size
+        self._active_chunk_size: int | None = None if chunk_size == "auto" else chunk_size
         self._attention_backend = attention_backend
         if offload_checkpoints and not activation_checkpointing:
             raise ValueError(
@@ -130,8 +149,17 @@ class FPDTStrategy(DDPStrategy):
         return self.global_rank // self.sequence_parallel_size
 
     @property
-    def chunk_size(self) -> int | None:
-        return self._chunk_size
+    def chunk_size(self) -> int | Literal["auto"] | None:
+        """The chunk size in use (with ``"auto"``: the one picked for the latest batch; ``"auto"`` before
+        the first batch)."""
+        if self._chunk_size == "auto" and not self._auto_chunks:
+            return "auto"
+        return self._active_chunk_size
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """The per-rank budget ``chunk_size="auto"`` plans for (``None`` before setup or without "auto")."""
+        return self._budget_bytes
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -151,7 +179,7 @@ class FPDTStrategy(DDPStrategy):
         """What every FPDT block is bound to (the checkpoint store exists once ``setup`` ran)."""
         return SequenceParallelContext(
             group=self.sequence_parallel_group,
-            chunk_size=self._chunk_size,
+            chunk_size=self._active_chunk_size,
             attention_backend=self._attention_backend,
             offload=self._offload,
             activation_checkpointing=self._activation_checkpointing,
@@ -176,9 +204,11 @@ class FPDTStrategy(DDPStrategy):
         )
         assert self.model is not None
         self.model._device_mesh = self._device_mesh  # exposed as `LightningModule.device_mesh`
+        if self._chunk_size == "auto":
+            self._budget_bytes = self._resolve_memory_budget()
         rank_zero_info(
             f"FPDTStrategy: {self.world_size} processes as data_parallel={dp} x sequence_parallel={sp};"
-            f" chunk_size={self._chunk_size}, attention_backend={self._attention_backend!r}, offload={self._offload}"
+            f" chunk_size={self._chunk_size!r}, attention_backend={self._attention_backend!r}, offload={self._offload}"
         )
 
     def _validate_layout(self) -> None:
@@ -189,7 +219,8 @@ class FPDTStrategy(DDPStrategy):
                 f"FPDTStrategy: sequence_parallel_size={sp} does not divide the world size {world}"
                 f" ({self.num_nodes} node(s) x {self.num_processes} device(s)); use one of {options}."
             )
-        validate_chunk_size(self._chunk_size, sp)
+        if self._chunk_size != "auto":
+            validate_chunk_size(self._chunk_size, sp)
         if self._offload and self.root_device.type != "cuda":
             rank_zero_info(
                 "FPDTStrategy: offload=True on a CPU device copies chunks between host buffers through a"
@@ -199,16 +230,69 @@ class FPDTStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
+        if self._chunk_size == "auto":
+            from lightning_fpdt.memory import ModelShape
+
+            ModelShape.from_module(self.model)  # fail now, not at the first batch, for a model it cannot size
         self._bind_blocks(self.model)  # before DDP wraps the module; raises on bad head counts
         super().setup(trainer)
 
-    def _bind_blocks(self, module: torch.nn.Module) -> None:
+    def memory_options(self) -> dict[str, Any]:
+        """This strategy's arguments to :func:`lightning_fpdt.memory.estimate` (sequence parallelism,
+        offload, checkpointing, attention backend); ``chunk_size`` is left out while it is ``"auto"``."""
+        options: dict[str, Any] = dict(
+            sequence_parallel_size=self.sequence_parallel_size, offload=self._offload,
+            activation_checkpointing=self._activation_checkpointing, offload_checkpoints=self._offload_checkpoints,
+            attention_backend=self._attention_backend,
+        )
+        if self._chunk_size != "auto":
+            options["chunk_size"] = self._chunk_size
+        return options
+
+    def _resolve_memory_budget(self) -> int:
+        from lightning_fpdt.memory import GIB, available_memory
+
+        if self._memory_budget is not None:
+            return int(self._memory_budget * GIB)
+        free = available_memory(self.root_device, self.num_processes)
+        budget = torch.tensor([int(0.9 * free)], dtype=torch.int64, device=self.root_device)
+        if self.world_size > 1:  # every rank must pick the same chunk size: plan for the tightest rank
+            torch.distributed.all_reduce(budget, op=torch.distributed.ReduceOp.MIN)
+        return int(budget.item())
+
+    def _auto_chunk_size(self, batch_size: int, seq_len: int) -> int | None:
+        """The chunk size for batches of this shape under ``chunk_size="auto"`` (picked once per shape)."""
+        from lightning_fpdt.memory import ModelShape, auto_chunk_size, estimate, format_bytes, optimizer_kind
+
+        key = (batch_size, seq_len)
+        if key not in self._auto_chunks:
+            assert self._budget_bytes is not None
+            module = self.lightning_module
+            shape, tiling = ModelShape.from_module(module)
+            trainer = module._trainer
+            optimizers = trainer.optimizers if trainer is not None else []
+            options = dict(
+                batch_size=batch_size, precision=str(trainer.precision) if trainer else "32-true",
+                optimizer=optimizer_kind(optimizers[0]) if optimizers else "none", **self.memory_options(), **tiling,
+            )
+            chunk = auto_chunk_size(shape, seq_len, self._budget_bytes, **options)
+            peak = estimate(shape, seq_len, chunk_size=chunk, **options).device_peak
+            self._auto_chunks[key] = chunk
+            rank_zero_info(
+                f"FPDTStrategy: chunk_size='auto' picked {chunk} for batches of {batch_size} x {seq_len} tokens"
+                f" (estimated device peak {format_bytes(peak)} per rank, budget {format_bytes(self._budget_bytes)})"
+            )
+        return self._auto_chunks[key]
+
+    def _bind_blocks(self, module: torch.nn.Module, log: bool = True) -> None:
         if self._activation_checkpointing and self._offload_checkpoints and self._checkpoint_store is None:
             self._checkpoint_store = new_checkpoint_store(self.root_device)
         context = self.sequence_parallel_context
         bound = [name for name, m in module.named_modules() if _is_fpdt_block(m)]
         for index, name in enumerate(bound):  # module order = forward order for a stack of layers
             module.get_submodule(name).bind(context, layer_index=index)
+        if not log:
+            return
         if not bound and self.sequence_parallel_size > 1:
             raise ValueError(
                 f"FPDTStrategy: sequence_parallel_size={self.sequence_parallel_size} but"
@@ -239,7 +323,13 @@ class FPDTStrategy(DDPStrategy):
                 f"FPDTStrategy: sequence_parallel_size={sp} needs dict batches with 'input_ids' [batch, seq]"
                 f" to shard; got a {type(batch).__name__}."
             )
-        return shard_batch(batch, sp, self.sequence_parallel_rank, self._chunk_size, self._sequence_keys,
+        if self._chunk_size == "auto" and "input_ids" in batch and isinstance(batch["input_ids"], torch.Tensor):
+            ids = batch["input_ids"]
+            chunk = self._auto_chunk_size(ids.shape[0], ids.shape[-1])
+            if chunk != self._active_chunk_size:  # the blocks follow the batch's layout
+                self._active_chunk_size = chunk
+                self._bind_blocks(self.lightning_module, log=False)
+        return shard_batch(batch, sp, self.sequence_parallel_rank, self._active_chunk_size, self._sequence_keys,
                            self._pad_token_id, owner="FPDTStrategy")
 
     # ---- registration -------------------------------------------------------------------------

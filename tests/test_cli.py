@@ -80,3 +80,17 @@ def test_print_config(tmp_path: Path) -> None:
     proc = fpdt_train("fit", "--config", str(TINY), "--print_config", cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "class_path: lightning_fpdt.FPDTStrategy" in proc.stdout and "chunk_size: 128" in proc.stdout
+
+
+def test_fit_prints_the_memory_estimate_and_resolves_auto_chunks(tmp_path: Path) -> None:
+    proc = fpdt_train(
+        "fit", "--config", str(TINY), "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--trainer.logger=false",
+        "--trainer.strategy.init_args.chunk_size=auto", "--trainer.strategy.init_args.memory_budget=1.0",
+        "--data.init_args.seq_len=256", cwd=tmp_path,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "memory estimate per rank: 0.1M parameters, seq_len 256, batch_size=4" in out
+    assert "chunk_size='auto' with a budget of 1.0 GiB per rank picks None" in out
+    assert "device peak" in out
+    assert "FPDTStrategy: chunk_size='auto' picked None for batches of 4 x 256 tokens" in out
