@@ -19,10 +19,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         if rank == 0:
@@ -31,11 +33,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: A
         dist.destroy_process_group()
 
 
-def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any) -> Any:
-    """``fn(rank, world, *args)`` on ``world`` gloo CPU processes; returns rank 0's result."""
+def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> Any:
+    """``fn(rank, world, *args)`` on ``world`` processes (gloo on CPU, or ``backend="nccl"``: one GPU
+    per rank); returns rank 0's result."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_entry, args=(world, _free_port(), fn, args, queue), nprocs=world, start_method="spawn")
+    mp.start_processes(_entry, args=(world, _free_port(), fn, args, queue, backend), nprocs=world, start_method="spawn")
     return queue.get()
 
 
@@ -55,9 +58,15 @@ def timed(fn: Callable[[], Any], repeats: int, group: Any = None) -> float:
     return total / repeats
 
 
+def _format(value: Any) -> str:
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A Markdown table (printed and returned)."""
-    cells = [[str(h) for h in headers]] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    cells = [[str(h) for h in headers]] + [[_format(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

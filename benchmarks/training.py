@@ -2,6 +2,7 @@
 
     python benchmarks/training.py                   # CPU, 2 gloo processes, the default table
     python benchmarks/training.py --seq 2048 4096 --variants ulysses fpdt_full
+    python benchmarks/training.py --device cuda     # one process per GPU (NCCL), bf16, + longest sequence
 
 Model: Llama-style, hidden 512, 8 heads (4 KV heads), 4 layers, vocabulary 32000, float32, batch 1.
 Variants (``--variants``):
@@ -17,15 +18,27 @@ step, from ``ru_maxrss`` minus the resident set before it; and the peak of live 
 all-reduce and an AdamW update. The slope is (peak at the longest length - peak at the shortest) /
 (difference in tokens per rank). "CPU MFU" is the model's FLOP/s per process divided by the
 measured float32 matmul rate of one process with the same number of threads.
+
+``--device cuda``: one process per visible GPU (NCCL), bf16 autocast over float32 weights, host
+offload of attention chunks on for ``fpdt`` and of block checkpoints for ``fpdt_full``; memory is
+``torch.cuda.max_memory_allocated`` (tensors) and ``max_memory_reserved`` (the allocator's pool, in
+the RSS column); MFU is against the measured bf16 matmul rate of one GPU. ``--find-longest`` (on by
+default on CUDA) then doubles the sequence per variant, from the longest ``--seq``, until a step runs
+out of memory, takes longer than ``--probe-seconds`` or passes ``--longest-limit``, and reports the
+longest length whose step ran. The default CUDA run (4 variants x 2 lengths, then the search) is
+sized to finish within 8 minutes on one H200. Every run first checks, on its device, that one FPDT
+step's loss equals the plain model's (float32, math backend) to float32 rounding.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +46,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, run_on_ranks  # noqa: E402
 
-from lightning_fpdt.block import FPDTBlock, SequenceParallelContext  # noqa: E402
+from lightning_fpdt.block import FPDTBlock, SequenceParallelContext, new_checkpoint_store  # noqa: E402
 from lightning_fpdt.layout import shard_batch  # noqa: E402
 from lightning_fpdt.loss import token_weighted_loss  # noqa: E402
 from lightning_fpdt.memory import ModelShape, estimate  # noqa: E402
@@ -58,10 +71,12 @@ def chunk_size(variant: str, seq: int, world: int, args: argparse.Namespace) -> 
 
 def estimated_peak(variant: str, seq: int, world: int, args: argparse.Namespace) -> int:
     """``lightning_fpdt.memory``'s device peak for this variant (the measured column's counterpart)."""
-    tiled = variant == "fpdt_full"
+    tiled, cuda = variant == "fpdt_full", args.device == "cuda"
     return estimate(ModelShape.from_config(model_config(variant, args)), seq, sequence_parallel_size=world,
                     chunk_size=chunk_size(variant, seq, world, args), mlp_tiled=tiled, loss_tiled=tiled,
-                    activation_checkpointing=tiled).device_peak
+                    activation_checkpointing=tiled, offload=cuda and variant in ("fpdt", "fpdt_full"),
+                    offload_checkpoints=cuda and tiled, precision="bf16-mixed" if cuda else "32-true",
+                    attention_backend=args.backend).device_peak
 
 
 def _rss_bytes() -> int:
@@ -69,34 +84,55 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def matmul_flops(threads: int, n: int = 1024) -> float:
-    """Measured float32 matmul FLOP/s of this process."""
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_flops(threads: int, n: int = 1024, device: str = "cpu") -> float:
+    """Measured matmul FLOP/s of this process: float32 on CPU, bf16 on CUDA."""
+    if device == "cuda":
+        n, dtype = 8192, torch.bfloat16
+    else:
+        torch.set_num_threads(threads)
+        dtype = torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     a @ b
+    _sync(device)
     start = time.perf_counter()
-    reps = 10
+    reps = 10 if device == "cpu" else 50
     for _ in range(reps):
         a @ b
+    _sync(device)
     return 2 * n**3 * reps / (time.perf_counter() - start)
 
 
-def _run(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace) -> dict:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _setup(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace, config: LlamaConfig | None = None,
+           backend: str | None = None) -> tuple[LlamaLM, torch.optim.Optimizer, Any]:
+    """The model bound to this variant's FPDT options, its optimizer, and a step function."""
     group = dist.group.WORLD if world > 1 else None
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    config = model_config(variant, args)
-    module = LlamaLM(config)
+    module = LlamaLM(config or model_config(variant, args)).to(device)
     chunk = chunk_size(variant, seq, world, args)
-    context = SequenceParallelContext(group=group, chunk_size=chunk, attention_backend=args.backend,
-                                      activation_checkpointing=variant == "fpdt_full")
+    full = variant == "fpdt_full"
+    context = SequenceParallelContext(
+        group=group, chunk_size=chunk, attention_backend=backend or args.backend, activation_checkpointing=full,
+        offload=cuda and variant in ("fpdt", "fpdt_full"),
+        checkpoint_store=new_checkpoint_store(device) if cuda and full else None,
+    )
     for index, block in enumerate(m for m in module.modules() if isinstance(m, FPDTBlock)):
         block.bind(context, layer_index=index)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(seq)
-    batch = shard_batch({"input_ids": torch.randint(0, args.vocab, (1, seq), generator=g)}, world, rank, chunk)
+    ids = torch.randint(0, module.model.config.vocab_size, (1, seq), generator=g)
+    batch = {k: v.to(device) for k, v in shard_batch({"input_ids": ids}, world, rank, chunk).items()}
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and config is None else contextlib.nullcontext()
 
-    def step() -> None:
-        loss, _ = token_weighted_loss(*module.loss_terms(batch))
+    def step() -> torch.Tensor:
+        with autocast:
+            loss, mean = token_weighted_loss(*module.loss_terms(batch))
         loss.backward()
         if world > 1:
             for p in module.parameters():
@@ -104,21 +140,75 @@ def _run(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace
                 p.grad /= world
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return mean.detach()
 
-    rss_before = _rss_bytes()
-    step()  # the measured step: optimizer state is created here too (a constant, not per token)
-    rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
-    tensor_peak = peak_step_bytes(step, module, optimizer)  # parameters, gradients, AdamW state, activations
+    return module, optimizer, step
+
+
+def _run(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace) -> dict:
+    module, optimizer, step = _setup(rank, world, variant, seq, args)
+    cuda = args.device == "cuda"
+    if cuda:
+        step()  # warm-up (optimizer state, kernels)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        rss_peak, tensor_peak = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+    else:
+        rss_before = _rss_bytes()
+        step()  # the measured step: optimizer state is created here too (a constant, not per token)
+        rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+        tensor_peak = peak_step_bytes(step, module, optimizer)  # parameters, gradients, AdamW state, activations
     if world > 1:
         dist.barrier()
     start = time.perf_counter()
     for _ in range(args.repeats):
         step()
+    _sync(args.device)
     if world > 1:
         dist.barrier()
     seconds = (time.perf_counter() - start) / args.repeats
     flops = module.model.flops_per_token(seq) * seq / world / seconds  # per process
     return {"rss": rss_peak, "tensors": tensor_peak, "seconds": seconds, "flops": flops}
+
+
+def _longest(rank: int, world: int, variant: str, start: int, args: argparse.Namespace) -> dict:
+    """Double the sequence from ``start`` until a step fails to fit or is too slow; the longest that ran."""
+    longest, seconds, seq = 0, 0.0, start
+    while seq <= args.longest_limit:
+        try:
+            module, optimizer, step = _setup(rank, world, variant, seq, args)
+            _sync(args.device)
+            began = time.perf_counter()
+            step()
+            _sync(args.device)
+            elapsed = time.perf_counter() - began
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            module = optimizer = step = None  # noqa: F841  (free before the next length)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        longest, seconds = seq, elapsed
+        if elapsed > args.probe_seconds:
+            break
+        seq *= 2
+    return {"longest": longest, "seconds": seconds}
+
+
+def _check_exact(rank: int, world: int, args: argparse.Namespace) -> float:
+    """Relative difference between one FPDT step's loss (4 chunks, tiling, checkpointing, offload) and
+    the plain model's on the same device (float32, math backend)."""
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, mlp_tiles=None, loss_tiles=None)
+    losses = {}
+    for variant in ("single", "fpdt_full"):  # "single": every rank runs the whole sequence alone
+        single = variant == "single"
+        _, _, step = _setup(0 if single else rank, 1 if single else world, variant, 1024, args, config=config,
+                            backend="math")
+        losses[variant] = step().item()
+    return abs(losses["fpdt_full"] - losses["single"]) / abs(losses["single"])
 
 
 def main() -> None:
@@ -133,20 +223,42 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--backend", default="sdpa")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--find-longest", action=argparse.BooleanOptionalAction, default=None,
+                        help="search the longest sequence per variant (default: on for cuda)")
+    parser.add_argument("--longest-limit", type=int, default=1 << 22, help="stop the search at this length")
+    parser.add_argument("--probe-seconds", type=float, default=20.0, help="stop the search after a step this slow")
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    if cuda:
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is visible.")
+        args.world = min(args.world, torch.cuda.device_count())
+        if args.seq == [2048, 8192]:
+            args.seq = [16384, 65536]  # GPU lengths
+    comm = "nccl" if cuda else "gloo"
+    find_longest = cuda if args.find_longest is None else args.find_longest
+
     def threads(world: int) -> int:  # what benchmarks/common.py gives each process
         return max(1, (os.cpu_count() or 1) // world)
 
-    # the matmul rate a process with that many threads reaches: the "peak" of CPU MFU
-    peak_flops = {w: matmul_flops(threads(w)) for w in {1, args.world}}
+    # the matmul rate a process reaches: the "peak" of MFU
+    peak_flops = {w: matmul_flops(threads(w), device=args.device) for w in {1, args.world}}
+    kind = "bf16 matmul (one GPU)" if cuda else "float32 matmul"
     print(f"Llama-style hidden {args.hidden}, {args.heads} heads, {args.layers} layers, vocab {args.vocab}; "
-          + "; ".join(f"{w} process(es) x {threads(w)} thread(s): float32 matmul {f / 1e9:.1f} GFLOP/s per process"
+          + "; ".join(f"{w} process(es) x {threads(w)} thread(s): {kind} {f / 1e9:.1f} GFLOP/s per process"
                       for w, f in sorted(peak_flops.items())), flush=True)
+    error = run_on_ranks(_check_exact, args.world, args, backend=comm)
+    where = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"correctness on {where}: FPDT (4 chunks, tiling, checkpointing{', offload' if cuda else ''}) vs plain"
+          f" model, loss of one step, float32 math: rel. difference {error:.2e}", flush=True)
+    if error > 1e-4:
+        raise SystemExit(f"FPDT on {args.device} does not match the plain model: not measuring.")
     results: dict[tuple[str, int], dict] = {}
     for variant in args.variants:
         world = 1 if variant == "single" else args.world
         for seq in args.seq:
-            results[(variant, seq)] = run_on_ranks(_run, world, variant, seq, args)
+            results[(variant, seq)] = run_on_ranks(_run, world, variant, seq, args, backend=comm)
             r = results[(variant, seq)]
             print(f"  {variant} S={seq}: {r['seconds']:.2f} s/step, rss +{r['rss'] / 2**20:.0f} MiB", flush=True)
     rows = []
@@ -161,8 +273,18 @@ def main() -> None:
             rows.append([variant, seq, world, seq / r["seconds"], r["rss"] / 2**20, r["tensors"] / 2**20,
                          est / 2**20, f"{est / r['tensors']:.2f}", slope_rss / 1024, slope_t / 1024,
                          f"{100 * r['flops'] / peak_flops[world]:.1f}%"])
-    print_table(["variant", "seq", "procs", "tokens/s", "peak RSS MiB/rank", "peak tensors MiB/rank",
-                 "estimate MiB", "estimate/tensors", "RSS KiB/token", "tensors KiB/token", "CPU MFU"], rows)
+    print_table(["variant", "seq", "procs", "tokens/s", "peak reserved MiB/rank" if cuda else "peak RSS MiB/rank",
+                 "peak tensors MiB/rank", "estimate MiB", "estimate/tensors",
+                 "reserved KiB/token" if cuda else "RSS KiB/token", "tensors KiB/token", "MFU" if cuda else "CPU MFU"],
+                rows)
+    if find_longest:
+        longest = []
+        for variant in args.variants:
+            world = 1 if variant == "single" else args.world
+            r = run_on_ranks(_longest, world, variant, max(args.seq), args, backend=comm)
+            longest.append([variant, world, r["longest"], r["seconds"]])
+            print(f"  {variant}: longest {r['longest']} tokens ({r['seconds']:.1f} s/step)", flush=True)
+        print_table(["variant", "procs", "longest sequence that ran", "s/step at that length"], longest)
 
 
 if __name__ == "__main__":

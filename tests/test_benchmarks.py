@@ -30,6 +30,9 @@ def test_attention_benchmark_smoke() -> None:
 
 def test_training_benchmark_smoke() -> None:
     out = _run("training.py", "--seq", "128", "256", "--hidden", "64", "--heads", "4", "--layers", "1",
-               "--vocab", "256", "--repeats", "1", "--variants", "single", "fpdt_full")
+               "--vocab", "256", "--repeats", "1", "--variants", "single", "fpdt_full", "--find-longest",
+               "--longest-limit", "512")
+    assert "correctness on CPU" in out
     for variant in ("single", "fpdt_full"):
         assert f"| {variant}" in out
+    assert "| fpdt_full | 2     | 512 " in out  # the longest-sequence search reached its limit
