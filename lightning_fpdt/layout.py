@@ -174,8 +174,8 @@ def shard_batch(
     keep rank ``sp_rank``'s shard. Keys not in ``sequence_keys`` pass through untouched.
 
     Raises:
-        ValueError: no ``input_ids``, ``input_ids`` not ``[batch, seq]``, or a sequence key whose
-            leading dims differ from ``input_ids``'.
+        ValueError: no ``input_ids``, ``input_ids`` not ``[batch, seq]``, a sequence shorter than
+            ``sp_size``, or a sequence key whose leading dims differ from ``input_ids``'.
     """
     if "input_ids" not in batch:
         raise ValueError(
@@ -188,6 +188,13 @@ def shard_batch(
         shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
         raise ValueError(f"{owner}: 'input_ids' must be a [batch, seq] tensor, got {shape}.")
     b, s = ids.shape
+    if s < sp_size:
+        smaller = f" (at most {s})" if s > 0 else ""
+        raise ValueError(
+            f"{owner}: the sequence length {s} is shorter than sequence_parallel_size={sp_size}: every rank of"
+            f" the sequence-parallel group needs at least one token of each sample. Use samples of at least"
+            f" {sp_size} tokens (pad or drop shorter ones), or a smaller sequence_parallel_size{smaller}."
+        )
     if "shift_labels" not in out:
         labels = out.pop("labels", None)
         out["shift_labels"] = shift_labels(ids if labels is None else labels, IGNORE_INDEX)
