@@ -138,6 +138,9 @@ def estimate(
     precision: str = "32-true",
     optimizer: str = "adamw",
     attention_backend: str = "sdpa",
+    shard_parameters: bool = False,
+    data_parallel_size: int = 1,
+    offload_optimizer: bool = False,
 ) -> MemoryEstimate:
     """Per-rank memory of one training step (see the module docstring for what is counted)."""
     if precision not in _PRECISION_BYTES:
@@ -151,13 +154,24 @@ def estimate(
     chunk = s_pad if chunk_size is None else min(chunk_size, s_pad)
     chunk_tokens_rank = batch_size * chunk // p  # one chunk, per rank
 
-    params = shape.num_params * pe
-    grads = shape.num_params * pe
     if optimizer not in _OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(_OPTIMIZER_STATES)}.")
-    opt = _OPTIMIZER_STATES[optimizer] * shape.num_params * max(pe, 4)  # states in float32 or wider
-    if precision in ("bf16-mixed", "16-mixed"):
-        pass  # fp32 master weights are the parameters; autocast casts per op
+    # replicated: every rank holds everything; sharded (FSDP2): 1/world of it, plus the gathered
+    # parameters of the units in use (the root's embeddings and output projection, and two blocks:
+    # the current one and the prefetched next one)
+    shards = max(1, data_parallel_size * p) if shard_parameters else 1
+    params = shape.num_params * pe // shards
+    grads = shape.num_params * pe // shards
+    opt = _OPTIMIZER_STATES[optimizer] * shape.num_params * max(pe, 4) // shards  # float32 or wider
+    notes: list[str] = []
+    gathered = 0
+    if shard_parameters:
+        layer = (shape.num_params - shape.vocab_size * shape.hidden_size * (1 if shape.tied_embeddings else 2)) // max(
+            1, shape.num_layers)
+        root = shape.num_params - layer * shape.num_layers
+        gathered = (root + 2 * layer) * (2 if precision in ("bf16-mixed", "16-mixed") else pe)
+        if offload_optimizer:  # sharded parameters, gradients and optimizer state live on the host
+            notes.append(f"offload_optimizer: {format_bytes(params + grads + opt)} of sharded state in host memory")
 
     # what one layer saves between its forward and its backward (bytes)
     pipeline_saved = t * e * (2 * h + 2 * kv_eff) + t * shape.num_heads * 4  # q, out, k, v chunks + lse
@@ -200,13 +214,16 @@ def estimate(
         # computed stay on the device
         transient = max(loss_transient, chunk_buffers) if offload else loss_transient
     host = 0
-    notes = []
+    if shard_parameters and offload_optimizer:
+        host += params + grads + opt
+        params = grads = opt = 0
     if offload:
         host += pipeline_saved * (1 if activation_checkpointing else shape.num_layers)
     if activation_checkpointing and offload_checkpoints:
         host += shape.num_layers * checkpoint
     # gradients are created during backward; AdamW's update adds about half a parameter set
-    device_peak = max(params + grads + opt + shape.num_params * pe // 2, params + opt + saved + transient)
+    device_peak = gathered + max(params + grads + opt + shape.num_params * pe // 2 // shards,
+                                 params + opt + saved + transient)
     if p > 1 and shape.num_heads % p:
         notes.append(f"num_heads={shape.num_heads} is not divisible by sp={p}: the run will be refused")
     return MemoryEstimate(params, grads, opt, saved, chunk_buffers, transient, host, device_peak, notes)
@@ -262,8 +279,8 @@ def auto_chunk_size(
         f" smallest chunk ({candidates[-1]}) still needs {format_bytes(smallest.device_peak)} (saved activations"
         f" {format_bytes(smallest.saved_activations)}, parameters+gradients+optimizer"
         f" {format_bytes(smallest.parameters + smallest.gradients + smallest.optimizer)})."
-        " Turn on activation_checkpointing / offload, raise sequence_parallel_size, shorten the sequence, or raise"
-        " memory_budget."
+        " Turn on activation_checkpointing / offload / shard_parameters, raise sequence_parallel_size, shorten the"
+        " sequence, or raise memory_budget."
     )
 
 
@@ -287,6 +304,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "flash_attn", "math"])
     parser.add_argument("--budget", type=float, default=None, help="GiB per rank, to resolve chunk_size 'auto'")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (matters with --shard)")
+    parser.add_argument("--shard", action="store_true", help="shard_parameters (FSDP2 over dp x sp)")
+    parser.add_argument("--offload-optimizer", action="store_true")
     args = parser.parse_args(argv)
     from lightning_fpdt.models import LlamaConfig
 
@@ -317,7 +337,11 @@ def main(argv: list[str] | None = None) -> None:
                        offload_checkpoints=init.get("offload_checkpoints", False),
                        mlp_tiled=tiles[0] != 1, loss_tiled=tiles[1] != 1,
                        precision=str(cfg["trainer"].get("precision", "32-true")),
-                       attention_backend=init.get("attention_backend", "sdpa"))
+                       attention_backend=init.get("attention_backend", "sdpa"),
+                       shard_parameters=init.get("shard_parameters", False),
+                       offload_optimizer=init.get("offload_optimizer", False),
+                       data_parallel_size=max(1, (cfg["trainer"].get("num_nodes", 1) * (devices if isinstance(devices, int) else 1))
+                                              // init.get("sequence_parallel_size", devices if isinstance(devices, int) else 1)))
     else:
         config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                              num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -325,7 +349,8 @@ def main(argv: list[str] | None = None) -> None:
         options = dict(seq_len=args.seq, batch_size=args.batch, sequence_parallel_size=args.sp,
                        chunk_size=args.chunk_size, offload=args.offload, activation_checkpointing=args.checkpointing,
                        offload_checkpoints=args.offload_checkpoints, mlp_tiled=args.tiled, loss_tiled=args.tiled,
-                       precision=args.precision, attention_backend=args.attention_backend)
+                       precision=args.precision, attention_backend=args.attention_backend,
+                       shard_parameters=args.shard, data_parallel_size=args.dp, offload_optimizer=args.offload_optimizer)
     shape = ModelShape.from_config(config)
     seq = options.pop("seq_len")
     try:

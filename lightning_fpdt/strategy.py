@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import itertools
+import shutil
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
@@ -51,14 +56,27 @@ class FPDTStrategy(DDPStrategy):
             node's processes (CPU); the smallest over all ranks.
         attention_backend: ``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"``.
         offload: keep attention chunks saved for backward in host memory (pays off when activations,
-            not weights, fill the device; see docs/configuration.md).
+            not weights, fill the device; see docs/configuration.md). CUDA only; ``"emulate"`` runs the
+            same schedule on any device (on CPU: a background worker copying between host buffers).
         activation_checkpointing: keep only each FPDT block's input for backward and recompute the
             block (attention chunks included) in backward.
         offload_checkpoints: with ``activation_checkpointing``, keep those block inputs in host memory
-            and prefetch the previous block's input during backward.
+            and prefetch the previous block's input during backward. CUDA only, or ``"emulate"``.
         sequence_keys: batch keys that are ``[batch, seq, ...]`` tensors to pad and shard; other keys
             pass through untouched.
         pad_token_id: id used to pad ``input_ids`` to the layout's multiple.
+        shard_parameters: shard parameters, gradients and optimizer state over all ranks (FSDP2
+            ``fully_shard`` per FPDT block and on the LightningModule, over the flattened
+            data x sequence mesh) instead of replicating them (DDP). Checkpoints are then torch
+            distributed checkpoints (directories); they load into any layout, sharded or not.
+        offload_optimizer: with ``shard_parameters``, keep the sharded parameters, gradients and
+            optimizer state in pinned host memory and run the optimizer step there (FSDP2
+            ``CPUOffloadPolicy``; CUDA only).
+        nonfinite_loss: ``"raise"`` stops training when any rank's loss is NaN/inf, naming the step and
+            the ranks; ``"skip"`` skips that step's update on every rank (the backward runs on a zero
+            loss, the optimizer does not step) and warns. Checked with one small all-reduce per step.
+            ``"skip"`` runs the closure once before ``optimizer.step``: not for optimizers that call
+            it several times (LBFGS).
         **kwargs: the usual :class:`~lightning.pytorch.strategies.DDPStrategy` arguments.
     """
 
@@ -70,11 +88,14 @@ class FPDTStrategy(DDPStrategy):
         chunk_size: int | Literal["auto"] | None = None,
         memory_budget: float | None = None,
         attention_backend: Literal["auto", "math", "sdpa", "flash_attn"] = "auto",
-        offload: bool = False,
+        offload: bool | Literal["emulate"] = False,
         activation_checkpointing: bool = False,
-        offload_checkpoints: bool = False,
+        offload_checkpoints: bool | Literal["emulate"] = False,
         sequence_keys: Sequence[str] = DEFAULT_SEQUENCE_KEYS,
         pad_token_id: int = 0,
+        shard_parameters: bool = False,
+        offload_optimizer: bool = False,
+        nonfinite_loss: Literal["raise", "skip"] = "raise",
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -110,10 +131,14 @@ class FPDTStrategy(DDPStrategy):
         self._auto_chunks: dict[tuple[int, int], int | None] = {}  # (batch, seq_len) -> chunk size
         self._active_chunk_size: int | None = None if chunk_size == "auto" else chunk_size
         self._attention_backend = attention_backend
+        from lightning_fpdt.validation import check_offload_value
+
+        check_offload_value("offload", offload)
+        check_offload_value("offload_checkpoints", offload_checkpoints)
         if offload_checkpoints and not activation_checkpointing:
             raise ValueError(
-                "FPDTStrategy: offload_checkpoints=True needs activation_checkpointing=True (only checkpointed"
-                " block inputs are offloaded)."
+                f"FPDTStrategy: offload_checkpoints={offload_checkpoints!r} needs activation_checkpointing=True"
+                " (only checkpointed block inputs are offloaded)."
             )
         self._offload = offload
         self._activation_checkpointing = activation_checkpointing
@@ -122,6 +147,20 @@ class FPDTStrategy(DDPStrategy):
         self._sequence_keys = tuple(sequence_keys)
         self._pad_token_id = pad_token_id
         self._device_mesh: DeviceMesh | None = None
+        if offload_optimizer and not shard_parameters:
+            raise ValueError(
+                "FPDTStrategy: offload_optimizer=True needs shard_parameters=True (the optimizer state is offloaded"
+                " shard by shard by FSDP2)."
+            )
+        if nonfinite_loss not in ("raise", "skip"):
+            raise ValueError(f"FPDTStrategy: nonfinite_loss must be 'raise' or 'skip', got {nonfinite_loss!r}.")
+        self._shard_parameters = shard_parameters
+        self._offload_optimizer = offload_optimizer
+        self._nonfinite_loss = nonfinite_loss
+        self._skip_optimizer_step = False
+        self._shard_mesh: DeviceMesh | None = None
+        self._states_loaded = False  # load_checkpoint restored model/optimizers itself (by name)
+        self._resume_batches = 0  # training batches of the current epoch consumed before the checkpoint
 
     # ---- properties ---------------------------------------------------------------------------
 
@@ -181,7 +220,7 @@ class FPDTStrategy(DDPStrategy):
             group=self.sequence_parallel_group,
             chunk_size=self._active_chunk_size,
             attention_backend=self._attention_backend,
-            offload=self._offload,
+            offload=self._offload in (True, "emulate"),  # "emulate" is the same code path as True
             activation_checkpointing=self._activation_checkpointing,
             checkpoint_store=self._checkpoint_store,
         )
@@ -202,6 +241,8 @@ class FPDTStrategy(DDPStrategy):
         self._device_mesh = init_device_mesh(
             self.root_device.type, (dp, sp), mesh_dim_names=("data_parallel", "sequence_parallel")
         )
+        if self._shard_parameters:  # FSDP2 over every rank: the data x sequence mesh, flattened
+            self._shard_mesh = init_device_mesh(self.root_device.type, (dp * sp,), mesh_dim_names=("data_sequence",))
         assert self.model is not None
         self.model._device_mesh = self._device_mesh  # exposed as `LightningModule.device_mesh`
         if self._chunk_size == "auto":
@@ -212,19 +253,19 @@ class FPDTStrategy(DDPStrategy):
         )
 
     def _validate_layout(self) -> None:
-        world, sp = self.world_size, self.sequence_parallel_size
-        if world % sp != 0:
-            options = [d for d in range(1, world + 1) if world % d == 0]
+        from lightning_fpdt.validation import validate_setup
+
+        validate_setup(
+            world_size=self.world_size, num_nodes=self.num_nodes, num_processes=self.num_processes,
+            sequence_parallel_size=self.sequence_parallel_size, chunk_size=self._chunk_size,
+            attention_backend=self._attention_backend, precision=str(self.precision_plugin.precision),
+            device_type=self.root_device.type, offload=self._offload, offload_checkpoints=self._offload_checkpoints,
+            model=self.model,
+        )
+        if self._offload_optimizer and self.root_device.type != "cuda":
             raise ValueError(
-                f"FPDTStrategy: sequence_parallel_size={sp} does not divide the world size {world}"
-                f" ({self.num_nodes} node(s) x {self.num_processes} device(s)); use one of {options}."
-            )
-        if self._chunk_size != "auto":
-            validate_chunk_size(self._chunk_size, sp)
-        if self._offload and self.root_device.type != "cuda":
-            rank_zero_info(
-                "FPDTStrategy: offload=True on a CPU device copies chunks between host buffers through a"
-                " background worker: correct, but it saves no memory. It pays on CUDA devices."
+                f"FPDTStrategy: offload_optimizer=True moves the sharded optimizer state from the device to host"
+                f" memory; on {self.root_device.type} it is there already. Use offload_optimizer=False."
             )
 
     @override
@@ -243,7 +284,8 @@ class FPDTStrategy(DDPStrategy):
         options: dict[str, Any] = dict(
             sequence_parallel_size=self.sequence_parallel_size, offload=self._offload,
             activation_checkpointing=self._activation_checkpointing, offload_checkpoints=self._offload_checkpoints,
-            attention_backend=self._attention_backend,
+            attention_backend=self._attention_backend, shard_parameters=self._shard_parameters,
+            data_parallel_size=self.data_parallel_size, offload_optimizer=self._offload_optimizer,
         )
         if self._chunk_size != "auto":
             options["chunk_size"] = self._chunk_size
@@ -275,7 +317,10 @@ class FPDTStrategy(DDPStrategy):
                 batch_size=batch_size, precision=str(trainer.precision) if trainer else "32-true",
                 optimizer=optimizer_kind(optimizers[0]) if optimizers else "none", **self.memory_options(), **tiling,
             )
-            chunk = auto_chunk_size(shape, seq_len, self._budget_bytes, **options)
+            try:
+                chunk = auto_chunk_size(shape, seq_len, self._budget_bytes, **options)
+            except ValueError as err:
+                raise ValueError(f"FPDTStrategy: {err}") from None
             peak = estimate(shape, seq_len, chunk_size=chunk, **options).device_peak
             self._auto_chunks[key] = chunk
             rank_zero_info(
@@ -285,7 +330,8 @@ class FPDTStrategy(DDPStrategy):
         return self._auto_chunks[key]
 
     def _bind_blocks(self, module: torch.nn.Module, log: bool = True) -> None:
-        if self._activation_checkpointing and self._offload_checkpoints and self._checkpoint_store is None:
+        offload_checkpoints = self._offload_checkpoints in (True, "emulate")  # "emulate": the same store
+        if self._activation_checkpointing and offload_checkpoints and self._checkpoint_store is None:
             self._checkpoint_store = new_checkpoint_store(self.root_device)
         context = self.sequence_parallel_context
         bound = [name for name, m in module.named_modules() if _is_fpdt_block(m)]
@@ -305,6 +351,264 @@ class FPDTStrategy(DDPStrategy):
             f" (activation_checkpointing={self._activation_checkpointing},"
             f" offload_checkpoints={self._offload_checkpoints})"
         )
+
+    # ---- parameter sharding -------------------------------------------------------------------
+
+    @property
+    def shard_parameters(self) -> bool:
+        return self._shard_parameters
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = _ShardAwareLauncher(self, start_method=self._start_method)
+
+    @override
+    def configure_ddp(self) -> None:
+        if not self._shard_parameters:
+            super().configure_ddp()
+            return
+        self._fully_shard(self.lightning_module)
+
+    def _fully_shard(self, module: pl.LightningModule) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+
+        assert self._shard_mesh is not None
+        options: dict[str, Any] = dict(
+            mesh=self._shard_mesh,
+            mp_policy=self._mixed_precision_policy(),
+            offload_policy=CPUOffloadPolicy() if self._offload_optimizer else OffloadPolicy(),
+        )
+        for _, block in _fpdt_blocks(module):
+            fully_shard(block, **options)
+        fully_shard(module, **options)  # the rest: embeddings, final norm, output projection
+        # Lightning calls the *_step methods, not forward: they gather the root's parameters
+        for name in ("training_step", "validation_step", "test_step", "predict_step"):
+            register_fsdp_forward_method(module, name)
+
+    def _mixed_precision_policy(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        precision = str(self.precision_plugin.precision)
+        low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+        if low is None:  # true precisions: the parameters already have the compute dtype
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+    # ---- non-finite loss ----------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        return self._check_finite(output)
+
+    def _check_finite(self, output: Any) -> Any:
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        if not isinstance(loss, torch.Tensor):
+            return output
+        bad = torch.zeros(self.world_size, device=self.root_device)
+        bad[self.global_rank] = float(not torch.isfinite(loss.detach()).all())
+        if self.world_size > 1:  # every rank must take the same decision, or the gradient sync hangs
+            torch.distributed.all_reduce(bad)
+        ranks = bad.nonzero().flatten().tolist()
+        if not ranks:
+            return output
+        step = self.lightning_module.trainer.global_step if self.lightning_module._trainer else -1
+        message = (
+            f"FPDTStrategy: non-finite loss at global step {step} on rank(s) {ranks}"
+            f" (this rank {self.global_rank}: {loss.detach().item()})"
+        )
+        if self._nonfinite_loss == "raise":
+            raise FloatingPointError(
+                message + ". Lower the learning rate, check the data, or pass nonfinite_loss='skip' to skip such steps."
+            )
+        rank_zero_warn(message + ": the step is skipped on every rank (nonfinite_loss='skip').")
+        self._skip_optimizer_step = True
+        # Lightning refuses a `None` step under DDP; a zero loss over every parameter gives each rank the
+        # same backward (all-zero gradients, nothing non-finite), and optimizer_step below drops the update
+        zero = sum((p * 0).sum() for p in self.lightning_module.parameters() if p.requires_grad)
+        return {**output, "loss": zero} if isinstance(output, Mapping) else zero
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._nonfinite_loss != "skip":
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._skip_optimizer_step = False
+        result = closure()  # training_step and backward, once (the policy needs the loss before stepping)
+        if self._skip_optimizer_step:
+            optimizer.zero_grad(set_to_none=True)
+            return result
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # states are loaded by name into the set-up (sharded or wrapped) model
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._shard_parameters:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.lightning_module)  # this rank's shards (DTensors)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer state keyed by parameter name (loads into any layout); sharded with
+        ``shard_parameters``, else the full state."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        options = StateDictOptions(full_state_dict=not self._shard_parameters)
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Atomic: a crash mid-save leaves the previous checkpoint at ``filepath`` usable. A file with
+        replicated weights, a distributed-checkpoint directory with ``shard_parameters``."""
+        from lightning_fpdt import checkpoint as ckpt
+
+        checkpoint["fpdt"] = {
+            "layout": {"data_parallel": self.data_parallel_size, "sequence_parallel": self.sequence_parallel_size,
+                       "chunk_size": self.chunk_size, "shard_parameters": self._shard_parameters},
+            "rng": self._all_rng_states(),
+        }
+        path = Path(self.broadcast(str(filepath)))
+        if not self._shard_parameters:
+            if storage_options is not None or not isinstance(self.checkpoint_io, TorchCheckpointIO):
+                super().save_checkpoint(checkpoint, path, storage_options)  # the user's CheckpointIO decides
+            elif self.is_global_zero:
+                ckpt.atomic_save(checkpoint, path)
+            return
+        import torch.distributed.checkpoint as dcp
+
+        tmp = ckpt.temporary_path(path, self.broadcast(ckpt.new_token()))
+        states = {"state_dict": checkpoint.pop("state_dict")}
+        states.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        dcp.save(states, checkpoint_id=tmp)
+        self.barrier("fpdt_checkpoint_shards_written")
+        if self.is_global_zero:
+            ckpt.atomic_save(checkpoint, tmp / ckpt.META_FILE)  # written last: marks the directory complete
+            ckpt.swap_in(tmp, path)
+        self.barrier("fpdt_checkpoint_swapped_in")
+
+    def _all_rng_states(self) -> list[dict[str, Any]]:
+        from lightning_fpdt.checkpoint import rng_state
+
+        if self.world_size == 1 or not _distributed_is_initialized():
+            return [rng_state()]
+        states: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(states, rng_state())
+        return states
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero and Path(filepath).is_dir():
+            shutil.rmtree(filepath)
+        else:
+            super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint saved with any layout: a file (replicated weights) or a distributed
+        checkpoint directory (sharded), into this run's model and optimizers, by parameter name."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from lightning_fpdt import checkpoint as ckpt
+
+        path = ckpt.resolve(self.broadcast(str(checkpoint_path)))
+        module = self.lightning_module
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        if path.is_dir():
+            checkpoint = self._load_distributed(path, module, optimizers)
+        else:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+            if self._shard_parameters:  # full tensors by name -> this rank's shards
+                set_model_state_dict(module, checkpoint["state_dict"], options=StateDictOptions(
+                    full_state_dict=True, strict=module.strict_loading))
+                for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", [])):
+                    self._set_optimizer_state(module, optimizer, state)
+                self._states_loaded = True
+        self._restore_extra_state(checkpoint)
+        return checkpoint
+
+    def _load_distributed(self, path: Path, module: pl.LightningModule, optimizers: list[Any]) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from lightning_fpdt.checkpoint import META_FILE
+
+        checkpoint = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+        # the targets have this run's layout: shards (sharded) or full tensors (replicated); DCP reshards
+        states: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+        for i, optimizer in enumerate(optimizers):
+            states[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer)
+        dcp.load(states, checkpoint_id=path)
+        set_model_state_dict(module, states["state_dict"])
+        for i, optimizer in enumerate(optimizers):
+            set_optimizer_state_dict(module, optimizer, states[f"optimizer_{i}"])
+        self._states_loaded = True
+        # Lightning checks that a checkpoint has optimizer states before restoring them (here: done)
+        checkpoint["optimizer_states"] = [states[f"optimizer_{i}"] for i in range(len(optimizers))]
+        return checkpoint
+
+    @staticmethod
+    def _set_optimizer_state(module: torch.nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        if all(isinstance(k, int) for k in state.get("state", {})):  # a plain `optimizer.state_dict()` (ids)
+            optimizer.load_state_dict(state)
+        else:
+            set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def _restore_extra_state(self, checkpoint: dict[str, Any]) -> None:
+        from lightning_fpdt.checkpoint import set_rng_state
+
+        extra = checkpoint.get("fpdt", {})
+        saved = extra.get("layout")
+        if saved:
+            rank_zero_info(
+                f"FPDTStrategy: resuming a checkpoint saved at data_parallel={saved['data_parallel']} x"
+                f" sequence_parallel={saved['sequence_parallel']} (chunk_size={saved['chunk_size']},"
+                f" shard_parameters={saved['shard_parameters']}) as {self.data_parallel_size} x"
+                f" {self.sequence_parallel_size} (chunk_size={self._chunk_size!r}, shard_parameters={self._shard_parameters})"
+            )
+        rngs = extra.get("rng")
+        if rngs:
+            set_rng_state(rngs[self.global_rank % len(rngs)])
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+        self._resume_batches = int(progress.get("current", {}).get("ready", 0))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._states_loaded:
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._states_loaded:
+            return
+        module = self.lightning_module
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            self._set_optimizer_state(module, getattr(optimizer, "_optimizer", optimizer), state)
+
+    # ---- data position ------------------------------------------------------------------------
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or not isinstance(dataloader, Iterable):
+            return dataloader
+        return ResumableLoader(dataloader, self)
 
     # ---- batches ------------------------------------------------------------------------------
 
@@ -360,3 +664,51 @@ def _is_fpdt_block(module: torch.nn.Module) -> bool:
     from lightning_fpdt.block import FPDTBlock
 
     return isinstance(module, FPDTBlock)
+
+
+class _ShardAwareLauncher(_MultiProcessingLauncher):
+    """spawn/fork launcher that hands the parent process whole weights, not rank 0's shards."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        strategy = trainer.strategy
+        if not (isinstance(strategy, FPDTStrategy) and strategy.shard_parameters and strategy._shard_mesh is not None):
+            return super()._collect_rank_zero_results(trainer, results)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        module = trainer.lightning_module
+        # collective: every rank takes part, rank 0 receives the full tensors on the CPU
+        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        module.state_dict = lambda *args, **kwargs: full  # what the base launcher sends to the parent
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
+
+
+def _fpdt_blocks(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    return [(name, m) for name, m in module.named_modules() if _is_fpdt_block(m)]
+
+
+class ResumableLoader:
+    """The training data loader, which after a resume skips the batches of the current epoch that
+    the checkpoint had already trained on (their indices are drawn and the batches loaded, then
+    dropped: the sampler's order stays that of the uninterrupted run).
+
+    ``sampler`` / ``batch_sampler`` are the wrapped loader's, so Lightning's ``set_epoch`` reaches
+    the distributed sampler.
+    """
+
+    def __init__(self, loader: Iterable, strategy: FPDTStrategy) -> None:
+        self.loader, self._strategy = loader, strategy
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self._strategy._resume_batches = self._strategy._resume_batches, 0
+        iterator = iter(self.loader)
+        return itertools.islice(iterator, skip, None) if skip else iterator

@@ -58,13 +58,28 @@ class CaptureStep(L.Callback):
         self.seq_keys = {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()}
-        self._pending = {"grads": grads, "indices": self.indices, "shapes": self.seq_keys}
+        grads = {n: _full(p.grad).detach().clone() for n, p in pl_module.named_parameters()}
+        local = sum(_local(p).numel() for p in pl_module.parameters())  # elements this rank holds
+        self._pending = {"grads": grads, "indices": self.indices, "shapes": self.seq_keys, "local_numel": local,
+                         "numel": sum(g.numel() for g in grads.values())}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx == 0:
             self._pending["loss"] = trainer.callback_metrics["train/loss"].detach().clone()
             torch.save(self._pending, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded (DTensor) parameter or gradient; other tensors as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def dataloader(ds: Dataset, batch_size: int) -> DataLoader:

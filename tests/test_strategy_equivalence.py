@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import copy
 
@@ -23,17 +24,18 @@ class Case:
     kv_heads: int = 4
     chunk_size: int | None = None
     labels: bool = True
-    offload: bool = False
+    offload: bool | Literal["emulate"] = False  # CPU: "emulate" (offload=True is CUDA only)
     model: str = "llama"
     tiles: int | None = None  # MLP and loss tiles (None: automatic, 1 tile at these sizes)
     checkpointing: bool = False
-    offload_checkpoints: bool = False
+    offload_checkpoints: bool | Literal["emulate"] = False
+    shard: bool = False  # shard_parameters (FSDP2 over the data x sequence mesh)
 
     @property
     def name(self) -> str:
         flags = [f for f, on in (("nolabels", not self.labels), ("offload", self.offload),
                                  (f"tiles{self.tiles}", self.tiles), ("ckpt", self.checkpointing),
-                                 ("ckpt-offload", self.offload_checkpoints)) if on]
+                                 ("ckpt-offload", self.offload_checkpoints), ("sharded", self.shard)) if on]
         return "-".join([self.model, f"{self.dp}x{self.sp}", f"S{self.seq_len}", f"kv{self.kv_heads}",
                          f"C{self.chunk_size}", *flags])
 
@@ -52,18 +54,23 @@ CASES = [
     Case(dp=1, sp=4, seq_len=32, chunk_size=16, kv_heads=1),
     Case(dp=1, sp=4, seq_len=32, chunk_size=8),
     # attention chunks offloaded to host
-    Case(dp=1, sp=2, seq_len=32, chunk_size=8, kv_heads=2, offload=True),
-    Case(dp=2, sp=2, seq_len=29, chunk_size=8, offload=True),
+    Case(dp=1, sp=2, seq_len=32, chunk_size=8, kv_heads=2, offload="emulate"),
+    Case(dp=2, sp=2, seq_len=29, chunk_size=8, offload="emulate"),
     # the whole FPDT memory design: tiled MLP and loss, checkpointing with host-offloaded block inputs,
     # for Llama and GPT, sp 1/2/4, chunk counts 1 and 4
     *[
         Case(dp=1, sp=sp, seq_len=32, kv_heads=kv, chunk_size=chunk, model=model, tiles=3, checkpointing=True,
-             offload_checkpoints=True, offload=chunk is not None)
+             offload_checkpoints="emulate", offload="emulate" if chunk is not None else False)
         for model, kv in (("llama", 2), ("gpt", 4))
         for sp in (1, 2, 4)
         for chunk in (None, 8)
     ],
     Case(dp=2, sp=2, seq_len=30, chunk_size=8, model="gpt", tiles=2, checkpointing=True),
+    # parameters, gradients and optimizer state sharded over all ranks (FSDP2)
+    Case(dp=1, sp=2, seq_len=32, shard=True),
+    Case(dp=2, sp=2, seq_len=29, chunk_size=8, kv_heads=2, shard=True),
+    Case(dp=2, sp=2, seq_len=32, chunk_size=8, tiles=3, checkpointing=True, shard=True),
+    Case(dp=1, sp=2, seq_len=32, chunk_size=16, model="gpt", shard=True),
 ]
 
 BATCH_PER_RANK = 2
@@ -87,7 +94,8 @@ def run_case(case: Case, tmp_path, precision: str = "64-true") -> tuple[list[dic
         strategy=FPDTStrategy(sequence_parallel_size=case.sp, chunk_size=case.chunk_size,
                               attention_backend="math", offload=case.offload,
                               activation_checkpointing=case.checkpointing,
-                              offload_checkpoints=case.offload_checkpoints, start_method="fork"),
+                              offload_checkpoints=case.offload_checkpoints, shard_parameters=case.shard,
+                              start_method="fork"),
         precision=precision,
         max_steps=1,
         logger=False,
@@ -116,3 +124,10 @@ def test_fit_step_matches_single_process(case: Case, tmp_path) -> None:
     padded = -(-case.seq_len // case.sp) * case.sp
     assert results[0]["shapes"]["input_ids"] == (BATCH_PER_RANK, padded // case.sp)
     assert results[0]["shapes"]["index"] == (BATCH_PER_RANK,)
+    # sharded: each rank holds about 1/world of the parameters (FSDP2 pads the last shard)
+    world = case.dp * case.sp
+    for res in results:
+        if case.shard:
+            assert res["local_numel"] <= res["numel"] // world + 64 * world, (res["local_numel"], res["numel"])
+        else:
+            assert res["local_numel"] == res["numel"]

@@ -1,0 +1,104 @@
+"""Checkpoints survive crashes and layout changes: SIGKILLed runs resume to the same weights, bitwise.
+
+Each run is ``tests/resume_job.py`` in its own process group (2 or 4 CPU processes, float64, a
+shuffled loader that crosses an epoch boundary, a warm-up + cosine LR schedule, AdamW).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_fpdt.checkpoint import is_complete, latest_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def job(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "resume_job.py"), "--out", str(out), *args],
+                          capture_output=True, text=True, start_new_session=True, timeout=240, cwd=ROOT)
+
+
+def losses(out: Path) -> dict[int, float]:
+    """Step -> logged loss (a resumed run's file holds both attempts; the later line wins)."""
+    result = {}
+    for line in (out / "losses.txt").read_text().splitlines():
+        step, value = line.split()
+        result[int(step)] = float(value)
+    return result
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = torch.load(a / "final.pt"), torch.load(b / "final.pt")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), f"{name}: max diff {(wa[name] - wb[name]).abs().max().item():.3e}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[bool, Path]:
+    """The reference runs, replicated and sharded: 12 steps without a crash."""
+    runs = {}
+    for shard in (False, True):
+        out = tmp_path_factory.mktemp(f"reference-shard{shard}")
+        proc = job(out, "--max-steps", "12", *(["--shard"] if shard else []))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[shard] = out
+    return runs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated-file", "sharded-dcp"])
+@pytest.mark.parametrize("crash", ["mid-training", "mid-save"])
+def test_killed_run_resumes_to_the_same_weights(uninterrupted, tmp_path: Path, shard: bool, crash: str) -> None:
+    flags = ["--shard"] if shard else []
+    kill = ["--die-at-step", "5"] if crash == "mid-training" else ["--die-in-save-at-step", "6"]
+    proc = job(tmp_path, "--max-steps", "12", *flags, *kill)
+    assert proc.returncode == -9, f"the run was meant to be SIGKILLed: rc={proc.returncode}\n{proc.stderr[-3000:]}"
+    ckpts = tmp_path / "ckpt"
+    if crash == "mid-save":  # step 6's save died: nothing complete under its name, step 4 is the latest
+        assert not is_complete(ckpts / "step=6.ckpt")
+        assert any(p.name.startswith("step=6.ckpt.tmp") for p in ckpts.iterdir()), sorted(ckpts.iterdir())
+        assert latest_checkpoint(ckpts).name == "step=4.ckpt"
+    else:
+        assert latest_checkpoint(ckpts).name == "step=4.ckpt"
+    proc = job(tmp_path, "--max-steps", "12", *flags, "--resume", "latest")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_weights(uninterrupted[shard], tmp_path)
+    assert losses(tmp_path) == losses(uninterrupted[shard])  # every step's loss, bitwise, data order included
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_resumes_in_another_layout(uninterrupted, tmp_path: Path) -> None:
+    """1x2 replicated -> 1x4 with chunks; 2x2 sharded -> 1x1 replicated: the next step's loss matches."""
+    reference = losses(uninterrupted[False])
+    # sp = 2 -> sp = 4 (and a chunk size), from the replicated run's step-4 file checkpoint
+    out = tmp_path / "sp4"
+    proc = job(out, "--sp", "4", "--chunk-size", "8", "--max-steps", "6", "--resume",
+               str(uninterrupted[False] / "ckpt" / "step=4.ckpt"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "saved at data_parallel=1 x sequence_parallel=2" in proc.stdout + proc.stderr
+    resumed = losses(out)
+    for step in (5, 6):
+        assert abs(resumed[step] - reference[step]) <= 1e-12 * abs(reference[step]), (step, resumed[step], reference[step])
+
+    # dp x sp = 2 x 2 sharded (1 sample per rank) -> 1 x 1 replicated (2 samples): the same global batches
+    sharded = tmp_path / "2x2"
+    proc = job(sharded, "--dp", "2", "--sp", "2", "--shard", "--max-steps", "4")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (sharded / "ckpt" / "step=4.ckpt").is_dir()  # a distributed checkpoint
+    single = tmp_path / "1x1"
+    proc = job(single, "--dp", "1", "--sp", "1", "--batch", "2", "--max-steps", "6", "--resume",
+               str(sharded / "ckpt" / "step=4.ckpt"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    continued = tmp_path / "2x2-continued"
+    proc = job(continued, "--dp", "2", "--sp", "2", "--shard", "--max-steps", "6", "--resume",
+               str(sharded / "ckpt" / "step=4.ckpt"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    a, b = losses(single), losses(continued)
+    for step in (5, 6):
+        assert abs(a[step] - b[step]) <= 1e-12 * abs(b[step]), (step, a[step], b[step])
