@@ -29,6 +29,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: A
         result = fn(rank, world, *args)
         if rank == 0:
             queue.put(result)
+        dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
 
