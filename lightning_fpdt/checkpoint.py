@@ -26,8 +26,16 @@ import torch
 META_FILE = "meta.pt"
 
 
+def is_remote(path: str) -> bool:
+    """``s3://...``, ``gs://...``: a path for fsspec, not for this module's local renames."""
+    return "://" in path and not path.startswith("file://")
+
+
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to ``path`` so that readers see the old file or the complete new one, never a part."""
+    """``torch.save`` to ``path`` so that readers see the old file or the complete new one, never a part.
+
+    A directory at ``path`` (a sharded checkpoint of the same name) is replaced the same way.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -36,11 +44,25 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if path.is_dir():
+            swap_in(tmp, path)
+        else:
+            os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
     _fsync_dir(path.parent)
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint file or directory; a directory is renamed first, so a crash mid-delete
+    leaves ``*.tmp-del-*`` (never loaded) rather than a checkpoint with missing shards."""
+    if path.is_dir():
+        doomed = path.with_name(f"{path.name}.tmp-del-{uuid.uuid4().hex[:8]}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed)
+    elif path.exists():
+        path.unlink()
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -78,14 +100,12 @@ def swap_in(tmp: Path, path: Path) -> None:
     :func:`resolve` falls back to it when a crash came between the two renames.
     """
     old = path.with_name(f"{path.name}.old")
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    remove(old)
     if path.exists():
         os.replace(path, old)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    remove(old)
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -115,6 +135,10 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     if not directory.is_dir():
         return None
     done = [p for p in directory.iterdir() if p.name.endswith(".ckpt") and is_complete(p)]
+    # a swap interrupted between its two renames left only `<name>.old`: still the latest of that name
+    names = {p.name for p in directory.iterdir()}
+    done += [p for p in directory.iterdir()
+             if p.name.endswith(".ckpt.old") and p.name[: -len(".old")] not in names and is_complete(p)]
     if not done:
         return None
 
@@ -135,7 +159,7 @@ def rng_state() -> dict[str, Any]:
     """This process's random number generator states (Python, torch CPU and CUDA, numpy if present)."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device only: resumable with other GPU counts
     try:
         import numpy as np
 
@@ -149,7 +173,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state:
         try:
             import numpy as np

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import itertools
-import shutil
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from datetime import timedelta
@@ -14,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -276,7 +276,32 @@ class FPDTStrategy(DDPStrategy):
 
             ModelShape.from_module(self.model)  # fail now, not at the first batch, for a model it cannot size
         self._bind_blocks(self.model)  # before DDP wraps the module; raises on bad head counts
-        super().setup(trainer)
+        if self._nonfinite_loss == "skip" and not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                "FPDTStrategy: nonfinite_loss='skip' needs automatic optimization (with manual optimization your"
+                " training_step steps the optimizer before the strategy sees the loss). Check the loss yourself"
+                " or use nonfinite_loss='raise'."
+            )
+        if self._shard_parameters:
+            self._setup_sharded(trainer)
+        else:
+            super().setup(trainer)
+
+    def _setup_sharded(self, trainer: pl.Trainer) -> None:
+        """``DDPStrategy.setup`` without DDP: FSDP2 in every stage (fit, validate, test, predict)."""
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._fully_shard(self.lightning_module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
 
     def memory_options(self) -> dict[str, Any]:
         """This strategy's arguments to :func:`lightning_fpdt.memory.estimate` (sequence parallelism,
@@ -364,16 +389,17 @@ class FPDTStrategy(DDPStrategy):
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _ShardAwareLauncher(self, start_method=self._start_method)
 
-    @override
-    def configure_ddp(self) -> None:
-        if not self._shard_parameters:
-            super().configure_ddp()
-            return
-        self._fully_shard(self.lightning_module)
-
     def _fully_shard(self, module: pl.LightningModule) -> None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            OffloadPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
 
+        if isinstance(module, FSDPModule):  # sharded by an earlier fit/validate of this module
+            return
         assert self._shard_mesh is not None
         options: dict[str, Any] = dict(
             mesh=self._shard_mesh,
@@ -423,20 +449,20 @@ class FPDTStrategy(DDPStrategy):
             raise FloatingPointError(
                 message + ". Lower the learning rate, check the data, or pass nonfinite_loss='skip' to skip such steps."
             )
-        rank_zero_warn(message + ": the step is skipped on every rank (nonfinite_loss='skip').")
+        rank_zero_warn(message + ": the update is skipped on every rank (nonfinite_loss='skip').")
+        # Lightning refuses a `None` step under DDP. Every rank runs its ordinary backward (the gradient
+        # collectives stay matched); the non-finite gradients are discarded in optimizer_step, together
+        # with those of the other micro-batches of the accumulation window.
         self._skip_optimizer_step = True
-        # Lightning refuses a `None` step under DDP; a zero loss over every parameter gives each rank the
-        # same backward (all-zero gradients, nothing non-finite), and optimizer_step below drops the update
-        zero = sum((p * 0).sum() for p in self.lightning_module.parameters() if p.requires_grad)
-        return {**output, "loss": zero} if isinstance(output, Mapping) else zero
+        return output
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._nonfinite_loss != "skip":
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._skip_optimizer_step = False
         result = closure()  # training_step and backward, once (the policy needs the loss before stepping)
-        if self._skip_optimizer_step:
+        skip, self._skip_optimizer_step = self._skip_optimizer_step, False
+        if skip:
             optimizer.zero_grad(set_to_none=True)
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
@@ -477,24 +503,46 @@ class FPDTStrategy(DDPStrategy):
                        "chunk_size": self.chunk_size, "shard_parameters": self._shard_parameters},
             "rng": self._all_rng_states(),
         }
-        path = Path(self.broadcast(str(filepath)))
+        target = str(self.broadcast(str(filepath)))
+        remote = ckpt.is_remote(target)
         if not self._shard_parameters:
-            if storage_options is not None or not isinstance(self.checkpoint_io, TorchCheckpointIO):
-                super().save_checkpoint(checkpoint, path, storage_options)  # the user's CheckpointIO decides
-            elif self.is_global_zero:
-                ckpt.atomic_save(checkpoint, path)
+            if remote or storage_options is not None or not isinstance(self.checkpoint_io, TorchCheckpointIO):
+                super().save_checkpoint(checkpoint, target, storage_options)  # the CheckpointIO decides
+            else:
+                self._on_rank_zero(lambda: ckpt.atomic_save(checkpoint, target), f"saving {target}")
             return
+        if remote:
+            raise ValueError(
+                f"FPDTStrategy: sharded checkpoints are written with torch.distributed.checkpoint to a path every"
+                f" rank can see; {target!r} is not a local or shared-filesystem path. Mount it, or save replicated"
+                " checkpoints (shard_parameters=False)."
+            )
         import torch.distributed.checkpoint as dcp
 
+        path = Path(target)
         tmp = ckpt.temporary_path(path, self.broadcast(ckpt.new_token()))
         states = {"state_dict": checkpoint.pop("state_dict")}
         states.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         dcp.save(states, checkpoint_id=tmp)
         self.barrier("fpdt_checkpoint_shards_written")
-        if self.is_global_zero:
+
+        def commit() -> None:
             ckpt.atomic_save(checkpoint, tmp / ckpt.META_FILE)  # written last: marks the directory complete
             ckpt.swap_in(tmp, path)
-        self.barrier("fpdt_checkpoint_swapped_in")
+
+        self._on_rank_zero(commit, f"saving {path}")
+
+    def _on_rank_zero(self, fn: Any, what: str) -> None:
+        """Run ``fn`` on rank 0; if it fails, every rank raises (instead of waiting in the next barrier)."""
+        error = None
+        if self.is_global_zero:
+            try:
+                fn()
+            except Exception as err:  # noqa: BLE001  (re-raised below, on every rank)
+                error = f"{type(err).__name__}: {err}"
+        error = self.broadcast(error)
+        if error is not None:
+            raise RuntimeError(f"FPDTStrategy: {what} failed on rank 0: {error}")
 
     def _all_rng_states(self) -> list[dict[str, Any]]:
         from lightning_fpdt.checkpoint import rng_state
@@ -507,8 +555,10 @@ class FPDTStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero and Path(filepath).is_dir():
-            shutil.rmtree(filepath)
+        from lightning_fpdt.checkpoint import is_remote, remove
+
+        if self.is_global_zero and not is_remote(str(filepath)) and Path(filepath).is_dir():
+            remove(Path(filepath))  # renamed first: a crash mid-delete never leaves a half checkpoint
         else:
             super().remove_checkpoint(filepath)
 
@@ -520,7 +570,13 @@ class FPDTStrategy(DDPStrategy):
 
         from lightning_fpdt import checkpoint as ckpt
 
-        path = ckpt.resolve(self.broadcast(str(checkpoint_path)))
+        self._states_loaded = False
+        target = str(self.broadcast(str(checkpoint_path)))
+        if ckpt.is_remote(target):
+            checkpoint = super().load_checkpoint(target, weights_only=weights_only)
+            self._restore_extra_state(checkpoint)
+            return checkpoint
+        path = ckpt.resolve(target)
         module = self.lightning_module
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         if path.is_dir():
@@ -566,6 +622,15 @@ class FPDTStrategy(DDPStrategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         if all(isinstance(k, int) for k in state.get("state", {})):  # a plain `optimizer.state_dict()` (ids)
+            from torch.distributed.tensor import DTensor
+
+            if any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
+                raise ValueError(
+                    "FPDTStrategy: this checkpoint's optimizer state is keyed by parameter position (a plain"
+                    " Lightning/DDP checkpoint), which cannot be sharded by name. Resume it once with"
+                    " shard_parameters=False and save again (lightning-fpdt saves optimizer states by name),"
+                    " or load only the weights."
+                )
             optimizer.load_state_dict(state)
         else:
             set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
@@ -585,8 +650,22 @@ class FPDTStrategy(DDPStrategy):
         rngs = extra.get("rng")
         if rngs:
             set_rng_state(rngs[self.global_rank % len(rngs)])
-        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
-        self._resume_batches = int(progress.get("current", {}).get("ready", 0))
+        trainer = self.lightning_module._trainer
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        loops = checkpoint.get("loops", {}).get("fit_loop", {})
+        batches = loops.get("epoch_loop.batch_progress", {}).get("current", {})
+        epochs = loops.get("epoch_progress", {}).get("current", {})
+        epoch_done = epochs.get("processed", 0) >= epochs.get("ready", 0)  # saved at the end of the epoch
+        # batches of the unfinished epoch already trained on (ResumableLoader also skips none when they
+        # are a whole epoch: a save after its last batch)
+        self._resume_batches = int(batches.get("ready", 0)) if fitting and not epoch_done else 0
+        if fitting and epoch_done and epochs.get("completed", 0) < epochs.get("ready", 0):
+            rank_zero_warn(
+                "FPDTStrategy: this checkpoint was saved in on_train_epoch_end. Lightning resumes such a checkpoint"
+                " with one batch of the next epoch and then starts another epoch (its own behaviour, with or"
+                " without this strategy), so the run will not repeat an uninterrupted one exactly. Checkpoints"
+                " saved during the epoch (every_n_train_steps, also after an epoch's last batch) resume exactly."
+            )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -608,14 +687,39 @@ class FPDTStrategy(DDPStrategy):
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or not isinstance(dataloader, Iterable):
             return dataloader
-        return ResumableLoader(dataloader, self)
+        skip = 0 if isinstance(dataloader, _Stateful) else self._resume_batches  # stateful loaders resume themselves
+        return ResumableLoader(dataloader, skip)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._resume_batches = 0  # every training loader has taken its share
+
 
     # ---- batches ------------------------------------------------------------------------------
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return self.shard_batch(batch)
+        if self.data_parallel_size == 1 or not _distributed_is_initialized():
+            return self.shard_batch(batch)  # every rank holds the same batch: all of them raise together
+        # data-parallel groups hold different batches: a group whose batch is refused must not leave the
+        # others waiting in the next collective, so every rank learns whether any rank failed
+        error: Exception | None = None
+        try:
+            batch = self.shard_batch(batch)
+        except (ValueError, TypeError, KeyError) as err:
+            error = err
+        failed = torch.tensor([float(error is not None)], device=self.root_device)
+        torch.distributed.all_reduce(failed)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise ValueError(
+                "FPDTStrategy: another data-parallel group's batch was refused (its ranks raised the reason);"
+                " stopping every rank."
+            )
+        return batch
 
     def shard_batch(self, batch: Any) -> Any:
         """This rank's part of a dict batch of whole sequences (see :func:`lightning_fpdt.layout.shard_batch`)."""
@@ -652,6 +756,8 @@ class FPDTStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._resume_batches = 0
+        self._states_loaded = False
         if self._checkpoint_store is not None:
             self._checkpoint_store.close()
             self._checkpoint_store = None
@@ -691,16 +797,19 @@ def _fpdt_blocks(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 class ResumableLoader:
-    """The training data loader, which after a resume skips the batches of the current epoch that
+    """The training data loader, which after a resume skips the batches of the unfinished epoch that
     the checkpoint had already trained on (their indices are drawn and the batches loaded, then
     dropped: the sampler's order stays that of the uninterrupted run).
 
-    ``sampler`` / ``batch_sampler`` are the wrapped loader's, so Lightning's ``set_epoch`` reaches
-    the distributed sampler.
+    Attributes are the wrapped loader's (read and written), so Lightning's ``set_epoch`` reaches the
+    distributed sampler and its ``worker_init_fn`` reaches the loader.
     """
 
-    def __init__(self, loader: Iterable, strategy: FPDTStrategy) -> None:
-        self.loader, self._strategy = loader, strategy
+    _OWN = ("loader", "_skip")
+
+    def __init__(self, loader: Iterable, skip: int = 0) -> None:
+        object.__setattr__(self, "loader", loader)
+        object.__setattr__(self, "_skip", skip)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -708,7 +817,17 @@ class ResumableLoader:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["loader"], name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.loader, name, value)
+
     def __iter__(self) -> Iterator[Any]:
-        skip, self._strategy._resume_batches = self._strategy._resume_batches, 0
-        iterator = iter(self.loader)
-        return itertools.islice(iterator, skip, None) if skip else iterator
+        # a generator: the inner iterator (and its workers' first indices) is made at the first next(),
+        # after Lightning set the sampler's epoch
+        skip = self._skip
+        object.__setattr__(self, "_skip", 0)
+        if skip >= len(self):  # the checkpoint closed its epoch: nothing of this one was trained on
+            skip = 0
+        yield from itertools.islice(iter(self.loader), skip, None)

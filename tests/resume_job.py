@@ -3,7 +3,8 @@
     python tests/resume_job.py --out DIR --dp 1 --sp 2 --max-steps 12 [--shard] [--resume latest|PATH]
         [--die-at-step N] [--die-in-save-at-step N]
 
-Checkpoints every 2 steps into ``DIR/ckpt`` (``step=N.ckpt``). ``--die-at-step N`` SIGKILLs the whole
+Checkpoints every 2 steps into ``DIR/ckpt`` (``step=N.ckpt``) and at every epoch's end into
+``DIR/epoch_ckpt`` (``epoch=E.ckpt``); the loader has 8 samples, so 12 steps at dp=1 cross an epoch. ``--die-at-step N`` SIGKILLs the whole
 process group at the start of step N; ``--die-in-save-at-step N`` does it inside the save of step N's
 checkpoint, after the data is (partly) written and before it is committed. At the end the parent
 writes the final weights to ``DIR/final.pt``; every step's logged loss goes to ``DIR/losses.txt``.
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="samples per data-parallel rank")
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--shard", action="store_true")
+    parser.add_argument("--skip-nonfinite", action="store_true", help="nonfinite_loss='skip'")
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--die-at-step", type=int, default=None)
@@ -108,13 +110,17 @@ def main() -> None:
     config = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=2, hidden_size=32, intermediate_size=64,
                               vocab_size=64)
     module = LlamaLM(config, learning_rate=3e-3, warmup_steps=2)
-    data = TokenDataset(16, 24, config.vocab_size, seed=7)
+    data = TokenDataset(8, 24, config.vocab_size, seed=7)  # 8 batches per epoch at dp=1: runs cross epochs
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.dp * args.sp, precision="64-true", max_steps=args.max_steps,
         strategy=FPDTStrategy(sequence_parallel_size=args.sp, chunk_size=args.chunk_size, attention_backend="math",
-                              shard_parameters=args.shard, start_method="fork"),
+                              shard_parameters=args.shard, start_method="fork",
+                              nonfinite_loss="skip" if args.skip_nonfinite else "raise"),
         callbacks=[ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1),
+                   # and one at the end of every epoch (saved in on_train_epoch_end)
+                   ModelCheckpoint(dirpath=out / "epoch_ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1,
+                                   save_on_train_epoch_end=True),
                    Crash(args.die_at_step), RecordLoss(out / "losses.txt")],
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )

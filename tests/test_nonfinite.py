@@ -43,12 +43,13 @@ class Record(L.Callback):
             self.out.write_text(" ".join(str(c) for c in self.changed))
 
 
-def _fit(policy: str, out: Path) -> LlamaLM:
+def _fit(policy: str, out: Path, shard: bool = False) -> LlamaLM:
     module = NaNOnRank1(CONFIG, learning_rate=1e-3, warmup_steps=1)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Record(out)],
-        strategy=FPDTStrategy(sequence_parallel_size=2, nonfinite_loss=policy, start_method="fork"),
+        strategy=FPDTStrategy(sequence_parallel_size=2, nonfinite_loss=policy, shard_parameters=shard,
+                              start_method="fork"),
     )
     trainer.fit(module, dataloader(TokenDataset(8, 16, CONFIG.vocab_size, seed=3), 2))  # 4 batches
     return module
@@ -61,8 +62,9 @@ def test_nonfinite_loss_raises_with_step_and_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_nonfinite_loss_skips_the_step_on_every_rank(tmp_path: Path) -> None:
-    module = _fit("skip", tmp_path / "steps.txt")
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_nonfinite_loss_skips_the_step_on_every_rank(tmp_path: Path, shard: bool) -> None:
+    module = _fit("skip", tmp_path / "steps.txt", shard)
     # the second batch's update was dropped (AdamW would move the weights even on zero gradients)
     assert (tmp_path / "steps.txt").read_text() == "True False True True"
     assert all(torch.isfinite(p).all() for p in module.parameters())  # the NaN never reached the weights

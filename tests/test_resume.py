@@ -1,7 +1,8 @@
 """Checkpoints survive crashes and layout changes: SIGKILLed runs resume to the same weights, bitwise.
 
 Each run is ``tests/resume_job.py`` in its own process group (2 or 4 CPU processes, float64, a
-shuffled loader that crosses an epoch boundary, a warm-up + cosine LR schedule, AdamW).
+shuffled loader of 8 batches per epoch that the 12-step runs cross, a warm-up + cosine LR schedule,
+AdamW).
 """
 
 from __future__ import annotations
@@ -73,6 +74,24 @@ def test_killed_run_resumes_to_the_same_weights(uninterrupted, tmp_path: Path, s
 
 
 @pytest.mark.timeout(300)
+def test_resume_after_the_last_batch_of_an_epoch(uninterrupted, tmp_path: Path) -> None:
+    """Saved after epoch 0's last batch (every_n_train_steps=2, 8 batches): epoch 1 runs whole, in its order.
+
+    (A checkpoint saved in on_train_epoch_end resumes with one batch of epoch 1 and then a new epoch:
+    that is Lightning's own loop behaviour, with or without this strategy; the strategy warns.)
+    """
+    proc = job(tmp_path, "--max-steps", "12", "--resume", str(uninterrupted[False] / "ckpt" / "step=8.ckpt"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_weights(uninterrupted[False], tmp_path)
+    reference = losses(uninterrupted[False])
+    assert losses(tmp_path) == {step: reference[step] for step in range(9, 13)}
+    proc = job(tmp_path / "epoch-end", "--max-steps", "9", "--resume",
+               str(uninterrupted[False] / "epoch_ckpt" / "epoch=0.ckpt"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "this checkpoint was saved in on_train_epoch_end" in proc.stderr
+
+
+@pytest.mark.timeout(300)
 def test_checkpoint_resumes_in_another_layout(uninterrupted, tmp_path: Path) -> None:
     """1x2 replicated -> 1x4 with chunks; 2x2 sharded -> 1x1 replicated: the next step's loss matches."""
     reference = losses(uninterrupted[False])
@@ -82,6 +101,14 @@ def test_checkpoint_resumes_in_another_layout(uninterrupted, tmp_path: Path) -> 
                str(uninterrupted[False] / "ckpt" / "step=4.ckpt"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "saved at data_parallel=1 x sequence_parallel=2" in proc.stdout + proc.stderr
+    resumed = losses(out)
+    for step in (5, 6):
+        assert abs(resumed[step] - reference[step]) <= 1e-12 * abs(reference[step]), (step, resumed[step], reference[step])
+
+    # a replicated file checkpoint into sharded parameters (same layout, so the same data)
+    out = tmp_path / "sharded-from-file"
+    proc = job(out, "--shard", "--max-steps", "6", "--resume", str(uninterrupted[False] / "ckpt" / "step=4.ckpt"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
     resumed = losses(out)
     for step in (5, 6):
         assert abs(resumed[step] - reference[step]) <= 1e-12 * abs(reference[step]), (step, resumed[step], reference[step])

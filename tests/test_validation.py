@@ -75,6 +75,16 @@ class NoBlocks(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class ShortFirstDataset(Dataset):
+    """Sample 0 has one token, sample 1 sixteen: at dp=2 only the first data-parallel group is refused."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.arange(1 if i == 0 else 16)}
+
+
 class OneTokenDataset(Dataset):
     """Samples of a single token: fewer than one per rank for sequence_parallel_size=2."""
 
@@ -135,6 +145,9 @@ CASES = [
     ErrorCase("auto-chunk-nothing-fits", dict(sequence_parallel_size=2, chunk_size="auto", memory_budget=1e-6),
               r"chunk_size='auto': nothing fits a budget of 1 KiB per rank at 16 tokens; the smallest chunk \(2\)",
               "batch"),
+    ErrorCase("one-data-parallel-group-refused", dict(sequence_parallel_size=2),
+              r"the sequence length 1 is shorter than sequence_parallel_size=2|another data-parallel group's batch"
+              r" was refused", "batch", devices=4, data=lambda: dataloader(ShortFirstDataset(), 1)),
     ErrorCase("sequence-shorter-than-sp", dict(sequence_parallel_size=2),
               r"the sequence length 1 is shorter than sequence_parallel_size=2.*at least 2 tokens", "batch",
               data=lambda: dataloader(OneTokenDataset(), 2)),
