@@ -307,8 +307,10 @@ class FPDTStrategy(DDPStrategy):
         """This strategy's arguments to :func:`lightning_fpdt.memory.estimate` (sequence parallelism,
         offload, checkpointing, attention backend); ``chunk_size`` is left out while it is ``"auto"``."""
         options: dict[str, Any] = dict(
-            sequence_parallel_size=self.sequence_parallel_size, offload=self._offload,
-            activation_checkpointing=self._activation_checkpointing, offload_checkpoints=self._offload_checkpoints,
+            # "emulate" keeps everything in the same (host) memory: nothing leaves the device
+            sequence_parallel_size=self.sequence_parallel_size, offload=self._offload is True,
+            activation_checkpointing=self._activation_checkpointing,
+            offload_checkpoints=self._offload_checkpoints is True,
             attention_backend=self._attention_backend, shard_parameters=self._shard_parameters,
             data_parallel_size=self.data_parallel_size, offload_optimizer=self._offload_optimizer,
         )
