@@ -46,7 +46,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, run_on_ranks  # noqa: E402
 
-from lightning_fpdt.block import FPDTBlock, SequenceParallelContext, new_checkpoint_store  # noqa: E402
+from lightning_fpdt.block import SequenceParallelContext, fpdt_blocks, new_checkpoint_store  # noqa: E402
 from lightning_fpdt.layout import shard_batch  # noqa: E402
 from lightning_fpdt.loss import token_weighted_loss  # noqa: E402
 from lightning_fpdt.memory import ModelShape, estimate  # noqa: E402
@@ -69,13 +69,18 @@ def chunk_size(variant: str, seq: int, world: int, args: argparse.Namespace) -> 
     return None if variant in ("single", "ulysses") else max(world, seq // args.chunks // world * world)
 
 
+def offloads(variant: str, args: argparse.Namespace) -> bool:
+    """On CUDA the chunked variants keep their attention chunks (and fpdt_full its checkpoints) on the host."""
+    return args.device == "cuda" and variant in ("fpdt", "fpdt_full")
+
+
 def estimated_peak(variant: str, seq: int, world: int, args: argparse.Namespace) -> int:
     """``lightning_fpdt.memory``'s device peak for this variant (the measured column's counterpart)."""
     tiled, cuda = variant == "fpdt_full", args.device == "cuda"
     return estimate(ModelShape.from_config(model_config(variant, args)), seq, sequence_parallel_size=world,
                     chunk_size=chunk_size(variant, seq, world, args), mlp_tiled=tiled, loss_tiled=tiled,
-                    activation_checkpointing=tiled, offload=cuda and variant in ("fpdt", "fpdt_full"),
-                    offload_checkpoints=cuda and tiled, precision="bf16-mixed" if cuda else "32-true",
+                    activation_checkpointing=tiled, offload=offloads(variant, args),
+                    offload_checkpoints=offloads(variant, args) and tiled, precision="bf16-mixed" if cuda else "32-true",
                     attention_backend=args.backend).device_peak
 
 
@@ -119,10 +124,10 @@ def _setup(rank: int, world: int, variant: str, seq: int, args: argparse.Namespa
     full = variant == "fpdt_full"
     context = SequenceParallelContext(
         group=group, chunk_size=chunk, attention_backend=backend or args.backend, activation_checkpointing=full,
-        offload=cuda and variant in ("fpdt", "fpdt_full"),
-        checkpoint_store=new_checkpoint_store(device) if cuda and full else None,
+        offload=offloads(variant, args),
+        checkpoint_store=new_checkpoint_store(device) if offloads(variant, args) and full else None,
     )
-    for index, block in enumerate(m for m in module.modules() if isinstance(m, FPDTBlock)):
+    for index, (_, block) in enumerate(fpdt_blocks(module)):
         block.bind(context, layer_index=index)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(seq)

@@ -354,6 +354,12 @@ def _compute_dtype(attn: FPDTAttention, x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, attn.q_proj.weight.dtype)
 
 
+def fpdt_blocks(module: nn.Module) -> list[tuple[str, FPDTBlock]]:
+    """``(name, block)`` of every :class:`FPDTBlock` in ``module``, in module order (= forward order
+    for a stack of layers)."""
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, FPDTBlock)]
+
+
 def new_checkpoint_store(device: torch.device, copy_delay: float = 0.0) -> ChunkStore:
     """A store that keeps checkpointed block inputs in host memory (key ``("ckpt", layer_index)``)."""
     return ChunkStore(device, offload=True, groups={"ckpt": "checkpoint"}, copy_delay=copy_delay)

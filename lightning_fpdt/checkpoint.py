@@ -76,11 +76,6 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def is_sharded(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a (complete or not) DCP checkpoint directory."""
-    return Path(path).is_dir()
-
-
 def is_complete(path: str | os.PathLike) -> bool:
     """A checkpoint file, or a DCP directory whose ``meta.pt`` (written last) exists."""
     path = Path(path)

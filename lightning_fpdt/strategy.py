@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
 from lightning_fpdt.attention.kernels import BACKENDS
-from lightning_fpdt.block import SequenceParallelContext, new_checkpoint_store
+from lightning_fpdt.block import SequenceParallelContext, fpdt_blocks, new_checkpoint_store
 from lightning_fpdt.offload import ChunkStore
 from lightning_fpdt.layout import DEFAULT_SEQUENCE_KEYS, shard_batch, validate_chunk_size
 
@@ -73,8 +73,9 @@ class FPDTStrategy(DDPStrategy):
             optimizer state in pinned host memory and run the optimizer step there (FSDP2
             ``CPUOffloadPolicy``; CUDA only).
         nonfinite_loss: ``"raise"`` stops training when any rank's loss is NaN/inf, naming the step and
-            the ranks; ``"skip"`` skips that step's update on every rank (the backward runs on a zero
-            loss, the optimizer does not step) and warns. Checked with one small all-reduce per step.
+            the ranks; ``"skip"`` drops the update of that step's accumulation window on every rank (the
+            backward runs as usual, its gradients are discarded, the optimizer does not step) and warns.
+            Checked with one small all-reduce per step.
             ``"skip"`` runs the closure once before ``optimizer.step``: not for optimizers that call
             it several times (LBFGS).
         **kwargs: the usual :class:`~lightning.pytorch.strategies.DDPStrategy` arguments.
@@ -260,13 +261,8 @@ class FPDTStrategy(DDPStrategy):
             sequence_parallel_size=self.sequence_parallel_size, chunk_size=self._chunk_size,
             attention_backend=self._attention_backend, precision=str(self.precision_plugin.precision),
             device_type=self.root_device.type, offload=self._offload, offload_checkpoints=self._offload_checkpoints,
-            model=self.model,
+            model=self.model, offload_optimizer=self._offload_optimizer,
         )
-        if self._offload_optimizer and self.root_device.type != "cuda":
-            raise ValueError(
-                f"FPDTStrategy: offload_optimizer=True moves the sharded optimizer state from the device to host"
-                f" memory; on {self.root_device.type} it is there already. Use offload_optimizer=False."
-            )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -360,19 +356,15 @@ class FPDTStrategy(DDPStrategy):
         offload_checkpoints = self._offload_checkpoints in (True, "emulate")  # "emulate": the same store
         if self._activation_checkpointing and offload_checkpoints and self._checkpoint_store is None:
             self._checkpoint_store = new_checkpoint_store(self.root_device)
+        from lightning_fpdt.validation import check_has_blocks
+
         context = self.sequence_parallel_context
-        bound = [name for name, m in module.named_modules() if _is_fpdt_block(m)]
-        for index, name in enumerate(bound):  # module order = forward order for a stack of layers
-            module.get_submodule(name).bind(context, layer_index=index)
+        bound = fpdt_blocks(module)
+        for index, (_, block) in enumerate(bound):  # module order = forward order for a stack of layers
+            block.bind(context, layer_index=index)
         if not log:
             return
-        if not bound and self.sequence_parallel_size > 1:
-            raise ValueError(
-                f"FPDTStrategy: sequence_parallel_size={self.sequence_parallel_size} but"
-                f" {type(module).__name__} has no FPDTBlock; without one, attention would only see this"
-                " rank's shard of the sequence. Build the model from lightning_fpdt.FPDTBlock (see"
-                " docs/own-model.md) or use sequence_parallel_size=1."
-            )
+        check_has_blocks(module, len(bound), self.sequence_parallel_size)  # layers made in configure_model
         rank_zero_info(
             f"FPDTStrategy: bound {len(bound)} FPDT block(s) to the sequence-parallel group"
             f" (activation_checkpointing={self._activation_checkpointing},"
@@ -408,7 +400,7 @@ class FPDTStrategy(DDPStrategy):
             mp_policy=self._mixed_precision_policy(),
             offload_policy=CPUOffloadPolicy() if self._offload_optimizer else OffloadPolicy(),
         )
-        for _, block in _fpdt_blocks(module):
+        for _, block in fpdt_blocks(module):
             fully_shard(block, **options)
         fully_shard(module, **options)  # the rest: embeddings, final norm, output projection
         # Lightning calls the *_step methods, not forward: they gather the root's parameters
@@ -768,12 +760,6 @@ class FPDTStrategy(DDPStrategy):
             self._device_mesh = None
 
 
-def _is_fpdt_block(module: torch.nn.Module) -> bool:
-    from lightning_fpdt.block import FPDTBlock
-
-    return isinstance(module, FPDTBlock)
-
-
 class _ShardAwareLauncher(_MultiProcessingLauncher):
     """spawn/fork launcher that hands the parent process whole weights, not rank 0's shards."""
 
@@ -792,10 +778,6 @@ class _ShardAwareLauncher(_MultiProcessingLauncher):
             return super()._collect_rank_zero_results(trainer, results)
         finally:
             del module.state_dict
-
-
-def _fpdt_blocks(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    return [(name, m) for name, m in module.named_modules() if _is_fpdt_block(m)]
 
 
 class ResumableLoader:

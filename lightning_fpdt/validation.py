@@ -56,8 +56,11 @@ def check_chunk_size(chunk_size: int | Literal["auto"] | None, sequence_parallel
         raise ValueError(f"{_PREFIX}{err}") from None
 
 
-def check_offload(offload: OffloadOption, offload_checkpoints: OffloadOption, device_type: str) -> None:
-    """Raise for ``offload=True`` / ``offload_checkpoints=True`` on a device without its own memory.
+def check_offload(
+    offload: OffloadOption, offload_checkpoints: OffloadOption, device_type: str, offload_optimizer: bool = False
+) -> None:
+    """Raise for ``offload=True`` / ``offload_checkpoints=True`` / ``offload_optimizer=True`` on a device
+    without its own memory.
 
     ``"emulate"`` runs the same offload schedule (a background worker copying between host buffers)
     and is allowed on any device; it exists so that CPU runs can exercise the offload path on purpose.
@@ -77,6 +80,11 @@ def check_offload(offload: OffloadOption, offload_checkpoints: OffloadOption, de
             f"{_PREFIX}offload_checkpoints=True moves checkpointed block inputs from device to pinned host"
             f" memory; on {device_type} there is no device memory to save. Use offload_checkpoints=False, or"
             " offload_checkpoints='emulate' to run the offload schedule on CPU (as the tests do)."
+        )
+    if offload_optimizer:
+        raise ValueError(
+            f"{_PREFIX}offload_optimizer=True moves the sharded optimizer state from the device to host memory;"
+            f" on {device_type} it is there already. Use offload_optimizer=False."
         )
 
 
@@ -106,17 +114,21 @@ def check_attention_backend(attention_backend: str, device_type: str, precision:
             )
 
 
-def _fpdt_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    from lightning_fpdt.block import FPDTBlock  # block imports the attention stack: keep this module light
-
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, FPDTBlock)]
-
-
 def _builds_layers_later(model: torch.nn.Module) -> bool:
     """Whether the model may create its layers in ``LightningModule.configure_model`` (after setup_environment)."""
     import lightning.pytorch as pl
 
     return isinstance(model, pl.LightningModule) and type(model).configure_model is not pl.LightningModule.configure_model
+
+
+def check_has_blocks(model: torch.nn.Module, num_blocks: int, sequence_parallel_size: int) -> None:
+    """Raise if ``sequence_parallel_size > 1`` and ``model`` has no FPDT block (``num_blocks == 0``)."""
+    if num_blocks == 0 and sequence_parallel_size > 1:
+        raise ValueError(
+            f"{_PREFIX}sequence_parallel_size={sequence_parallel_size} but {type(model).__name__} has no"
+            " FPDTBlock; without one, attention would only see this rank's shard of the sequence. Build the"
+            " model from lightning_fpdt.FPDTBlock (see docs/own-model.md) or use sequence_parallel_size=1."
+        )
 
 
 def check_model(model: torch.nn.Module | None, sequence_parallel_size: int) -> None:
@@ -126,16 +138,14 @@ def check_model(model: torch.nn.Module | None, sequence_parallel_size: int) -> N
     A model that builds its layers in ``configure_model`` may have no block yet; then the strategy's
     block binding in ``setup`` makes the same checks (also on every rank).
     """
+    from lightning_fpdt.block import fpdt_blocks  # block imports the attention stack: keep this module light
+
     if model is None:
         return
-    blocks = _fpdt_blocks(model)
+    blocks = fpdt_blocks(model)
     if not blocks:
-        if sequence_parallel_size > 1 and not _builds_layers_later(model):
-            raise ValueError(
-                f"{_PREFIX}sequence_parallel_size={sequence_parallel_size} but {type(model).__name__} has no"
-                " FPDTBlock; without one, attention would only see this rank's shard of the sequence. Build the"
-                " model from lightning_fpdt.FPDTBlock (see docs/own-model.md) or use sequence_parallel_size=1."
-            )
+        if not _builds_layers_later(model):
+            check_has_blocks(model, 0, sequence_parallel_size)
         return
     seen: set[tuple[int, int]] = set()
     for name, block in blocks:
@@ -162,6 +172,7 @@ def validate_setup(
     offload: OffloadOption = False,
     offload_checkpoints: OffloadOption = False,
     model: torch.nn.Module | None = None,
+    offload_optimizer: bool = False,
 ) -> None:
     """Run every setup-time check; raise the first ``ValueError`` found.
 
@@ -176,10 +187,11 @@ def validate_setup(
         device_type: the root device's type (``"cpu"``, ``"cuda"``, ...).
         offload: the strategy's ``offload`` argument.
         offload_checkpoints: the strategy's ``offload_checkpoints`` argument.
+        offload_optimizer: the strategy's ``offload_optimizer`` argument.
         model: the module whose FPDT blocks get bound (``None`` skips the model checks).
     """
     check_world_layout(world_size, num_nodes, num_processes, sequence_parallel_size)
     check_chunk_size(chunk_size, sequence_parallel_size)
-    check_offload(offload, offload_checkpoints, device_type)
+    check_offload(offload, offload_checkpoints, device_type, offload_optimizer)
     check_attention_backend(attention_backend, device_type, precision)
     check_model(model, sequence_parallel_size)

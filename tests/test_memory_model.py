@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.block import FPDTBlock, SequenceParallelContext
+from lightning_fpdt.block import SequenceParallelContext, fpdt_blocks
 from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.memory import ModelShape, auto_chunk_size, estimate
@@ -68,7 +68,7 @@ def _measured_and_estimated(rank: int, world: int, seq: int, full: bool) -> tupl
     chunk = seq // 4 if full else None
     context = SequenceParallelContext(group=dist.group.WORLD, chunk_size=chunk, attention_backend="sdpa",
                                       activation_checkpointing=full)
-    for index, block in enumerate(m for m in module.modules() if isinstance(m, FPDTBlock)):
+    for index, (_, block) in enumerate(fpdt_blocks(module)):
         block.bind(context, layer_index=index)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
