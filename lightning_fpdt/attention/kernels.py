@@ -13,17 +13,33 @@ online merge over all key blocks), which is what makes per-block backward exact.
 
 Backends: ``math`` (pure torch, any dtype: the reference), ``sdpa`` (torch's fused kernels through
 the aten ops that return the log-sum-exp), ``flash_attn`` (the flash-attn package, CUDA).
+
+Each fused CUDA backward op gets what its forward op returned, as torch's autograd formula passes it
+(``derivatives.yaml``); tests/test_cuda_calls.py checks every call on meta tensors.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import math
+import re
+import sys
+from types import ModuleType
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 BACKENDS = ("auto", "math", "sdpa", "flash_attn")
+
+# flash-attn releases whose private `_flash_attn_forward`/`_flash_attn_backward` have the argument lists and
+# return arity called below: [2.7, 2.9). 2.6.x takes a `window_size` tuple and returns 8 values. Keep in step
+# with the `flash` extra in pyproject.toml.
+FLASH_ATTN_VERSIONS = ((2, 7), (2, 9))
+FLASH_ATTN_REQUIREMENT = "flash-attn>=2.7,<2.9"
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,6 +69,22 @@ def _sum_kv_grad(dx: Tensor, kv_heads: int) -> Tensor:
     """Inverse of :func:`_repeat_kv` for gradients: sum over the query heads sharing a KV head."""
     b, s, h, d = dx.shape
     return dx if h == kv_heads else dx.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
+
+
+def _last_dim_contiguous(x: Tensor) -> Tensor:
+    """The fused CUDA kernels take any strides except in the head dim."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _dense_head_dim(x: Tensor) -> Tensor:
+    """Last dim contiguous and padded with zeros to a multiple of 8, as the flash kernels require.
+
+    Zero columns change no score (the scale is always passed explicitly), give zero output columns and
+    zero gradient columns; callers slice them off.
+    """
+    x = _last_dim_contiguous(x)
+    d = x.shape[-1]
+    return x if d % 8 == 0 else F.pad(x, (0, 8 - d % 8))
 
 
 class AttentionKernel(Protocol):
@@ -110,131 +142,263 @@ class MathKernel:
         return dq, _sum_kv_grad(dk, g), _sum_kv_grad(dv, g)
 
 
+def _efficient_lse_len(s_q: int) -> int:
+    """Length of the lse the memory-efficient CUDA op returns for ``s_q`` queries (torch's meta function).
+
+    The CUDA kernel pads it to a multiple of 32 and writes +inf in the padding, so that its backward can
+    read whole 32-row tiles without bound checks; ROCm's kernel returns exactly ``s_q``.
+    """
+    return s_q if torch.version.hip else -(-s_q // 32) * 32
+
+
+def _unused_rng_state(flash_op: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The philox seed/offset pair a forward without dropout returns: its dtypes and shapes, unread contents.
+
+    The CUDA backward reads them only when ``dropout_p > 0`` (flash: ``if (is_dropout) params.rng_state =
+    ...``; efficient: ``if (use_dropout)``), but they must be defined tensors, as the forward's are: ROCm's
+    backward takes their data pointer unconditionally.
+    """
+    if flash_op and not torch.version.hip:  # the flash op returns (rng_state uint64[2], unused uint64[])
+        return torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
+    return torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device)
+
+
 class SdpaKernel:
     """torch's fused attention through the aten ops that return the log-sum-exp.
 
-    CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (any float dtype). CUDA: the flash op for
-    float16/bfloat16 and the memory-efficient op otherwise (float64 falls back to ``math``).
+    CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (any float dtype). Any other device (CUDA, and
+    meta, whose shape functions mirror CUDA's): the flash op for float16/bfloat16, with k/v at their own
+    head count (it supports GQA, as torch's sdpa with ``enable_gqa`` relies on), and the memory-efficient
+    op for float32, which needs equal head counts; float64 falls back to ``math``.
     """
 
     name = "sdpa"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         _check_shapes(q, k, v, causal)
-        h = q.shape[2]
-        # aten wants [b, h, s, d]
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, _repeat_kv(k, h), _repeat_kv(v, h)))
         if q.device.type == "cpu":
+            h = q.shape[2]
+            # aten wants [b, h, s, d]
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, _repeat_kv(k, h), _repeat_kv(v, h)))
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qt, kt, vt, 0.0, causal, attn_mask=None, scale=scale
             )
-        elif q.dtype in (torch.float16, torch.bfloat16):
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)[:2]
-        elif q.dtype == torch.float32:
-            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-                qt, kt, vt, None, True, 0.0, causal, scale=scale
-            )[:2]
-            lse = lse[..., : q.shape[1]]  # the efficient kernel pads lse's sequence dim to a multiple of 32
-        else:
-            return MathKernel().forward(q, k, v, causal, scale)
-        return out.transpose(1, 2), lse
+            return out.transpose(1, 2), lse
+        if q.dtype in _HALF:
+            return _flash_op_forward(q, k, v, causal, scale)
+        if q.dtype == torch.float32:
+            return _efficient_op_forward(q, k, v, causal, scale)
+        return MathKernel().forward(q, k, v, causal, scale)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         _check_shapes(q, k, v, causal)
-        h, g = q.shape[2], k.shape[2]
-        qt, kt, vt, ot, dot = (
-            x.transpose(1, 2) for x in (q, _repeat_kv(k, h), _repeat_kv(v, h), out, dout.to(q.dtype))
-        )
-        lse = lse.to(accumulate_dtype(q.dtype)).contiguous()
         if q.device.type == "cpu":
+            h, g = q.shape[2], k.shape[2]
+            qt, kt, vt, ot, dot = (
+                x.transpose(1, 2) for x in (q, _repeat_kv(k, h), _repeat_kv(v, h), out, dout.to(q.dtype))
+            )
+            lse = lse.to(accumulate_dtype(q.dtype)).contiguous()
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dot.contiguous(), qt, kt, vt, ot, lse, 0.0, causal, attn_mask=None, scale=scale
             )
-        elif q.dtype in (torch.float16, torch.bfloat16):
-            empty = torch.empty(0, dtype=torch.int64, device=q.device)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dot.contiguous(), qt, kt, vt, ot, lse, empty, empty, q.shape[1], k.shape[1], 0.0, causal,
-                empty, empty, scale=scale,
-            )
-        elif q.dtype == torch.float32:
-            empty = torch.empty(0, dtype=torch.int64, device=q.device)
-            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dot.contiguous(), qt, kt, vt, torch.empty(0, device=q.device), ot, lse, empty, empty, 0.0,
-                [True, True, True, False], causal, scale=scale,
-            )
-        else:
-            return MathKernel().backward(dout, q, k, v, out, lse, causal, scale)
-        dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
-        return dq, _sum_kv_grad(dk, g), _sum_kv_grad(dv, g)
+            dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
+            return dq, _sum_kv_grad(dk, g), _sum_kv_grad(dv, g)
+        if q.dtype in _HALF:
+            return _flash_op_backward(dout, q, k, v, out, lse, causal, scale)
+        if q.dtype == torch.float32:
+            return _efficient_op_backward(dout, q, k, v, out, lse, causal, scale)
+        return MathKernel().backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _flash_op_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    d = q.shape[-1]
+    qt, kt, vt = (_dense_head_dim(x).transpose(1, 2) for x in (q, k, v))  # [b, heads or kv_heads, s, d8]
+    # -> (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)[:2]
+    return out.transpose(1, 2)[..., :d], lse  # lse [b, h, s_q] float32
+
+
+def _flash_op_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    d = q.shape[-1]
+    dot, qt, kt, vt, ot = (_dense_head_dim(x.to(q.dtype)).transpose(1, 2) for x in (dout, q, k, v, out))
+    rng_state, unused = _unused_rng_state(True, q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dot, qt, kt, vt, ot, lse.to(torch.float32).contiguous(),
+        None, None,  # cum_seq_q/k: the dense forward returns them undefined; defined ones select the varlen kernel
+        q.shape[1], k.shape[1],  # max_q/max_k: the dense forward returns the two sequence lengths
+        0.0, causal, rng_state, unused, scale=scale,
+    )
+    return dq.transpose(1, 2)[..., :d], dk.transpose(1, 2)[..., :d], dv.transpose(1, 2)[..., :d]
+
+
+def _efficient_op_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    s_q, h = q.shape[1], q.shape[2]
+    # [b, h, s, d] with equal head counts
+    qt, kt, vt = (_last_dim_contiguous(x).transpose(1, 2) for x in (q, _repeat_kv(k, h), _repeat_kv(v, h)))
+    # -> (output, log_sumexp, philox_seed, philox_offset)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        qt, kt, vt, None, True, 0.0, causal, scale=scale
+    )[:2]
+    if lse.shape[-1] != _efficient_lse_len(s_q):
+        raise RuntimeError(
+            f"SdpaKernel: the memory-efficient op returned an lse of length {lse.shape[-1]} for {s_q} queries,"
+            f" not the {_efficient_lse_len(s_q)} its backward is fed; this torch build changed the layout."
+        )
+    return out.transpose(1, 2), lse[..., :s_q]
+
+
+def _efficient_op_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    s_q, h, g = q.shape[1], q.shape[2], k.shape[2]
+    qt, kt, vt, dot = (
+        _last_dim_contiguous(x).transpose(1, 2) for x in (q, _repeat_kv(k, h), _repeat_kv(v, h), dout.to(q.dtype))
+    )
+    # The kernel is given only out's batch and head strides and assumes the rest of the forward's output
+    # layout, [b, s, h, d] contiguous.
+    ot = out.to(q.dtype).contiguous().transpose(1, 2)
+    # The merged lse [b, h, s_q] re-padded to the forward's layout. The kernel reads whole 32-row tiles
+    # without bound checks; +inf, what the forward writes there, makes P = exp(S - lse) = 0 on those rows.
+    lse_padded = F.pad(lse.to(torch.float32), (0, _efficient_lse_len(s_q) - s_q), value=math.inf)
+    philox_seed, philox_offset = _unused_rng_state(False, q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dot, qt, kt, vt,
+        None,  # attn_bias: the forward had none; a defined one is read as a BMHK bias
+        ot, lse_padded, philox_seed, philox_offset, 0.0, [True, True, True, False], causal, scale=scale,
+    )
+    dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
+    return dq, _sum_kv_grad(dk, g), _sum_kv_grad(dv, g)
+
+
+_FLASH_ATTN_FIX = (
+    f" install the 'flash' extra (pip install 'lightning-fpdt[flash]', i.e. {FLASH_ATTN_REQUIREMENT}) or use"
+    " attention_backend='sdpa' or 'auto'."
+)
 
 
 class FlashAttnKernel:
-    """The flash-attn package (CUDA, float16/bfloat16); supports GQA natively."""
+    """The flash-attn package (CUDA, float16/bfloat16, ``FLASH_ATTN_REQUIREMENT``); supports GQA natively.
+
+    Args:
+        interface: the ``flash_attn.flash_attn_interface`` module; imported (and its version checked) when omitted.
+
+    Raises:
+        ValueError: flash-attn does not import or its version is outside ``FLASH_ATTN_VERSIONS``.
+    """
 
     name = "flash_attn"
 
-    def __init__(self) -> None:
-        from flash_attn import flash_attn_interface  # noqa: F401  (raises a clear ImportError)
-
-        self._fa = flash_attn_interface
+    def __init__(self, interface: ModuleType | None = None) -> None:
+        if interface is None:
+            interface, problem = _load_flash_attn()
+            if interface is None:
+                raise ValueError(f"attention_backend='flash_attn' but {problem};{_FLASH_ATTN_FIX}")
+        self._fa = interface
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         _check_shapes(q, k, v, causal)
+        d = q.shape[-1]
+        q8, k8, v8 = (_dense_head_dim(x) for x in (q, k, v))  # k/v keep their kv_heads
+        # flash-attn 2.7-2.8 -> (out, softmax_lse, S_dmask, rng_state)
         out, lse, _, _ = self._fa._flash_attn_forward(
-            q, k, v, 0.0, scale, causal=causal, window_size_left=-1, window_size_right=-1,
+            q8, k8, v8, 0.0, scale, causal=causal, window_size_left=-1, window_size_right=-1,
             softcap=0.0, alibi_slopes=None, return_softmax=False,
         )
-        return out, lse
+        return out[..., :d], lse
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         _check_shapes(q, k, v, causal)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        d = q.shape[-1]
+        do8, q8, k8, v8, o8 = (_dense_head_dim(x.to(q.dtype)) for x in (dout, q, k, v, out))
+        dq, dk, dv = torch.empty_like(q8), torch.empty_like(k8), torch.empty_like(v8)
+        # fills dq, dk, dv; rng_state (unread without dropout) left at its default None
         self._fa._flash_attn_backward(
-            dout.to(q.dtype).contiguous(), q, k, v, out, lse.float(), dq, dk, dv, 0.0, scale, causal,
+            do8, q8, k8, v8, o8, lse.to(torch.float32).contiguous(), dq, dk, dv, 0.0, scale, causal,
             -1, -1, 0.0, None, False,
         )
-        return dq, dk, dv
+        return dq[..., :d], dk[..., :d], dv[..., :d]
+
+
+def _load_flash_attn() -> tuple[ModuleType | None, str]:
+    """``(flash_attn.flash_attn_interface, "")``, or ``(None, why it cannot be used)``."""
+    try:
+        # Importing, not just finding, the package: its CUDA extension can be present but unloadable.
+        interface = importlib.import_module("flash_attn.flash_attn_interface")
+    except (ImportError, OSError, RuntimeError) as err:  # an extension built for another torch or CUDA
+        if isinstance(err, ModuleNotFoundError) and err.name == "flash_attn":
+            return None, "the flash-attn package is not installed"
+        return None, f"the flash-attn package is installed but does not import ({type(err).__name__}: {err})"
+    version = str(getattr(sys.modules.get("flash_attn"), "__version__", "?"))
+    found = re.match(r"(\d+)\.(\d+)", version)
+    low, high = FLASH_ATTN_VERSIONS
+    if found is None or not low <= (int(found[1]), int(found[2])) < high:
+        return None, (
+            f"flash-attn {version} is installed, and this backend calls its private _flash_attn_forward/"
+            f"_flash_attn_backward as {FLASH_ATTN_REQUIREMENT} define them"
+        )
+    return interface, ""
+
+
+def flash_attn_unavailable_reason() -> str | None:
+    """Why the ``flash_attn`` backend cannot be used here (not installed, does not import, wrong version), or None."""
+    return _load_flash_attn()[1] or None
 
 
 def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """Whether flash-attn imports (CUDA extension included) and is a release in ``FLASH_ATTN_VERSIONS``."""
+    return flash_attn_unavailable_reason() is None
 
 
-def get_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> AttentionKernel:
-    """Resolve a backend name (``auto`` included) to a kernel for this device and dtype.
+def resolve_backend(backend: str, device_type: str, dtype: torch.dtype) -> str:
+    """The backend that ``backend`` (``auto`` included) runs as on this device type and dtype.
 
-    ``auto``: ``flash_attn`` on CUDA with half precision when the package imports; ``sdpa`` on CPU
-    and on CUDA for float16/bfloat16/float32; ``math`` for float64 on CUDA.
+    ``auto``: ``flash_attn`` on CUDA with half precision when flash-attn imports and its version is
+    supported (else ``sdpa``); ``sdpa`` on CPU and on CUDA for float16/bfloat16/float32; ``math`` for
+    float64 on CUDA.
 
     Raises:
         ValueError: unknown backend name, or one that cannot run on this device or dtype.
     """
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is not one of {BACKENDS}.")
-    half = dtype in (torch.float16, torch.bfloat16)
+    half = dtype in _HALF
     if backend == "auto":
-        if device.type == "cuda" and half and flash_attn_available():
-            backend = "flash_attn"
-        elif device.type == "cuda" and dtype == torch.float64:
-            backend = "math"
-        else:
-            backend = "sdpa"
-    if backend == "math":
-        return MathKernel()
-    if backend == "sdpa":
-        return SdpaKernel()
-    if device.type != "cuda" or not half:
+        if device_type == "cuda" and half and flash_attn_available():
+            return "flash_attn"
+        return "math" if device_type == "cuda" and dtype == torch.float64 else "sdpa"
+    if backend != "flash_attn":
+        return backend
+    if device_type != "cuda":
         raise ValueError(
-            f"attention_backend='flash_attn' needs a CUDA device and float16/bfloat16 inputs, got {device.type}"
-            f" and {dtype}. Use attention_backend='sdpa' or 'auto'."
+            f"attention_backend='flash_attn' needs a CUDA device, but this run is on {device_type}."
+            " Use attention_backend='sdpa' or 'auto'."
         )
     if not flash_attn_available():
+        reason = flash_attn_unavailable_reason() or "the flash-attn package is not installed"
+        raise ValueError(f"attention_backend='flash_attn' but {reason};{_FLASH_ATTN_FIX}")
+    if not half:
         raise ValueError(
-            "attention_backend='flash_attn' but the flash-attn package is not installed; install the"
-            " 'flash' extra (pip install 'lightning-fpdt[flash]') or use attention_backend='sdpa'."
+            f"attention_backend='flash_attn' needs float16/bfloat16 inputs, got {dtype}."
+            " Use attention_backend='sdpa' or 'auto'."
         )
+    return backend
+
+
+def get_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> AttentionKernel:
+    """The kernel :func:`resolve_backend` picks for this device and dtype.
+
+    Raises:
+        ValueError: unknown backend name, or one that cannot run on this device or dtype.
+    """
+    name = resolve_backend(backend, device.type, dtype)
+    if name == "math":
+        return MathKernel()
+    if name == "sdpa":
+        return SdpaKernel()
     return FlashAttnKernel()
