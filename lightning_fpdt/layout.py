@@ -69,11 +69,6 @@ def validate_chunk_size(chunk_size: int | None, sp_size: int) -> None:
         )
 
 
-def local_chunk_lengths(local_len: int, local_chunk_size: int | None) -> list[int]:
-    """Per-rank chunk lengths: ``chunk_lengths`` of the local shard with ``C / P`` per chunk."""
-    return chunk_lengths(local_len, local_chunk_size)
-
-
 def fpdt_permutation(seq_len: int, sp_size: int, chunk_size: int | None = None) -> Tensor:
     """Global token indices in layout order: rank 0's shard first, then rank 1's, ...
 

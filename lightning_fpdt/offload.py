@@ -2,11 +2,13 @@
 
 A :class:`ChunkStore` holds the chunks the FPDT attention pipeline saves for backward (k/v chunks,
 and the query-side chunks q, out, lse, dout and the dq accumulator), under keys
-``(kind, chunk_index)``. Its life cycle is explicit:
+``(kind, chunk_index)``, and the checkpointed block inputs under keys from :meth:`ChunkStore.new_key`.
+Its life cycle is explicit:
 
 ``put(key, x)``
-    take ownership of a device tensor. With offload on, a device-to-host copy starts on the copy
-    stream and the device memory is given back as soon as that copy is done.
+    take ownership of a device tensor under a key that is not in use (a live key is an error, never
+    replaced silently). With offload on, a device-to-host copy starts on the copy stream and the
+    device memory is given back as soon as that copy is done.
 ``prefetch(key)``
     start bringing an offloaded chunk back to the device on the copy stream (issue before compute).
 ``get(key)``
@@ -15,7 +17,8 @@ and the query-side chunks q, out, lse, dout and the dq accumulator), under keys
 ``evict(key)``
     the caller is done with the device copy for now; the host copy stays.
 ``delete(key)``
-    the chunk is no longer needed at all.
+    the chunk is no longer needed at all. ``delete_later(key)`` does the same at the next ``put`` or
+    ``keys``: for a finalizer, which may run in the middle of another call of the store.
 
 On CUDA the copies run on a side stream ordered with events: no host synchronize, no barrier.
 Pinned host buffers come from a pool and are reused in copy-stream order, which is the order of
@@ -30,10 +33,11 @@ per group of kinds; bytes moved each way; time the compute waited for copies.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +128,8 @@ class ChunkStore:
         self.stats = OffloadStats()
         self._groups = groups or {}
         self._entries: dict[Key, _Entry] = {}
+        self._serials = itertools.count()
+        self._doomed: list[Key] = []  # keys to delete at the next put/keys (delete_later)
         self._copy_delay = copy_delay
         self._cuda = device.type == "cuda"
         self._pool = _HostPool(pin=self._cuda)
@@ -141,9 +147,16 @@ class ChunkStore:
 
         With ``keep_on_device`` the device copy stays usable (the host copy still starts now)
         until :meth:`evict`: for a chunk that is used again right away.
+
+        Raises:
+            ValueError: ``key`` holds a chunk already (delete it first, or take a fresh key from :meth:`new_key`).
         """
+        self._purge()
         if key in self._entries:
-            self.delete(key)
+            raise ValueError(
+                f"ChunkStore: chunk {key!r} is already stored; replacing it would lose a chunk its owner still"
+                " needs. Delete it first, or take a fresh key from new_key(kind)."
+            )
         entry = _Entry(device=x)
         self._entries[key] = entry
         self._account()
@@ -244,6 +257,19 @@ class ChunkStore:
                     fut.add_done_callback(lambda _f, h=host: self._pool.release(h))
         self._account()
 
+    def delete_later(self, key: Key) -> None:
+        """Delete ``key`` (if it is still there) at the next :meth:`put` or :meth:`keys`.
+
+        Safe to call from a finalizer: it only appends to a list, while :meth:`delete` changes the
+        entries another call of the store may be iterating over.
+        """
+        self._doomed.append(key)
+
+    def new_key(self, kind: str) -> Key:
+        """A key of ``kind`` this store has never handed out: for chunks whose lifetimes may overlap
+        in any order (two forward passes of one block before its backward)."""
+        return kind, next(self._serials)
+
     def clear(self) -> None:
         for key in list(self._entries):
             self.delete(key)
@@ -255,7 +281,16 @@ class ChunkStore:
             self._worker = None
 
     def keys(self) -> Iterable[Hashable]:
+        """The live keys, in the order they were put."""
+        self._purge()
         return self._entries.keys()
+
+    def __contains__(self, key: object) -> bool:
+        self._purge()
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(list(self.keys()))
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -264,6 +299,10 @@ class ChunkStore:
             return self._entries[key]
         except KeyError:
             raise KeyError(f"ChunkStore: no chunk {key!r}; it was never put or was already deleted.") from None
+
+    def _purge(self) -> None:
+        while self._doomed:
+            self.delete(self._doomed.pop())
 
     def _submit(self, fn: Any, *args: Any) -> Future:
         assert self._worker is not None

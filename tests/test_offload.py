@@ -7,8 +7,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_fpdt.attention import fpdt_attention
+from lightning_fpdt.block import FPDTAttention, SequenceParallelContext
 from lightning_fpdt.layout import shard_sequence
 from lightning_fpdt.offload import ChunkStore, OffloadStats
+from lightning_fpdt.rope import RotaryEmbedding
 from tests.distributed import run_distributed
 
 CHUNKS = range(2, 9)  # every chunk count from 2 to 8
@@ -83,3 +85,59 @@ def test_store_life_cycle_and_errors() -> None:
     with pytest.raises(KeyError, match=r"no chunk \('k', 0\)"):
         store.get(("k", 0))
     store.close()
+
+
+def test_put_on_a_live_key_is_an_error() -> None:
+    store = ChunkStore(torch.device("cpu"), offload=True)
+    x = torch.randn(4, 4)
+    store.put(("ckpt", 0), x)
+    with pytest.raises(ValueError, match=r"chunk \('ckpt', 0\) is already stored.*new_key"):
+        store.put(("ckpt", 0), torch.zeros(4, 4))
+    assert torch.equal(store.get(("ckpt", 0)), x)  # the first chunk is untouched
+    keys = {store.new_key("ckpt") for _ in range(3)}
+    assert len(keys) == 3 and all(kind == "ckpt" for kind, _ in keys)
+    store.delete_later(("ckpt", 0))  # deferred: applied at the next look at the keys
+    assert ("ckpt", 0) not in store and not list(store.keys())
+    store.close()
+
+
+def _attention_inputs(seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 24, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 24, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))  # GQA
+    return q, k, v
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offloaded"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("mode", ["no_grad", "inputs-without-grad"])
+def test_forward_without_gradients_saves_nothing_for_backward(offload: bool, causal: bool, mode: str) -> None:
+    q, k, v = _attention_inputs(int(torch.randint(0, 2**30, ()).item()))
+    options = {"chunk_size": 8, "causal": causal, "backend": "math", "offload": offload}
+    expected = fpdt_attention(*(x.clone().requires_grad_() for x in (q, k, v)), **options).detach()
+    stats: list[OffloadStats] = []
+    if mode == "no_grad":
+        with torch.no_grad():
+            out = fpdt_attention(*(x.clone().requires_grad_() for x in (q, k, v)), **options, stats_sink=stats)
+    else:
+        out = fpdt_attention(q, k, v, **options, stats_sink=stats)
+    assert torch.equal(out, expected)
+    # only k/v pass through the store (the forward itself reads them again); no query-side chunk is kept
+    assert "query" not in stats[0].peak_resident_chunks
+    assert stats[0].bytes_to_host == (2 * k.numel() * k.element_size() if offload else 0)
+
+
+def test_block_forward_without_gradients_saves_nothing_for_backward() -> None:
+    attn = FPDTAttention(32, 4, 2, rope=RotaryEmbedding(8)).double()  # q/k/v projected per chunk
+    attn.bind(SequenceParallelContext(chunk_size=8, attention_backend="math", offload=True))
+    x = torch.randn(2, 24, 32, dtype=torch.float64)
+    pos = torch.arange(24).expand(2, 24)
+    expected = attn(x, pos)
+    expected.sum().backward()
+    assert "query" in attn.record.stats.peak_resident_chunks  # with a backward to come, they are kept
+    with torch.no_grad():
+        out = attn(x, pos)
+    stats = attn.record.stats
+    assert torch.equal(out, expected.detach())
+    assert "query" not in stats.peak_resident_chunks
+    assert stats.bytes_to_host == 2 * 2 * 24 * 2 * 8 * 8  # k and v: [batch, seq, kv_heads, head_dim] float64

@@ -10,7 +10,8 @@ from torch.distributed import ProcessGroup
 
 from lightning_fpdt.attention.kernels import BACKENDS, get_kernel
 from lightning_fpdt.attention.merge import update_out_and_lse
-from lightning_fpdt.attention.pipeline import FPDTAttentionFunction, PipelineOptions, chunk_bounds
+from lightning_fpdt.attention.pipeline import PipelineOptions, chunk_bounds, run_pipeline
+from lightning_fpdt.attention.sources import TensorEnds
 from lightning_fpdt.attention.ulysses import ulysses_attention
 from lightning_fpdt.comm import check_heads, expand_kv_heads, group_size, head_to_seq
 from lightning_fpdt.layout import validate_chunk_size
@@ -77,8 +78,7 @@ def fpdt_attention(
         group, chunk_size, causal=causal, scale=scale, kernel=kernel, offload=offload, copy_delay=copy_delay,
         stats_sink=stats_sink,
     )
-    needs_backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    out, lse = FPDTAttentionFunction.apply(q, k, v, opt, needs_backward)
+    out, lse = run_pipeline(TensorEnds(kv_heads=k.shape[2]), opt, q, k, v)
     if not return_lse:
         return out
     # lse [b, h/P, S] head-sharded -> [b, S/P, h] sequence-sharded (per chunk, in layout order)

@@ -3,7 +3,7 @@
 Inputs are this rank's shards in the FPDT layout (``lightning_fpdt.layout``): ``[batch, s_local,
 heads, head_dim]`` with ``s_local = S / P``, local chunk ``i`` being sub-chunk ``rank`` of global
 chunk ``i``. One all-to-all per chunk turns local chunk ``i`` into global chunk ``i`` with
-``heads / P`` heads (DESIGN.md section 4, steps 2, 4, 5).
+``heads / P`` heads (docs/how-fpdt-works.md, sections 1 to 4).
 
 Forward, for each query chunk ``i``: all-to-all ``q_i, k_i, v_i``; attend ``q_i`` to ``k_j, v_j``
 for ``j <= i`` (causal; all ``j`` otherwise), the diagonal block first while it is on the device,
@@ -16,12 +16,18 @@ when causal) with the next query-side set (q, out, lse, dout, dq) prefetched. Af
 all-to-all, so nothing of the size of the whole sequence with ``heads / P`` heads is ever
 materialised beyond the saved chunks, which live in a :class:`ChunkStore` (host memory when
 offloaded).
+
+Where the local chunks come from and where their gradients go is not this module's business: a
+:class:`ChunkSource` hands out local q/k/v chunks and a :class:`ChunkSink` takes the final gradient
+chunks. ``lightning_fpdt.attention.sources`` has the two pairs: slices of whole q/k/v tensors
+(``fpdt_attention``) and q/k/v projected chunk by chunk from a block's input (``FPDTAttention``).
+:class:`PipelineFunction` is the one autograd Function over any pair (:class:`PipelineEnds`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -30,7 +36,7 @@ from torch.distributed import ProcessGroup
 from lightning_fpdt.attention.kernels import AttentionKernel, accumulate_dtype
 from lightning_fpdt.attention.merge import update_out_and_lse
 from lightning_fpdt.comm import group_size, head_to_seq, seq_to_head
-from lightning_fpdt.layout import local_chunk_lengths, validate_chunk_size
+from lightning_fpdt.layout import chunk_lengths, validate_chunk_size
 from lightning_fpdt.offload import ChunkStore, OffloadStats
 from lightning_fpdt.profiling import record
 
@@ -60,9 +66,69 @@ class PipelineOptions:
         return cls(group=group, local_chunk_size=None if chunk_size is None else chunk_size // p, **options)
 
 
+class ChunkSource(Protocol):
+    """Where the forward gets this rank's local chunks ``lo:hi`` of q, k and v (layout order).
+
+    Attributes:
+        q_shape: the whole local q, ``[batch, s_local, n_heads, head_dim]``.
+        dtype: the dtype of the q chunks; may be known only once the first chunk is made (autocast).
+    """
+
+    q_shape: torch.Size
+    dtype: torch.dtype | None
+
+    def q(self, lo: int, hi: int) -> Tensor:
+        """``[batch, hi - lo, n_heads, head_dim]``."""
+        ...
+
+    def kv(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        """k and v ``[batch, hi - lo, kv_heads, head_dim]``, ``kv_heads`` already replicated to a multiple of P."""
+        ...
+
+
+class ChunkSink(Protocol):
+    """Where the backward puts each local gradient chunk once it is final, and what it makes of them."""
+
+    def q(self, lo: int, hi: int, dq: Tensor) -> None:
+        """``dq`` ``[batch, hi - lo, n_heads, head_dim]``: final."""
+        ...
+
+    def kv(self, lo: int, hi: int, dk: Tensor, dv: Tensor) -> None:
+        """``dk``, ``dv`` ``[batch, hi - lo, kv_heads, head_dim]``: final."""
+        ...
+
+    def result(self) -> tuple[Tensor | None, ...]:
+        """The gradients of the pipeline's inputs (see :class:`PipelineEnds`), once every chunk is in."""
+        ...
+
+
+class PipelineEnds(Protocol):
+    """Both ends of a pipeline over the tensor ``inputs`` given to :class:`PipelineFunction`.
+
+    Holds no tensors itself: the autograd context keeps it until backward, and a reference to a
+    whole q or k there would keep its storage alive.
+    """
+
+    def source(self, *inputs: Tensor) -> ChunkSource:
+        """The forward's chunk source over ``inputs``."""
+        ...
+
+    def saved(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        """The inputs :meth:`sink` needs in backward (kept with ``ctx.save_for_backward``)."""
+        ...
+
+    def sink(self, dout: Tensor, dtype: torch.dtype, *saved: Tensor) -> ChunkSink:
+        """The backward's sink; its ``result()`` is one gradient (or ``None``) per input, in order.
+
+        ``dout`` ``[batch, s_local, n_heads, head_dim]``; ``dtype`` that of the source's q chunks.
+        """
+        ...
+
+
 def chunk_bounds(s_local: int, local_chunk_size: int | None) -> list[tuple[int, int]]:
+    """``(lo, hi)`` of each local chunk: the chunk lengths of the local shard with ``C / P`` per chunk."""
     bounds, start = [], 0
-    for length in local_chunk_lengths(s_local, local_chunk_size):
+    for length in chunk_lengths(s_local, local_chunk_size):
         bounds.append((start, start + length))
         start += length
     return bounds
@@ -74,40 +140,14 @@ def _key_order(i: int, n: int, causal: bool) -> list[int]:
     return [i, *others]
 
 
-class ChunkSource:
-    """Where the forward gets local chunks of q, k, v: slices of whole tensors (this class), or a
-    projection computed chunk by chunk (``lightning_fpdt.block``)."""
+def pipeline_forward(
+    source: ChunkSource, opt: PipelineOptions, store: ChunkStore, save_for_backward: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Attention output ``[b, s_local, h, d]`` and lse ``[b, h/P, S]`` (head-sharded, layout order).
 
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor) -> None:
-        self._q, self._k, self._v = q, k, v
-        self.q_shape, self.dtype = q.shape, q.dtype  # [b, s_local, h, d]
-
-    def q(self, lo: int, hi: int) -> Tensor:
-        return self._q[:, lo:hi]
-
-    def kv(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
-        return self._k[:, lo:hi], self._v[:, lo:hi]
-
-
-class ChunkSink:
-    """Where the backward puts final local gradient chunks: whole preallocated tensors (this class),
-    or a projection's backward run chunk by chunk (``lightning_fpdt.block``)."""
-
-    def __init__(self, b: int, s_local: int, h: int, kv_heads: int, d: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.dq = torch.empty(b, s_local, h, d, dtype=dtype, device=device)
-        self.dk = torch.empty(b, s_local, kv_heads, d, dtype=dtype, device=device)
-        self.dv = torch.empty_like(self.dk)
-
-    def q(self, lo: int, hi: int, dq: Tensor) -> None:
-        self.dq[:, lo:hi] = dq
-
-    def kv(self, lo: int, hi: int, dk: Tensor, dv: Tensor) -> None:
-        self.dk[:, lo:hi] = dk
-        self.dv[:, lo:hi] = dv
-
-
-def pipeline_forward(source: ChunkSource, opt: PipelineOptions, store: ChunkStore) -> tuple[Tensor, Tensor]:
+    With ``save_for_backward`` the query-side chunks (q, out, lse) stay in ``store`` for
+    :func:`pipeline_backward`; without it only k/v pass through the store, for this forward's own use.
+    """
     b, s_local, h, d = source.q_shape  # s_local = S // P; h = all query heads
     bounds = chunk_bounds(s_local, opt.local_chunk_size)
     n = len(bounds)
@@ -150,14 +190,19 @@ def pipeline_forward(source: ChunkSource, opt: PipelineOptions, store: ChunkStor
             out = out_c.new_empty(b, s_local, h, d)
         out[:, lo:hi] = out_c
         lses.append(lse_i)
-        store.put(("q", i), q_i)
-        store.put(("o", i), out_i)
-        store.put(("lse", i), lse_i)
+        if save_for_backward:
+            store.put(("q", i), q_i)
+            store.put(("o", i), out_i)
+            store.put(("lse", i), lse_i)
     assert out is not None
     return out, lses[0] if n == 1 else torch.cat(lses, dim=2)  # lse [b, h/P, S]
 
 
-def pipeline_backward(dout: Tensor, q_dtype: torch.dtype, opt: PipelineOptions, store: ChunkStore, sink: ChunkSink) -> None:
+def pipeline_backward(
+    dout: Tensor, q_dtype: torch.dtype, opt: PipelineOptions, store: ChunkStore, sink: ChunkSink
+) -> None:
+    """Gradients of q, k, v from ``dout`` ``[b, s_local, h, d]`` and the chunks :func:`pipeline_forward`
+    left in ``store``, handed to ``sink`` chunk by chunk as they become final."""
     s_local = dout.shape[1]
     bounds = chunk_bounds(s_local, opt.local_chunk_size)
     n = len(bounds)
@@ -183,7 +228,7 @@ def pipeline_backward(dout: Tensor, q_dtype: torch.dtype, opt: PipelineOptions, 
                     store.put(("do", i), seq_to_head(dout[:, lo:hi], opt.group))
             if pos + 1 < len(rows):  # prefetch the next query-side set while this one computes
                 for kind in _QUERY_SET:
-                    if (kind, rows[pos + 1]) in store.keys():
+                    if (kind, rows[pos + 1]) in store:
                         store.prefetch((kind, rows[pos + 1]))
             if j + 1 < n and pos + 1 == len(rows):  # and the next k/v during the last row
                 store.prefetch(("k", j + 1))
@@ -191,7 +236,7 @@ def pipeline_backward(dout: Tensor, q_dtype: torch.dtype, opt: PipelineOptions, 
             q_i, o_i, lse_i, do_i = (store.get((kind, i)) for kind in ("q", "o", "lse", "do"))
             with record("fpdt/attention_chunk_backward"):
                 dq, dk, dv = opt.kernel.backward(do_i, q_i, k_j, v_j, o_i, lse_i, opt.causal and i == j, opt.scale)
-            if ("dq", i) not in store.keys():
+            if ("dq", i) not in store:
                 dq_i = dq.to(acc)
             elif store.offload:
                 dq_i = store.get(("dq", i)) + dq  # not in place: the old one may still be copying to host
@@ -200,6 +245,7 @@ def pipeline_backward(dout: Tensor, q_dtype: torch.dtype, opt: PipelineOptions, 
             # the first contribution is the kernel's own fresh tensor: accumulate into it
             dk_j = dk.to(acc) if dk_j is None else dk_j.add_(dk)
             dv_j = dv.to(acc) if dv_j is None else dv_j.add_(dv)
+            store.delete(("dq", i))  # the accumulator is replaced by dq_i (or sent home)
             final = (opt.causal and i == j) or (not opt.causal and j == n - 1)
             if final:  # dq_i has every contribution: send it home and drop the query-side set
                 sink.q(*bounds[i], send_back(dq_i.to(q_dtype)))
@@ -215,33 +261,40 @@ def pipeline_backward(dout: Tensor, q_dtype: torch.dtype, opt: PipelineOptions, 
         sink.kv(*bounds[j], send_back(dk_j.to(q_dtype)), send_back(dv_j.to(q_dtype)))
 
 
-class FPDTAttentionFunction(torch.autograd.Function):
-    """``(q, k, v) -> (out, lse)`` over sequence shards; see the module docstring."""
+class PipelineFunction(torch.autograd.Function):
+    """``(*inputs) -> (out, lse)``: the pipeline from ``ends.source(*inputs)``; backward through ``ends.sink``.
+
+    ``out`` ``[b, s_local, h, d]``; ``lse`` ``[b, h/P, S]`` (head-sharded, not differentiable).
+    """
 
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, opt: PipelineOptions, needs_backward: bool
+        ctx: Any, ends: PipelineEnds, opt: PipelineOptions, needs_backward: bool, *inputs: Tensor
     ) -> tuple[Tensor, Tensor]:
-        store = new_store(q.device, opt)
-        out, lse = pipeline_forward(ChunkSource(q, k, v), opt, store)
+        store = new_store(inputs[0].device, opt)
+        source = ends.source(*inputs)
+        out, lse = pipeline_forward(source, opt, store, save_for_backward=needs_backward)
         if not needs_backward:  # inference: nothing to keep
             finish(store, opt)
-        ctx.opt, ctx.store = opt, store
-        # only shapes and dtypes: a view of q or k here would keep its whole storage alive
-        ctx.q_dtype, ctx.kv_heads = q.dtype, k.shape[2]
+        ctx.ends, ctx.opt, ctx.store, ctx.q_dtype = ends, opt, store, source.dtype
+        ctx.save_for_backward(*ends.saved(*inputs))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None, None]:
-        opt, store = ctx.opt, ctx.store
-        b, s_local, h, d = dout.shape
-        sink = ChunkSink(b, s_local, h, ctx.kv_heads, d, ctx.q_dtype, dout.device)
+    def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+        sink = ctx.ends.sink(dout, ctx.q_dtype, *ctx.saved_tensors)
         try:
-            pipeline_backward(dout.contiguous(), ctx.q_dtype, opt, store, sink)
+            pipeline_backward(dout.contiguous(), ctx.q_dtype, ctx.opt, ctx.store, sink)
         finally:
-            finish(store, opt)
-        return sink.dq, sink.dk, sink.dv, None, None
+            finish(ctx.store, ctx.opt)
+        return None, None, None, *sink.result()
+
+
+def run_pipeline(ends: PipelineEnds, opt: PipelineOptions, *inputs: Tensor) -> tuple[Tensor, Tensor]:
+    """:class:`PipelineFunction` over ``inputs``; it saves chunks for backward only if one can follow."""
+    needs_backward = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+    return PipelineFunction.apply(ends, opt, needs_backward, *inputs)
 
 
 def new_store(device: torch.device, opt: PipelineOptions) -> ChunkStore:

@@ -8,11 +8,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.block import FPDTAttention, FPDTBlock, RotaryEmbedding
+from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layout import default_position_ids
 from lightning_fpdt.mlp import TiledMLP
 from lightning_fpdt.models.llama import init_weights
 from lightning_fpdt.models.lm import CausalLM
+from lightning_fpdt.rope import RotaryEmbedding
 
 
 @dataclass

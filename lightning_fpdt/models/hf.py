@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fpdt.block import RotaryEmbedding
+from lightning_fpdt.rope import RotaryEmbedding
 
 
 def _transformers() -> Any:

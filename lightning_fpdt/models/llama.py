@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.block import FPDTAttention, FPDTBlock, RotaryEmbedding
+from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layout import default_position_ids
 from lightning_fpdt.mlp import TiledMLP
 from lightning_fpdt.models.lm import CausalLM
+from lightning_fpdt.rope import RotaryEmbedding
 
 
 @dataclass

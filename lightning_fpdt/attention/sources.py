@@ -1,0 +1,174 @@
+"""The two ends the FPDT pipeline runs between (``ChunkSource`` / ``ChunkSink`` in ``pipeline.py``).
+
+- Whole tensors (:class:`TensorEnds`, for ``fpdt_attention``): the source slices q, k, v
+  ``[batch, s_local, heads, head_dim]``; the sink writes dq, dk, dv into whole tensors.
+- Projections (:class:`ProjectionEnds`, for ``FPDTAttention``): the source computes the q/k/v
+  projections and RoPE of one chunk of the block's input ``x`` ``[batch, s_local, hidden]`` when the
+  pipeline asks for it; the sink runs their backward chunk by chunk and returns ``dx`` and the
+  projection weights' gradients. No ``[s_local, heads, head_dim]`` q, k or v exists at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_fpdt.autocast_state import AutocastState
+from lightning_fpdt.comm import expand_kv_heads
+
+if TYPE_CHECKING:  # block.py imports this package: a runtime import would be a cycle
+    from lightning_fpdt.block import FPDTAttention
+
+
+class TensorChunkSource:
+    """Local chunks as slices of whole q ``[b, s_local, h, d]`` and k, v ``[b, s_local, kv_heads, d]``."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        self._q, self._k, self._v = q, k, v
+        self.q_shape, self.dtype = q.shape, q.dtype
+
+    def q(self, lo: int, hi: int) -> Tensor:
+        return self._q[:, lo:hi]
+
+    def kv(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        return self._k[:, lo:hi], self._v[:, lo:hi]
+
+
+class TensorChunkSink:
+    """Final gradient chunks written into whole preallocated dq ``[b, s_local, h, d]``, dk and dv."""
+
+    def __init__(self, dout: Tensor, kv_heads: int, dtype: torch.dtype) -> None:
+        b, s_local, h, d = dout.shape
+        self.dq = torch.empty(b, s_local, h, d, dtype=dtype, device=dout.device)
+        self.dk = torch.empty(b, s_local, kv_heads, d, dtype=dtype, device=dout.device)
+        self.dv = torch.empty_like(self.dk)
+
+    def q(self, lo: int, hi: int, dq: Tensor) -> None:
+        self.dq[:, lo:hi] = dq
+
+    def kv(self, lo: int, hi: int, dk: Tensor, dv: Tensor) -> None:
+        self.dk[:, lo:hi] = dk
+        self.dv[:, lo:hi] = dv
+
+    def result(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.dq, self.dk, self.dv
+
+
+@dataclass(frozen=True)
+class TensorEnds:
+    """Pipeline inputs ``(q, k, v)``; gradients ``(dq, dk, dv)``. ``kv_heads``: k's head count."""
+
+    kv_heads: int
+
+    def source(self, q: Tensor, k: Tensor, v: Tensor) -> TensorChunkSource:
+        return TensorChunkSource(q, k, v)
+
+    def saved(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        return ()  # the backward reads the chunks the forward put in the store, never the whole q/k/v
+
+    def sink(self, dout: Tensor, dtype: torch.dtype) -> TensorChunkSink:
+        return TensorChunkSink(dout, self.kv_heads, dtype)
+
+
+class ProjectionChunkSource:
+    """Local q/k/v chunks computed on demand from the block's input: ``x[:, lo:hi]`` -> projections -> RoPE."""
+
+    def __init__(self, attn: FPDTAttention, x: Tensor, position_ids: Tensor) -> None:
+        b, s_local, _ = x.shape
+        self.attn, self.x, self.position_ids = attn, x, position_ids
+        self.q_shape = torch.Size((b, s_local, attn.n_heads, attn.head_dim))
+        self.dtype: torch.dtype | None = None  # the projections' output dtype (autocast may change it)
+
+    def _project(self, proj: nn.Linear, n_heads: int, lo: int, hi: int, rope: bool) -> Tensor:
+        a = self.attn
+        y = F.linear(self.x[:, lo:hi], proj.weight, proj.bias).view(self.x.shape[0], hi - lo, n_heads, a.head_dim)
+        self.dtype = y.dtype
+        return a.rope(y, self.position_ids[:, lo:hi]) if rope and a.rope is not None else y
+
+    def q(self, lo: int, hi: int) -> Tensor:
+        return self._project(self.attn.q_proj, self.attn.n_heads, lo, hi, rope=True)
+
+    def kv(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        a, p = self.attn, self.attn.context.size
+        k = self._project(a.k_proj, a.n_kv_heads, lo, hi, rope=True)
+        v = self._project(a.v_proj, a.n_kv_heads, lo, hi, rope=False)
+        return expand_kv_heads(k, p), expand_kv_heads(v, p)
+
+
+class ProjectionChunkSink:
+    """Backward of the per-chunk projections, run as each chunk's q/k/v gradients become final.
+
+    Projections and RoPE are linear in their input, so no recomputation is needed: for a chunk,
+    ``dW += dY^T x_c``, ``db += sum(dY)``, ``dx_c += dY W``, with ``dY`` the RoPE-transposed gradient.
+    """
+
+    def __init__(self, attn: FPDTAttention, x: Tensor, position_ids: Tensor, autocast: AutocastState) -> None:
+        self.attn, self.x, self.position_ids, self.autocast = attn, x, position_ids, autocast
+        acc = torch.promote_types(x.dtype, torch.float32)
+        self.dx = torch.zeros(x.shape, dtype=acc, device=x.device)
+        self.grads: dict[str, Tensor] = {}
+
+    def _linear_backward(self, name: str, proj: nn.Linear, dy: Tensor, lo: int, hi: int) -> None:
+        b, n = dy.shape[:2]
+        dy2 = dy.reshape(b * n, -1)  # [tokens of the chunk, out_features]
+        x2 = self.x[:, lo:hi].reshape(b * n, -1)
+        with self.autocast.restore():  # under autocast the matmuls cast as they did in forward
+            if not self.autocast.enabled:
+                dy2 = dy2.to(x2.dtype)
+            dw = dy2.t() @ x2
+            dx = dy2 @ proj.weight
+        self.dx[:, lo:hi] += dx.view(b, n, -1)
+        acc = self.dx.dtype
+        self.grads[f"{name}.weight"] = self.grads.get(f"{name}.weight", 0) + dw.to(acc)
+        if proj.bias is not None:
+            self.grads[f"{name}.bias"] = self.grads.get(f"{name}.bias", 0) + dy2.sum(0).to(acc)
+
+    def _rope_t(self, dy: Tensor, lo: int, hi: int) -> Tensor:
+        rope = self.attn.rope
+        return dy if rope is None else rope.transpose(dy, self.position_ids[:, lo:hi])
+
+    def q(self, lo: int, hi: int, dq: Tensor) -> None:
+        self._linear_backward("q_proj", self.attn.q_proj, self._rope_t(dq, lo, hi), lo, hi)
+
+    def kv(self, lo: int, hi: int, dk: Tensor, dv: Tensor) -> None:
+        g = self.attn.n_kv_heads
+        if dk.shape[2] != g:  # KV heads were replicated for the all-to-all: sum the replicas
+            b, n, p, d = dk.shape
+            dk, dv = dk.view(b, n, g, p // g, d).sum(3), dv.view(b, n, g, p // g, d).sum(3)
+        self._linear_backward("k_proj", self.attn.k_proj, self._rope_t(dk, lo, hi), lo, hi)
+        self._linear_backward("v_proj", self.attn.v_proj, dv, lo, hi)
+
+    def result(self) -> tuple[Tensor | None, ...]:
+        """``(dx, None for position_ids, *parameter grads)`` in the order of :func:`projection_params`."""
+        grads = [self.grads[name].to(p.dtype) for name, p in projection_params(self.attn)]
+        return self.dx.to(self.x.dtype), None, *grads
+
+
+def projection_params(attn: FPDTAttention) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of the q/k/v projections, in the order the pipeline takes them as inputs."""
+    return [(f"{name}.{kind}", getattr(getattr(attn, name), kind)) for name in ("q_proj", "k_proj", "v_proj")
+            for kind in ("weight", "bias") if getattr(getattr(attn, name), kind) is not None]
+
+
+@dataclass(frozen=True)
+class ProjectionEnds:
+    """Pipeline inputs ``(x, position_ids, *projection_params(attn))``; gradients in the same order.
+
+    ``autocast`` is the autocast state of the forward, restored for the projections' backward.
+    """
+
+    attn: FPDTAttention
+    autocast: AutocastState
+
+    def source(self, x: Tensor, position_ids: Tensor, *params: Tensor) -> ProjectionChunkSource:
+        return ProjectionChunkSource(self.attn, x, position_ids)
+
+    def saved(self, x: Tensor, position_ids: Tensor, *params: Tensor) -> tuple[Tensor, ...]:
+        return x, position_ids  # the weights are read from attn in backward: they are the same tensors
+
+    def sink(self, dout: Tensor, dtype: torch.dtype, x: Tensor, position_ids: Tensor) -> ProjectionChunkSink:
+        return ProjectionChunkSink(self.attn, x, position_ids, self.autocast)

@@ -1,0 +1,106 @@
+"""Activation checkpointing of FPDT blocks, the checkpoint optionally kept in host memory.
+
+A checkpointed block keeps only its input for backward and recomputes itself there. With a
+checkpoint store (``SequenceParallelContext.checkpoint_store``) the input goes into that
+:class:`ChunkStore` (host memory when it offloads) instead of the autograd graph, and each block's
+backward prefetches the input of the backward that runs next.
+
+Every checkpointed forward takes a fresh key (:meth:`ChunkStore.new_key`), so any number of
+forward passes may run before their backward (a second view of a batch, chosen/rejected pairs).
+"Runs next" is the live checkpoint put just before this one: autograd runs ready nodes
+latest-created first, so backward meets the checkpoints in reverse order of their forward, across
+layers and across forward passes alike (for two passes over layers 0 and 1: ``b1 b0 a1 a0``). A
+forward whose graph is dropped without a backward gives its checkpoint back when its autograd
+context is freed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_fpdt.autocast_state import AutocastState
+from lightning_fpdt.offload import ChunkStore, Key
+
+if TYPE_CHECKING:  # block.py imports this module to run its checkpointed forward: a runtime import would be a cycle
+    from lightning_fpdt.block import FPDTBlock
+
+CHECKPOINT_KIND = "ckpt"
+
+
+def new_checkpoint_store(device: torch.device, copy_delay: float = 0.0) -> ChunkStore:
+    """A store that keeps checkpointed block inputs in host memory (keys from ``new_key("ckpt")``).
+
+    Args:
+        device: the compute device.
+        copy_delay: seconds each copy sleeps on CPU (tests only).
+    """
+    return ChunkStore(device, offload=True, groups={CHECKPOINT_KIND: "checkpoint"}, copy_delay=copy_delay)
+
+
+def checkpointed_forward(block: FPDTBlock, x: Tensor, position_ids: Tensor) -> Tensor:
+    """``block.block_forward(x, position_ids)`` keeping only ``x`` for backward, where the block's
+    context says (its ``checkpoint_store``, or the autograd graph when that is ``None``).
+
+    ``x`` ``[batch, s_local, hidden]``, ``position_ids`` ``[batch, s_local]``; returns like ``x``.
+    """
+    params = [p for p in block.parameters() if p.requires_grad]
+    return _CheckpointedBlock.apply(x, position_ids, block, *params)
+
+
+def _previous_checkpoint(store: ChunkStore, key: Key) -> Key | None:
+    """The live checkpoint put most recently before ``key``: its backward runs next (module docstring)."""
+    earlier = [k for k in store if k[0] == CHECKPOINT_KIND and k[1] < key[1]]
+    return max(earlier, key=lambda k: k[1], default=None)
+
+
+class _CheckpointedBlock(torch.autograd.Function):
+    """Activation checkpointing of one block: only its input is kept (optionally on the host).
+
+    The block's parameters are explicit inputs and their gradients are returned, so each is
+    produced once per backward (DDP's reducer and FSDP hooks see one gradient per parameter).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, position_ids: Tensor, block: FPDTBlock, *params: Tensor) -> Tensor:
+        with torch.no_grad():
+            y = block.block_forward(x, position_ids)
+        store = block.context.checkpoint_store
+        ctx.block, ctx.store = block, store
+        ctx.autocast = AutocastState.capture(x.device.type)
+        ctx.x_requires_grad = x.requires_grad
+        if store is not None:
+            ctx.key = store.new_key(CHECKPOINT_KIND)
+            store.put(ctx.key, x.detach())
+            # no backward will come if the graph is dropped: give the checkpoint back then
+            ctx.release = weakref.finalize(ctx, store.delete_later, ctx.key)
+            ctx.save_for_backward(position_ids)
+        else:
+            ctx.save_for_backward(position_ids, x)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:
+        block, store = ctx.block, ctx.store
+        if store is not None:
+            (position_ids,) = ctx.saved_tensors
+            x = store.get(ctx.key)
+            previous = _previous_checkpoint(store, ctx.key)
+            if previous is not None:  # its backward runs next: fetch its input while this block recomputes
+                store.prefetch(previous)
+        else:
+            position_ids, x = ctx.saved_tensors
+        params = [p for p in block.parameters() if p.requires_grad]
+        x = x.detach().requires_grad_(ctx.x_requires_grad)
+        with torch.enable_grad(), ctx.autocast.restore():
+            y = block.block_forward(x, position_ids)
+            inputs = [x, *params] if ctx.x_requires_grad else params
+            grads = list(torch.autograd.grad(y, inputs, dy, allow_unused=True))
+        if store is not None:
+            store.delete(ctx.key)
+            ctx.release.detach()
+        dx = grads.pop(0) if ctx.x_requires_grad else None
+        return (dx, None, None, *grads)
