@@ -27,6 +27,7 @@ from lightning_fpdt.rope import RotaryEmbedding, rotate_half
 # re-exported: the strategy, the benchmarks and the models import these from here
 __all__ = [
     "BlockRecord",
+    "bind_blocks",
     "FPDTAttention",
     "FPDTBlock",
     "RotaryEmbedding",
@@ -226,3 +227,12 @@ def fpdt_blocks(module: nn.Module) -> list[tuple[str, FPDTBlock]]:
     """``(name, block)`` of every :class:`FPDTBlock` in ``module``, in module order (= forward order
     for a stack of layers)."""
     return [(name, m) for name, m in module.named_modules() if isinstance(m, FPDTBlock)]
+
+
+def bind_blocks(module: nn.Module, context: SequenceParallelContext) -> int:
+    """Bind every :class:`FPDTBlock` of ``module`` to ``context`` (in module order, which is the forward
+    order of a stack of layers); returns how many there are."""
+    blocks = fpdt_blocks(module)
+    for index, (_, block) in enumerate(blocks):
+        block.bind(context, layer_index=index)
+    return len(blocks)

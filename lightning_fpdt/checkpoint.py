@@ -15,13 +15,26 @@ so a checkpoint loads into any data x sequence layout, chunk size, sharded or no
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
 META_FILE = "meta.pt"
 
@@ -147,32 +160,228 @@ def new_token() -> str:
     return uuid.uuid4().hex[:12]
 
 
+
+# ---- saving and loading ----------------------------------------------------------------------------
+
+
+def records(rng_states: list[dict[str, Any]], layout: dict[str, Any]) -> dict[str, Any]:
+    """The ``"fpdt"`` entry of a checkpoint: every rank's RNG states and the layout it was saved with."""
+    return {"layout": layout, "rng": rng_states}
+
+
+def restore_records(checkpoint: dict[str, Any], rank: int, layout_now: dict[str, Any]) -> None:
+    """Restore this rank's RNG states from a checkpoint's ``"fpdt"`` entry and log the layout change.
+
+    A run with more ranks than the checkpoint's takes the states of ``rank % saved ranks``.
+    """
+    extra = checkpoint.get("fpdt", {})
+    saved = extra.get("layout")
+    if saved:
+        def describe(layout: dict[str, Any]) -> str:
+            return (f"data_parallel={layout['data_parallel']} x sequence_parallel={layout['sequence_parallel']}"
+                    f" (chunk_size={layout['chunk_size']!r}, shard_parameters={layout['shard_parameters']})")
+
+        rank_zero_info(f"FPDTStrategy: resuming a checkpoint saved at {describe(saved)} as {describe(layout_now)}")
+    rngs = extra.get("rng")
+    if rngs:
+        set_rng_state(rngs[rank % len(rngs)])
+
+
+def gather_rng_states(world_size: int) -> list[dict[str, Any]]:
+    """Every rank's :func:`rng_state`, in rank order (a collective when the process group exists)."""
+    if world_size == 1 or not torch.distributed.is_initialized():
+        return [rng_state()]
+    states: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(states, rng_state())
+    return states
+
+
+def layout_record(data_parallel: int, sequence_parallel: int, chunk_size: Any, shard_parameters: bool) -> dict[str, Any]:
+    """What a checkpoint records of the layout it was saved with (plain types: loads with ``weights_only``)."""
+    return {"data_parallel": data_parallel, "sequence_parallel": sequence_parallel, "chunk_size": chunk_size,
+            "shard_parameters": shard_parameters}
+
+
+def on_rank_zero(fn: Callable[[], None], what: str, is_global_zero: bool, broadcast: Callable[[Any], Any]) -> None:
+    """Run ``fn`` on rank 0; if it fails, every rank raises (instead of waiting in the next barrier)."""
+    error = None
+    if is_global_zero:
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001  (re-raised below, on every rank)
+            error = f"{type(err).__name__}: {err}"
+    error = broadcast(error)
+    if error is not None:
+        raise RuntimeError(f"FPDTStrategy: {what} failed on rank 0: {error}")
+
+
+def save_sharded(
+    checkpoint: dict[str, Any],
+    target: str,
+    token: str,
+    barrier: Callable[[str], None],
+    on_rank_zero: Callable[[Callable[[], None], str], None],
+) -> None:
+    """Every rank: write this rank's shards of the model and optimizer states into ``<path>.tmp-<token>``;
+    then rank 0 writes the rest of ``checkpoint`` as ``meta.pt`` (last: it marks the directory complete)
+    and swaps the directory in.
+
+    Args:
+        checkpoint: Lightning's checkpoint dict, with ``state_dict`` and ``optimizer_states`` of this
+            rank's shards (popped from it here).
+        target: the checkpoint directory, a path every rank can see.
+        token: the same on every rank (names the temporary directory).
+        barrier: the strategy's barrier.
+        on_rank_zero: runs a function on rank 0 and makes every rank raise if it fails.
+    """
+    if is_remote(target):
+        raise ValueError(
+            f"FPDTStrategy: sharded checkpoints are written with torch.distributed.checkpoint to a path every rank"
+            f" can see; {target!r} is not a local or shared-filesystem path. Mount it, or save replicated"
+            " checkpoints (shard_parameters=False)."
+        )
+    path = Path(target)
+    tmp = temporary_path(path, token)
+    states = {"state_dict": checkpoint.pop("state_dict")}
+    states.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    dcp.save(states, checkpoint_id=tmp)
+    barrier("fpdt_checkpoint_shards_written")
+
+    def commit() -> None:
+        atomic_save(checkpoint, tmp / META_FILE)
+        swap_in(tmp, path)
+
+    on_rank_zero(commit, f"saving {path}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit this run; the message names the file and why."""
+
+
+def read(path: Path) -> dict[str, Any]:
+    """``torch.load`` of a checkpoint file (or a sharded directory's ``meta.pt``) with ``weights_only=True``.
+
+    Checkpoints written by lightning-fpdt hold only tensors and plain Python values, so the safe loader
+    reads them (as LightningCLI's does). Anything else is an error that names the file and what is wrong.
+
+    Raises:
+        CheckpointError: the file is truncated or corrupt, or holds objects the safe loader refuses.
+    """
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        detail = next((line.strip() for line in str(err).splitlines() if "Unsupported global" in line
+                       or "not an allowed global" in line), str(err).splitlines()[0])
+        raise CheckpointError(
+            f"FPDTStrategy: the checkpoint {path} holds objects that are not tensors or plain Python values"
+            f" ({detail}). lightning-fpdt writes only those; this file was written by other code. Load it with the"
+            " code that wrote it and save it again with lightning-fpdt, or add the class to"
+            " torch.serialization.add_safe_globals if you trust the file."
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(
+            f"FPDTStrategy: the checkpoint {path} is truncated or corrupt ({reason}). Resume from an earlier"
+            " checkpoint (lightning_fpdt.checkpoint.latest_checkpoint(dir) finds the newest complete one)."
+        ) from None
+    if not isinstance(checkpoint, dict) or ("state_dict" not in checkpoint and path.name != META_FILE):
+        kind = type(checkpoint).__name__ if not isinstance(checkpoint, dict) else f"a dict with keys {sorted(checkpoint)[:8]}"
+        raise CheckpointError(
+            f"FPDTStrategy: {path} is not a Lightning checkpoint (it holds {kind}, without 'state_dict'). Pass the"
+            " .ckpt file (or directory) that Trainer.fit wrote."
+        )
+    return checkpoint
+
+
+def load_into(path: Path, module: torch.nn.Module, optimizers: list[Any], strict: bool = True) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` (a file or a sharded directory, see :func:`resolve`) into
+    ``module`` and ``optimizers`` by parameter name, whatever layout it was saved with and whatever
+    layout ``module`` has now (sharded with FSDP2 or whole). Returns the rest of the checkpoint
+    (loops, callbacks, ``fpdt`` records) for Lightning.
+    """
+    if path.is_dir():
+        checkpoint = read(path / META_FILE)
+        # the targets have this run's layout: shards (sharded) or full tensors (whole); DCP reshards
+        states: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+        for i, optimizer in enumerate(optimizers):
+            states[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer)
+        try:
+            dcp.load(states, checkpoint_id=path)
+        except Exception as err:  # noqa: BLE001  (DCP reports a missing or mismatched entry in many ways)
+            raise CheckpointError(
+                f"FPDTStrategy: the sharded checkpoint {path} does not fit this model and its optimizers"
+                f" ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Resume it with the"
+                " model and optimizer configuration it was saved with."
+            ) from None
+        set_model_state_dict(module, states["state_dict"], options=StateDictOptions(strict=strict))
+        for i, optimizer in enumerate(optimizers):
+            set_optimizer_state_dict(module, optimizer, states[f"optimizer_{i}"])
+        # what a checkpoint file holds, for Lightning (it checks that optimizer states exist) and the hooks
+        checkpoint["state_dict"] = states["state_dict"]
+        checkpoint["optimizer_states"] = [states[f"optimizer_{i}"] for i in range(len(optimizers))]
+        return checkpoint
+    checkpoint = read(path)
+    apply_states(checkpoint, path, module, optimizers, strict)
+    return checkpoint
+
+
+def apply_states(checkpoint: dict[str, Any], source: Any, module: torch.nn.Module, optimizers: list[Any],
+                 strict: bool = True) -> None:
+    """Load a checkpoint dict's full model and optimizer states into ``module`` (whole or sharded with
+    FSDP2) and ``optimizers``, by name. ``source`` names the checkpoint in errors."""
+    try:
+        if _is_sharded(module):  # full tensors by name -> this rank's shards
+            set_model_state_dict(module, checkpoint["state_dict"],
+                                 options=StateDictOptions(full_state_dict=True, strict=strict))
+        else:
+            module.load_state_dict(checkpoint["state_dict"], strict=strict)
+    except RuntimeError as err:  # missing/unexpected keys or shapes: another model
+        raise CheckpointError(f"FPDTStrategy: the checkpoint {source} does not fit {type(module).__name__}: {err}") from None
+    for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", [])):
+        set_optimizer_state(module, optimizer, state)
+
+
+def _is_sharded(module: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def set_optimizer_state(module: torch.nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+    """Load an optimizer state saved by name (lightning-fpdt) or by position (plain Lightning/DDP)."""
+    if state.get("state") and all(isinstance(k, int) for k in state["state"]):  # `optimizer.state_dict()` (ids)
+        if any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError(
+                "FPDTStrategy: this checkpoint's optimizer state is keyed by parameter position (a plain"
+                " Lightning/DDP checkpoint), which cannot be sharded by name. Resume it once with"
+                " shard_parameters=False and save again (lightning-fpdt saves optimizer states by name),"
+                " or load only the weights."
+            )
+        optimizer.load_state_dict(state)
+    else:
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
 # ---- random number generators ------------------------------------------------------------------
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's random number generator states (Python, torch CPU and CUDA, numpy if present)."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """This process's random number generator states (Python, torch CPU and CUDA, numpy), as tensors and
+    plain Python values, so that a checkpoint holding them loads with ``torch.load(weights_only=True)``."""
+    version, words, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(words), gauss], "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()  # this rank's device only: resumable with other GPU counts
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
+    """Restore what :func:`rng_state` recorded."""
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words), gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state:
-        try:
-            import numpy as np
-
-            np.random.set_state(state["numpy"])
-        except ImportError:
-            pass
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, cached))

@@ -11,16 +11,21 @@ with its options; the model and data by ``class_path``.
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_fpdt  # noqa: F401  (registers the "fpdt" strategy names)
-from lightning_fpdt import FPDTStrategy
+from lightning_fpdt import FPDTStrategy, checkpoint
 from lightning_fpdt.data import PasskeyDataModule
+from lightning_fpdt.memory import ModelShape, report
 from lightning_fpdt.models import CausalLM, LlamaLM
 
 
@@ -30,6 +35,16 @@ class FPDTCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.set_defaults({"model": {"class_path": "lightning_fpdt.models.LlamaLM"},
                              "data": {"class_path": "lightning_fpdt.data.PasskeyDataModule"}})
+
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI reads the hyperparameters of ``--ckpt_path`` with ``torch.load``; a file it cannot
+        read is reported by :func:`lightning_fpdt.checkpoint.read` (naming the file and what is wrong)."""
+        try:
+            super()._parse_ckpt_path()
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError):
+            ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
+            checkpoint.read(Path(ckpt_path))  # raises CheckpointError with the reason
+            raise
 
     def before_fit(self) -> None:
         """Print the memory estimate of the run (rank 0, before any process is launched or model moved)."""
@@ -41,8 +56,7 @@ class FPDTCLI(LightningCLI):
 def memory_report(model: pl.LightningModule, datamodule: Any, trainer: pl.Trainer) -> str | None:
     """:func:`lightning_fpdt.memory.report` for this model, the data module's ``seq_len`` and
     ``batch_size`` and an :class:`FPDTStrategy`; ``None`` when one of them is missing (a custom model
-    without a Llama/GPT config, a data module without ``seq_len``, another strategy)."""
-    from lightning_fpdt.memory import ModelShape, report
+    the memory model cannot read, a data module without ``seq_len``, another strategy)."""
 
     seq_len = getattr(datamodule, "seq_len", None)
     if not isinstance(trainer.strategy, FPDTStrategy) or not isinstance(seq_len, int):
@@ -51,9 +65,10 @@ def memory_report(model: pl.LightningModule, datamodule: Any, trainer: pl.Traine
         shape, tiling = ModelShape.from_module(model)
     except ValueError:
         return None
-    options = trainer.strategy.memory_options()
+    strategy = trainer.strategy
+    options = strategy.options.memory_options(strategy.sequence_parallel_size, strategy.data_parallel_size)
     options.setdefault("chunk_size", "auto")
-    budget = trainer.strategy._memory_budget
+    budget = strategy.options.memory_budget
     try:
         return report(shape, seq_len, budget_gib=budget, batch_size=getattr(datamodule, "batch_size", 1),
                       precision=str(trainer.precision), **options, **tiling)
@@ -66,8 +81,6 @@ def check_config_files(args: list[str]) -> None:
 
     jsonargparse reports YAML errors without saying which file they come from.
     """
-    import yaml
-
     paths = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
     paths += [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "-c")]
     for path in paths:
@@ -93,9 +106,40 @@ def run(args: list[str] | None = None) -> FPDTCLI:
     )
 
 
+# messages of this package's classes start with the class (or command) name
+_OWN_ERROR = re.compile(r"^(FPDTStrategy|fpdt-train|[A-Za-z]*Config|[A-Za-z]*DataModule|[A-Za-z]*LM|shard_batch): ")
+
+
+def own_message(err: BaseException) -> str | None:
+    """The message a user must read in an error raised while the CLI builds its objects: a strategy's or
+    model's own ``ValueError``/``TypeError`` (jsonargparse wraps those in a usage dump and, for the
+    strategy's ``str | Strategy`` type, in a list of the union's subtypes); ``None`` for other errors."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = str(err)
+        if "Does not validate against any of the Union subtypes" in text:
+            reasons = [line.strip()[2:] for line in text.splitlines()
+                       if line.strip().startswith("- ") and not line.strip().startswith("- Expected a")]
+            if reasons:
+                return reasons[-1]
+        for line in text.splitlines():
+            if _OWN_ERROR.match(line.strip()):
+                return line.strip()
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def main() -> None:
-    """The ``fpdt-train`` console script."""
-    run(sys.argv[1:])
+    """The ``fpdt-train`` console script: LightningCLI on ``sys.argv``, with the errors of the objects it
+    builds (strategy, model, data) printed as their own last line instead of behind a usage dump."""
+    try:
+        run()
+    except (ValueError, TypeError) as err:
+        message = own_message(err)
+        if message is None:
+            raise
+        raise SystemExit(f"fpdt-train: error: {message}") from None
 
 
 __all__ = ["FPDTCLI", "LlamaLM", "PasskeyDataModule", "main", "run"]

@@ -54,6 +54,16 @@ class RecordLoss(L.Callback):
                 f.write(f"{trainer.global_step} {trainer.callback_metrics['train/loss'].item()!r}\n")
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """The samples of a dataset as a stream without ``__len__``, in the same shuffled order every epoch."""
+
+    def __init__(self, data: torch.utils.data.Dataset, seed: int) -> None:
+        self.data, self.order = data, torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
+
+    def __iter__(self):
+        return (self.data[int(i)] for i in self.order)
+
+
 def crash_inside_saves(step: int) -> None:
     """Make the save of ``step=<step>.ckpt`` die half-way: a file checkpoint after half of its bytes
     reached the temporary file, a sharded one after every rank wrote its shards (before the commit)."""
@@ -95,6 +105,7 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--shard", action="store_true")
     parser.add_argument("--skip-nonfinite", action="store_true", help="nonfinite_loss='skip'")
+    parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--die-at-step", type=int, default=None)
@@ -111,7 +122,10 @@ def main() -> None:
                               vocab_size=64)
     module = LlamaLM(config, learning_rate=3e-3, warmup_steps=2)
     data = TokenDataset(8, 24, config.vocab_size, seed=7)  # 8 batches per epoch at dp=1: runs cross epochs
-    loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=True)
+    if args.stream:
+        loader = torch.utils.data.DataLoader(Stream(data, seed=5), batch_size=args.batch)
+    else:
+        loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.dp * args.sp, precision="64-true", max_steps=args.max_steps,
         strategy=FPDTStrategy(sequence_parallel_size=args.sp, chunk_size=args.chunk_size, attention_backend="math",

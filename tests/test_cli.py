@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.distributed  # every test here starts several processes
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "configs" / "tiny_cpu.yaml"
 
@@ -94,3 +96,96 @@ def test_fit_prints_the_memory_estimate_and_resolves_auto_chunks(tmp_path: Path)
     assert "chunk_size='auto' with a budget of 1.0 GiB per rank picks None" in out
     assert "device peak" in out
     assert "FPDTStrategy: chunk_size='auto' picked None for batches of 4 x 256 tokens" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trainer.strategy.init_args.sequence_parallel_size=0"],
+         "fpdt-train: error: FPDTStrategy: sequence_parallel_size must be a positive int or 'auto', got 0."),
+        (["--trainer.strategy.init_args.chunk_size=3"],
+         "fpdt-train: error: FPDTStrategy: chunk_size=3 is not divisible by sequence_parallel_size=2"),
+        (["--model.init_args.config.num_attention_heads=3"],
+         "fpdt-train: error: LlamaConfig: hidden_size=64 is not divisible by num_attention_heads=3."),
+    ],
+    ids=["strategy-argument", "strategy-combination", "model-config"],
+)
+def test_constructor_errors_are_the_last_line(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = fpdt_train("fit", "--config", str(TINY), *args, cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(message), proc.stderr[-3000:]
+    assert "usage:" not in proc.stderr and "Given value" not in proc.stderr, proc.stderr[-3000:]
+
+
+RESUME_CONFIG = """\
+trainer:
+  max_steps: 4
+  limit_val_batches: 0
+  logger: false
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: {dirpath}
+        filename: "{{step}}"
+        every_n_train_steps: 2
+        save_top_k: -1
+data:
+  init_args:
+    seq_len: 128
+    batch_size: 2
+"""
+
+
+def _final_weights(path: Path) -> dict:
+    """The model weights of a checkpoint file, or of a sharded checkpoint directory (converted with DCP)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if path.is_dir():
+        converted = path.parent / f"{path.name}.pt"
+        dcp_to_torch_save(path, converted)
+        return torch.load(converted, weights_only=True)["state_dict"]
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated-file", "sharded-directory"])
+def test_cli_resumes_its_own_checkpoint(tmp_path: Path, shard: bool) -> None:
+    """fit (4 steps, checkpoints at 2 and 4) then `fit --ckpt_path step=2.ckpt`: the same weights at step 4.
+
+    LightningCLI reads the checkpoint with torch.load(weights_only=True); the strategy's RNG and layout
+    records used to hold numpy objects, which that loader refuses.
+    """
+    extra = ["--trainer.strategy.init_args.shard_parameters=true"] if shard else []
+    straight = tmp_path / "straight.yaml"
+    straight.write_text(RESUME_CONFIG.format(dirpath=tmp_path / "straight"))
+    proc = fpdt_train("fit", "--config", str(TINY), "--config", str(straight), *extra, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "given both args and sys.argv" not in proc.stderr  # the console script passes no duplicate args
+    resumed = tmp_path / "resumed.yaml"
+    resumed.write_text(RESUME_CONFIG.format(dirpath=tmp_path / "resumed"))
+    proc = fpdt_train("fit", "--config", str(TINY), "--config", str(resumed), *extra,
+                      "--ckpt_path", str(tmp_path / "straight" / "step=2.ckpt"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
+    a, b = _final_weights(tmp_path / "straight" / "step=4.ckpt"), _final_weights(tmp_path / "resumed" / "step=4.ckpt")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch_equal(a[name], b[name]), name
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
+def test_a_corrupt_checkpoint_names_the_file_and_never_advises_unsafe_loading(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.ckpt"
+    bad.write_bytes(b"PK\x03\x04 not a whole checkpoint")
+    proc = fpdt_train("fit", "--config", str(TINY), "--trainer.max_steps=1", "--trainer.logger=false",
+                      "--ckpt_path", str(bad), cwd=tmp_path, timeout=180)
+    assert proc.returncode != 0
+    assert f"the checkpoint {bad} is truncated or corrupt" in proc.stderr, proc.stderr[-3000:]
+    assert "weights_only=False" not in proc.stderr and "weights_only set to False" not in proc.stderr

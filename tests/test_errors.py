@@ -35,6 +35,7 @@ class _NoIds(torch.utils.data.Dataset):
         return {"tokens": torch.zeros(8, dtype=torch.long)}
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("sp", "devices", "heads", "kv", "data", "match"),

@@ -19,8 +19,8 @@ from tests.reference import rel_error  # noqa: E402
 
 
 def _init(model: torch.nn.Module) -> torch.nn.Module:
-    """Non-trivial weights (std ~ 1/sqrt(fan_in)), so a wrong scale or mask cannot hide."""
-    torch.manual_seed(int(torch.randint(0, 2**30, ())))
+    """Non-trivial weights (std ~ 1/sqrt(fan_in)), so a wrong scale or mask cannot hide (drawn from the global
+    generator, which each test seeds with its ``fresh_seed``)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
@@ -55,7 +55,8 @@ def _hf_loss(hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tu
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_from_hf_gives_the_same_logits_and_loss(name: str, tmp_path) -> None:
+def test_from_hf_gives_the_same_logits_and_loss(name: str, tmp_path, fresh_seed: int) -> None:
+    torch.manual_seed(fresh_seed)
     make_hf, ours_cls, _ = MODELS[name]
     hf = make_hf()
     ours = ours_cls.from_hf(hf).double()
@@ -79,16 +80,19 @@ def test_from_hf_gives_the_same_logits_and_loss(name: str, tmp_path) -> None:
         assert rel_error(_hf_loss(exported, ids, labels)[0], ref_logits) <= 1e-10
 
 
-def test_from_hf_rejects_wrong_inputs(tmp_path) -> None:
+def test_from_hf_rejects_wrong_inputs(tmp_path, fresh_seed: int) -> None:
+    torch.manual_seed(fresh_seed)
     with pytest.raises(FileNotFoundError, match="No Hugging Face checkpoint directory"):
         Llama.from_hf(tmp_path / "missing")
     with pytest.raises(TypeError, match="Expected a transformers LlamaForCausalLM, got GPT2LMHeadModel"):
         Llama.from_hf(hf_gpt2())
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(MODELS))
-def test_hf_model_trains_exactly_under_fpdt(name: str, tmp_path) -> None:
+def test_hf_model_trains_exactly_under_fpdt(name: str, tmp_path, fresh_seed: int) -> None:
     """sp=2 with 2 chunks: loss and every gradient equal transformers' on the whole batch."""
+    torch.manual_seed(fresh_seed)
     make_hf, ours_cls, lm_cls = MODELS[name]
     hf = make_hf()
     module = lm_cls(learning_rate=1e-3, warmup_steps=1)

@@ -10,8 +10,8 @@ from lightning_fpdt.attention.kernels import MathKernel, SdpaKernel
 from tests.reference import naive_attention, rel_error
 
 
-def _qkv(dtype, heads=4, kv_heads=2, seq_q=12, seq_k=12, std=1.0, seed=None):
-    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**30, ())))
+def _qkv(dtype, seed: int, heads=4, kv_heads=2, seq_q=12, seq_k=12, std=1.0):
+    g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, seq_q, heads, 16, generator=g, dtype=dtype) * std
     k = torch.randn(2, seq_k, kv_heads, 16, generator=g, dtype=dtype) * std
     v = torch.randn(2, seq_k, kv_heads, 16, generator=g, dtype=dtype)
@@ -21,8 +21,8 @@ def _qkv(dtype, heads=4, kv_heads=2, seq_q=12, seq_k=12, std=1.0, seed=None):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", [MathKernel(), SdpaKernel()], ids=lambda k: k.name)
-def test_kernel_forward_backward_float64(kernel, causal: bool) -> None:
-    q, k, v, dout = _qkv(torch.float64)
+def test_kernel_forward_backward_float64(kernel, causal: bool, fresh_seed: int) -> None:
+    q, k, v, dout = _qkv(torch.float64, fresh_seed)
     out, lse = kernel.forward(q, k, v, causal, 0.25)
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, 0.25)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
@@ -33,8 +33,8 @@ def test_kernel_forward_backward_float64(kernel, causal: bool) -> None:
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_sdpa_matches_math_in_float32(causal: bool) -> None:
-    q, k, v, dout = _qkv(torch.float32, seq_q=40, seq_k=40)
+def test_sdpa_matches_math_in_float32(causal: bool, fresh_seed: int) -> None:
+    q, k, v, dout = _qkv(torch.float32, fresh_seed, seq_q=40, seq_k=40)
     m_out, m_lse = MathKernel().forward(q, k, v, causal, 0.25)
     s_out, s_lse = SdpaKernel().forward(q, k, v, causal, 0.25)
     assert rel_error(s_out, m_out) <= 1e-5 and rel_error(s_lse, m_lse) <= 1e-5
@@ -53,8 +53,8 @@ def test_auto_picks_sdpa_on_cpu() -> None:
         get_kernel("xformers", torch.device("cpu"), torch.float32)
 
 
-def test_merge_of_two_halves_equals_whole() -> None:
-    q, k, v, _ = _qkv(torch.float64, seq_k=20)
+def test_merge_of_two_halves_equals_whole(fresh_seed: int) -> None:
+    q, k, v, _ = _qkv(torch.float64, fresh_seed, seq_k=20)
     whole_out, whole_lse = MathKernel().forward(q, k, v, False, 0.25)
     o1, l1 = MathKernel().forward(q, k[:, :7], v[:, :7], False, 0.25)
     o2, l2 = MathKernel().forward(q, k[:, 7:], v[:, 7:], False, 0.25)
@@ -72,9 +72,9 @@ def test_merge_does_not_overflow_when_lse_grows_by_hundreds() -> None:
 
 
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
-def test_large_logits_float32_chunked_stays_close_to_float64(backend: str) -> None:
+def test_large_logits_float32_chunked_stays_close_to_float64(backend: str, fresh_seed: int) -> None:
     """Attention logits with std ~64: float32 chunked attention is finite and within 1e-4 of float64."""
-    q, k, v, dout = _qkv(torch.float64, seq_q=32, seq_k=32, std=8.0)  # q.k / sqrt(16) has std 8 * 8 * 4 / 4 = 64
+    q, k, v, dout = _qkv(torch.float64, fresh_seed, seq_q=32, seq_k=32, std=8.0)  # q.k / sqrt(16) has std 8 * 8 * 4 / 4 = 64
     ref, ref_lse = naive_attention(q, k, v, True)
     out32, lse32 = fpdt_attention(q.float(), k.float(), v.float(), chunk_size=8, backend=backend, return_lse=True)
     assert ref_lse.std() > 40

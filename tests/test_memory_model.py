@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
+from torch import Tensor, nn
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.block import SequenceParallelContext, fpdt_blocks
+from lightning_fpdt.block import FPDTAttention, FPDTBlock, RotaryEmbedding, SequenceParallelContext, fpdt_blocks
 from lightning_fpdt.layout import shard_batch
-from lightning_fpdt.loss import token_weighted_loss
+from lightning_fpdt.loss import cross_entropy_sum, token_weighted_loss
 from lightning_fpdt.memory import ModelShape, auto_chunk_size, estimate
+from lightning_fpdt.memory.__main__ import main
 from lightning_fpdt.memtrack import TensorMemoryTracker, peak_step_bytes
-from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.mlp import TiledMLP
+from lightning_fpdt.models import GPT, GPTConfig, Llama, LlamaConfig, LlamaLM
+from lightning_fpdt.models.llama import init_weights
 from tests.distributed import run_distributed
 from tests.helpers import TokenDataset, dataloader
 
@@ -21,11 +29,139 @@ SHAPE = ModelShape.from_config(LlamaConfig(hidden_size=1024, intermediate_size=2
                                            num_attention_heads=8, num_key_value_heads=4, vocab_size=32000))
 
 
-def test_parameter_count_matches_the_model() -> None:
-    from lightning_fpdt.models import Llama
+class GeluMLP(nn.Module):
+    """A user's own MLP: ``fc_out(gelu(fc_in(x)))``, exact GELU, biases."""
 
-    config = LlamaConfig.tiny()
-    assert ModelShape.from_config(config).num_params == sum(p.numel() for p in Llama(config).parameters())
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.fc_in, self.fc_out = nn.Linear(hidden, inner), nn.Linear(inner, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc_out(nn.functional.gelu(self.fc_in(x)))
+
+
+class OwnDecoder(nn.Module):
+    """A user's own decoder from FPDTBlock (docs/own-model.md): head_dim != hidden / heads, LayerNorm, a GELU
+    MLP, an output projection with a bias, optionally tied to the embedding."""
+
+    def __init__(self, vocab: int = 96, hidden: int = 48, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                 head_dim: int = 16, inner: int = 80, tiled: bool = True, tied: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(
+            FPDTBlock(FPDTAttention(hidden, heads, kv_heads, head_dim=head_dim, rope=RotaryEmbedding(head_dim)),
+                      mlp=TiledMLP(GeluMLP(hidden, inner)) if tiled else GeluMLP(hidden, inner),
+                      attention_norm=nn.LayerNorm(hidden), mlp_norm=nn.LayerNorm(hidden))
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=not tied)
+        init_weights(self, None)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, position_ids)
+        return self.norm(x)
+
+
+class OwnLM(L.LightningModule):
+    """Trains an :class:`OwnDecoder` with its own loss (full logits: no loss tiling)."""
+
+    def __init__(self, **model: Any) -> None:
+        super().__init__()
+        self.model = OwnDecoder(**model)
+
+    def loss_terms(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        hidden = self.model(batch["input_ids"], batch["position_ids"])
+        return cross_entropy_sum(self.model.head(hidden), batch["shift_labels"])
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        return token_weighted_loss(*self.loss_terms(batch))[0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def gpt_params(c: GPTConfig) -> int:
+    """GPT's parameters counted by hand: token and position embeddings, per block the attention (with
+    biases), the MLP (with biases) and two LayerNorms, the final LayerNorm (weight and bias), the output
+    projection unless tied."""
+    h, inner = c.n_embd, c.n_inner
+    block = 4 * h * h + 4 * h + 2 * h * inner + inner + h + 2 * 2 * h
+    positions = c.n_positions * h if c.position_embedding == "learned" else 0
+    return c.vocab_size * h + positions + c.n_layer * block + 2 * h + (0 if c.tie_word_embeddings else c.vocab_size * h)
+
+
+@pytest.mark.parametrize("config", [
+    LlamaConfig.tiny(), LlamaConfig.tiny(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    GPTConfig.tiny(), GPTConfig.tiny(tie_word_embeddings=False), GPTConfig.tiny(position_embedding="rotary"),
+], ids=["llama", "llama_tied_bias", "gpt_tied", "gpt_untied", "gpt_rotary"])
+def test_parameter_count_matches_the_model(config: LlamaConfig | GPTConfig) -> None:
+    model = (Llama if isinstance(config, LlamaConfig) else GPT)(config)
+    counted = ModelShape.from_config(config).num_params
+    assert counted == sum(p.numel() for p in model.parameters()) == ModelShape.from_module(model)[0].num_params
+    if isinstance(config, GPTConfig):  # position embeddings and the final LayerNorm's bias included
+        assert counted == gpt_params(config)
+
+
+def test_shape_of_the_bundled_models() -> None:
+    llama = ModelShape.from_config(LlamaConfig.tiny(tie_word_embeddings=True))
+    assert (llama.hidden_size, llama.num_layers, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (64, 2, 4, 2, 16)
+    assert (llama.intermediate_size, llama.mlp_intermediates, llama.vocab_size, llama.tied_embeddings) == (
+        176, 4 * 176, 256, True)
+    assert llama.norm_extras == 2  # RMSNorms
+    gpt = ModelShape.from_config(GPTConfig.tiny(tie_word_embeddings=False))  # n_positions 2048 > vocab 256
+    assert (gpt.num_heads, gpt.num_kv_heads, gpt.intermediate_size, gpt.mlp_intermediates) == (4, 4, 256, 2 * 256)
+    assert (gpt.vocab_size, gpt.tied_embeddings) == (256, False)
+
+
+def _saved_wide(module: nn.Module, x: Tensor) -> int:
+    """Elements per token of the activations autograd saves in ``module(x)``, besides ``x`` and the parameters
+    (per-token statistics left out: only tensors at least as wide as ``x``)."""
+    known = {t.untyped_storage().data_ptr() for t in (x, *module.parameters())}
+    saved: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        if t.untyped_storage().data_ptr() not in known and t.shape[-1] >= x.shape[-1]:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(saved.values()) // (x.numel() // x.shape[-1])
+
+
+@pytest.mark.parametrize("model", [Llama(LlamaConfig.tiny()), GPT(GPTConfig.tiny()), OwnDecoder(tiled=False)],
+                         ids=["llama", "gpt", "own_model"])
+def test_mlp_and_norm_rules_match_what_autograd_saves(model: nn.Module) -> None:
+    shape, _ = ModelShape.from_module(model)
+    block = fpdt_blocks(model)[0][1]
+    mlp = block.mlp.mlp if isinstance(block.mlp, TiledMLP) else block.mlp
+    x = torch.randn(2, 8, shape.hidden_size, requires_grad=True)
+    assert _saved_wide(mlp, x) == shape.mlp_intermediates
+    assert sum(_saved_wide(norm, x) for norm in (block.attention_norm, block.mlp_norm)) == shape.norm_extras * x.shape[-1]
+
+
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled_mlp", "plain_mlp"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_shape_of_an_own_model(tiled: bool, tied: bool) -> None:
+    module = OwnLM(tiled=tiled, tied=tied)
+    shape, tiling = ModelShape.from_module(module)
+    assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (48, 2, 4, 2, 16)
+    assert (shape.intermediate_size, shape.mlp_projections, shape.vocab_size, shape.tied_embeddings) == (80, 1, 96, tied)
+    assert shape.norm_extras == 0  # LayerNorms
+    assert shape.num_params == sum(p.numel() for p in module.parameters())  # the tied weight once
+    assert shape.num_params == 96 * 48 + 2 * shape.block_params + 2 * 48 + (0 if tied else 96 * 48 + 96)
+    assert shape.block_params == 48 * 64 * 2 + 48 * 32 * 2 + 2 * 48 * 80 + 80 + 48 + 2 * 2 * 48
+    assert tiling == {"mlp_tiled": tiled, "loss_tiled": False}  # no loss_tiles anywhere: full logits
+    module.model.loss_tiles = None  # a declared, automatic loss tiling
+    assert ModelShape.from_module(module)[1]["loss_tiled"]
+    # the estimate follows head_dim, not hidden / heads: q, k, v and out are 4 x 16 and 2 x 16 wide, not 48 and 24
+    narrow = dataclasses.replace(shape, head_dim=12)
+    assert estimate(shape, 512).saved_activations > estimate(narrow, 512).saved_activations
 
 
 def test_each_feature_lowers_the_device_peak() -> None:
@@ -46,7 +182,7 @@ def test_each_feature_lowers_the_device_peak() -> None:
 
 def test_auto_chunk_size_fits_the_budget_or_refuses() -> None:
     seq = 1 << 16
-    options = dict(activation_checkpointing=True, mlp_tiled=True, loss_tiled=True)
+    options = {"activation_checkpointing": True, "mlp_tiled": True, "loss_tiled": True}
     whole = estimate(SHAPE, seq, sequence_parallel_size=2, **options).device_peak
     assert auto_chunk_size(SHAPE, seq, whole + 1, sequence_parallel_size=2, **options) is None  # one chunk fits
     budget = whole - 1
@@ -57,21 +193,25 @@ def test_auto_chunk_size_fits_the_budget_or_refuses() -> None:
         auto_chunk_size(SHAPE, seq, int(0.1 * 2**30), sequence_parallel_size=2, **options)
 
 
-def _measured_and_estimated(rank: int, world: int, seq: int, full: bool) -> tuple[int, int]:
-    """One training step of a small Llama at sp=``world``: measured peak of live tensors (parameters,
-    gradients, AdamW state and activations) and the estimator's device peak."""
+def _measured_and_estimated(rank: int, world: int, seq: int, full: bool, own: bool = False) -> tuple[int, int]:
+    """One training step of a small Llama (or, with ``own``, an :class:`OwnLM`, whose loss is never tiled) at
+    sp=``world``: measured peak of live tensors (parameters, gradients, AdamW state and activations) and the
+    estimator's device peak, for the shape and tiling :meth:`ModelShape.from_module` reads."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, mlp_tiles=None if full else 1,
                          loss_tiles=None if full else 1)
-    module = LlamaLM(config)
+    module: Any = OwnLM(vocab=1024, hidden=128, heads=4, kv_heads=2, head_dim=48, inner=352, tiled=full) if own \
+        else LlamaLM(config)
+    shape, tiling = ModelShape.from_module(module)
+    assert tiling == {"mlp_tiled": full, "loss_tiled": full and not own}
     chunk = seq // 4 if full else None
     context = SequenceParallelContext(group=dist.group.WORLD, chunk_size=chunk, attention_backend="sdpa",
                                       activation_checkpointing=full)
     for index, (_, block) in enumerate(fpdt_blocks(module)):
         block.bind(context, layer_index=index)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
+    ids = torch.randint(0, shape.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
     batch = shard_batch({"input_ids": ids}, world, rank, chunk)
 
     def step() -> None:
@@ -84,15 +224,17 @@ def _measured_and_estimated(rank: int, world: int, seq: int, full: bool) -> tupl
 
     step()  # creates the optimizer state
     measured = peak_step_bytes(step, module, optimizer)
-    estimated = estimate(ModelShape.from_config(config), seq, sequence_parallel_size=world, chunk_size=chunk,
-                         mlp_tiled=full, loss_tiled=full, activation_checkpointing=full).device_peak
+    estimated = estimate(shape, seq, sequence_parallel_size=world, chunk_size=chunk, activation_checkpointing=full,
+                         **tiling).device_peak
     return measured, estimated
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("own", [False, True], ids=["llama", "own_model"])
 @pytest.mark.parametrize("full", [False, True], ids=["ulysses", "chunked_tiled_checkpointed"])
-def test_estimate_matches_a_measured_step_at_two_lengths(full: bool) -> None:
+def test_estimate_matches_a_measured_step_at_two_lengths(full: bool, own: bool) -> None:
     for seq in (1024, 4096):
-        measured, estimated = run_distributed(_measured_and_estimated, 2, seq, full)[0]
+        measured, estimated = run_distributed(_measured_and_estimated, 2, seq, full, own)[0]
         assert abs(estimated / measured - 1) <= 0.15, (seq, measured / 2**20, estimated / 2**20)
 
 
@@ -116,11 +258,14 @@ class _PeakOfStep(L.Callback):
 # attention-heavy (small MLP, no GQA) so that the chunk size decides the peak
 AUTO_CONFIG = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=4, hidden_size=64, intermediate_size=32,
                                vocab_size=64)
-AUTO_OPTIONS = dict(batch_size=2, sequence_parallel_size=2, activation_checkpointing=True, mlp_tiled=True,
-                    loss_tiled=True, precision="64-true", attention_backend="sdpa")
+AUTO_OPTIONS = {"batch_size": 2, "sequence_parallel_size": 2, "activation_checkpointing": True, "mlp_tiled": True,
+                "loss_tiled": True, "precision": "64-true", "attention_backend": "sdpa"}
+# the same for a user's own model, with wider heads (head_dim 32, not 64 / 4)
+AUTO_MODELS = {"llama": lambda: LlamaLM(AUTO_CONFIG),
+               "own_model": lambda: OwnLM(vocab=64, hidden=64, heads=4, kv_heads=4, head_dim=32, inner=32)}
 
 
-def _fit_auto(budget_gib: float, tmp_path) -> dict:
+def _fit_auto(budget_gib: float, tmp_path, module: L.LightningModule | None = None) -> dict:
     out = str(tmp_path / "auto.pt")
     trainer = L.Trainer(
         accelerator="cpu", devices=2, precision="64-true", max_steps=1, logger=False, enable_checkpointing=False,
@@ -128,21 +273,27 @@ def _fit_auto(budget_gib: float, tmp_path) -> dict:
         strategy=FPDTStrategy(sequence_parallel_size=2, chunk_size="auto", memory_budget=budget_gib,
                               activation_checkpointing=True, attention_backend="sdpa", start_method="fork"),
     )
-    trainer.fit(LlamaLM(AUTO_CONFIG), dataloader(TokenDataset(2, 256, AUTO_CONFIG.vocab_size, seed=0), 2))
+    module = module or LlamaLM(AUTO_CONFIG)
+    trainer.fit(module, dataloader(TokenDataset(2, 256, ModelShape.from_module(module)[0].vocab_size, seed=0), 2))
     return torch.load(out)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
-def test_auto_chunk_size_in_training_fits_the_budget(tmp_path) -> None:
-    shape = ModelShape.from_config(AUTO_CONFIG)
-    peak = {c: estimate(shape, 256, chunk_size=c, **AUTO_OPTIONS).device_peak for c in (128, 64)}
+@pytest.mark.parametrize("model", sorted(AUTO_MODELS))
+def test_auto_chunk_size_in_training_fits_the_budget(model: str, tmp_path) -> None:
+    module = AUTO_MODELS[model]()
+    shape, tiling = ModelShape.from_module(module)
+    assert tiling == {"mlp_tiled": True, "loss_tiled": model == "llama"}  # the own model's loss is not tiled
+    peak = {c: estimate(shape, 256, chunk_size=c, **{**AUTO_OPTIONS, **tiling}).device_peak for c in (128, 64)}
     budget = (peak[128] + peak[64]) / 2  # 128-token chunks do not fit, 64-token chunks do
-    result = _fit_auto(budget / 2**30, tmp_path)
+    result = _fit_auto(budget / 2**30, tmp_path, module)
     assert result["chunk_size"] == 64
     assert result["budget"] == int(budget)
     assert result["peak"] <= budget, (result["peak"], budget)  # measured, not estimated
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_auto_chunk_size_refuses_when_nothing_fits(tmp_path) -> None:
     with pytest.raises(Exception, match=r"FPDTStrategy: chunk_size='auto': nothing fits a budget of 1 KiB per rank at 256 tokens;"
@@ -150,9 +301,28 @@ def test_auto_chunk_size_refuses_when_nothing_fits(tmp_path) -> None:
         _fit_auto(1024 / 2**30, tmp_path)
 
 
+def _with_blocks(blocks: nn.ModuleList) -> OwnDecoder:
+    model = OwnDecoder()
+    model.blocks = blocks
+    return model
+
+
 def test_auto_needs_a_model_it_can_size_and_sane_options() -> None:
-    with pytest.raises(ValueError, match="Linear has no LlamaConfig/GPTConfig `config` attribute.*explicit chunk_size"):
+    with pytest.raises(ValueError, match="Linear has no FPDTBlock, so its memory cannot be estimated.*explicit chunk_size"):
         ModelShape.from_module(torch.nn.Linear(2, 2))
+    blocks = OwnDecoder().blocks
+    with pytest.raises(ValueError, match=r"ModuleList has neither an output projection \(an nn.Linear from"
+                                         r" hidden_size=48 .*nor a token embedding.*explicit chunk_size"):
+        ModelShape.from_module(blocks)
+    blocks[1].mlp = TiledMLP(GeluMLP(48, 96))
+    with pytest.raises(ValueError, match=r"OwnDecoder: its FPDT blocks differ in shape .*\(48, 4, 2, 16, 80, 1, .*\(48, 4, 2,"
+                                         r" 16, 96, 1, .*explicit chunk_size"):
+        ModelShape.from_module(_with_blocks(blocks))
+    blocks[1].mlp = nn.GELU()
+    with pytest.raises(ValueError, match=r"GELU \(an FPDTBlock's MLP\) has no nn.Linear back to hidden_size=48.*explicit"):
+        ModelShape.from_module(_with_blocks(blocks))
+    with pytest.raises(TypeError, match="from_config takes a LlamaConfig or GPTConfig, got dict; .*from_module"):
+        ModelShape.from_config({"hidden_size": 64})
     shape, tiling = ModelShape.from_module(LlamaLM(AUTO_CONFIG))
     assert shape == ModelShape.from_config(AUTO_CONFIG) and tiling == {"mlp_tiled": True, "loss_tiled": True}
     with pytest.raises(ValueError, match="memory_budget=4 only applies to chunk_size='auto', but chunk_size=64"):
@@ -161,3 +331,26 @@ def test_auto_needs_a_model_it_can_size_and_sane_options() -> None:
         FPDTStrategy(chunk_size="auto", memory_budget=-1)
     with pytest.raises(ValueError, match="chunk_size must be a positive int, None or 'auto', got 'big'"):
         FPDTStrategy(chunk_size="big")
+
+
+def test_memory_cli_builds_the_yaml_model_on_the_meta_device(tmp_path, capsys) -> None:
+    """``python -m lightning_fpdt.memory --config`` reads any model the YAML names, here a user's own."""
+    shape, tiling = ModelShape.from_module(OwnLM(vocab=96, tied=True))
+    # "emulate" offload: nothing leaves the device
+    options = {"batch_size": 2, "sequence_parallel_size": 2, "activation_checkpointing": True, **tiling}
+    whole = estimate(shape, 4096, **options).device_peak
+    budget = (whole + estimate(shape, 4096, chunk_size=1024, **options).device_peak) / 2 / 2**30  # it must chunk
+    strategy = {"sequence_parallel_size": 2, "chunk_size": "auto", "memory_budget": budget, "offload": "emulate",
+                "activation_checkpointing": True}
+    config = {"model": {"class_path": "tests.test_memory_model.OwnLM", "init_args": {"vocab": 96, "tied": True}},
+              "trainer": {"devices": 2, "strategy": {"init_args": strategy}},
+              "data": {"init_args": {"seq_len": 4096, "batch_size": 2}}}
+    (tmp_path / "own.yaml").write_text(yaml.safe_dump(config))
+    main(["--config", str(tmp_path / "own.yaml")])
+    out = capsys.readouterr().out
+    chunk = auto_chunk_size(shape, 4096, int(budget * 2**30), **options)
+    assert chunk is not None and chunk < 4096
+    assert f"memory estimate per rank: {shape.num_params / 1e6:.1f}M parameters, seq_len 4096, batch_size=2," in out
+    assert "offload=False" in out and "mlp_tiled=True, loss_tiled=False" in out
+    assert f"chunk_size='auto' with a budget of {budget} GiB per rank picks {chunk}" in out
+    assert estimate(shape, 4096, chunk_size=chunk, **options).table() in out

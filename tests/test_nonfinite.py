@@ -5,12 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import warnings
+
 import pytest
 import torch
 
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.nonfinite import StepGuard
 from tests.helpers import TokenDataset, dataloader
+
+pytestmark = pytest.mark.distributed  # every test here starts several processes
 
 CONFIG = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=2, hidden_size=32, intermediate_size=64,
                           vocab_size=64)
@@ -75,3 +80,88 @@ def test_bad_policy_is_refused() -> None:
         FPDTStrategy(nonfinite_loss="ignore")
     with pytest.raises(ValueError, match="offload_optimizer=True needs shard_parameters=True"):
         FPDTStrategy(offload_optimizer=True)
+
+
+class FinalWeights(L.Callback):
+    """Rank 0 writes whether every parameter is finite at the end of training, and the steps taken."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            finite = all(bool(torch.isfinite(p).all()) for p in pl_module.parameters())
+            self.out.write_text(f"{finite} {trainer.global_step}")
+
+
+def _fit_huge_lr(policy: str, out: Path) -> None:
+    """AdamW at learning rate 1e6: the first update is applied (finite loss and gradients), after which the
+    logits overflow; the non-finite losses and gradients of the next steps must never reach the weights."""
+    module = LlamaLM(CONFIG, learning_rate=1e6, warmup_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=6, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[FinalWeights(out)],
+        strategy=FPDTStrategy(sequence_parallel_size=2, nonfinite_loss=policy, start_method="fork"),
+    )
+    trainer.fit(module, dataloader(TokenDataset(16, 16, CONFIG.vocab_size, seed=4), 2))
+
+
+@pytest.mark.timeout(120)
+def test_huge_learning_rate_never_leaves_nonfinite_weights_with_skip(tmp_path: Path) -> None:
+    _fit_huge_lr("skip", tmp_path / "final.txt")
+    finite, steps = (tmp_path / "final.txt").read_text().split()
+    assert finite == "True"
+
+
+@pytest.mark.timeout(120)
+def test_huge_learning_rate_raises_before_the_damaging_update(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match=r"non-finite (loss|gradients) at global step [1-9] .*The update was not applied"):
+        _fit_huge_lr("raise", tmp_path / "final.txt")
+
+
+class IgnoredSecondBatch(torch.utils.data.Dataset):
+    """Four samples; the second batch (samples 2 and 3) has every label ignored."""
+
+    def __init__(self) -> None:
+        self.data = TokenDataset(4, 16, CONFIG.vocab_size, seed=5)
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict:
+        item = dict(self.data[i])
+        if i >= 2:
+            item["labels"] = torch.full_like(item["labels"], -100)
+        return item
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_without_targets_skips_its_update(tmp_path: Path) -> None:
+    module = LlamaLM(CONFIG, learning_rate=1e-3, warmup_steps=1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_epochs=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Record(tmp_path / "steps.txt")],
+        strategy=FPDTStrategy(sequence_parallel_size=2, start_method="fork"),
+        use_distributed_sampler=False,  # the same order every epoch (dp=1: both ranks read every sample)
+    )
+    trainer.fit(module, dataloader(IgnoredSecondBatch(), 2))
+    # (weight decay would otherwise move the weights on a batch with zero gradients)
+    assert (tmp_path / "steps.txt").read_text() == "True False True False"
+
+
+def test_the_guard_warns_once_about_windows_without_targets() -> None:
+    guard = StepGuard("raise")
+    grads = [torch.ones(3)]
+    with pytest.warns(UserWarning, match=r"no target token in the batches of global step 7 on any rank"):
+        guard.observe(torch.tensor(0.0), tokens=0)
+        assert not guard.allows_step(grads, 7, 0, 1, torch.device("cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second empty window is skipped silently
+        guard.observe(torch.tensor(0.0), tokens=0)
+        assert not guard.allows_step(grads, 8, 0, 1, torch.device("cpu"))
+        guard.observe(torch.tensor(1.0), tokens=5)
+        assert guard.allows_step(grads, 9, 0, 1, torch.device("cpu"))
+    guard.observe(torch.tensor(1.0), tokens=5)
+    with pytest.raises(FloatingPointError, match=r"non-finite gradients at global step 10 on rank\(s\) \[0\] \(the loss"
+                                                 r" was finite: the backward overflowed\)\. The update was not applied"):
+        guard.allows_step([torch.tensor([1.0, float("inf")])], 10, 0, 1, torch.device("cpu"))

@@ -16,6 +16,8 @@ import torch
 
 from lightning_fpdt.checkpoint import is_complete, latest_checkpoint
 
+pytestmark = pytest.mark.distributed  # every test here starts several processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -71,6 +73,23 @@ def test_killed_run_resumes_to_the_same_weights(uninterrupted, tmp_path: Path, s
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_same_weights(uninterrupted[shard], tmp_path)
     assert losses(tmp_path) == losses(uninterrupted[shard])  # every step's loss, bitwise, data order included
+
+
+@pytest.mark.timeout(300)
+def test_streaming_loader_trains_and_resumes(tmp_path: Path) -> None:
+    """An IterableDataset without __len__ (it used to fail at the first batch: the resume wrapper called len)
+    trains, and a SIGKILLed run resumes to the same weights: the consumed batches of the epoch are skipped."""
+    reference = tmp_path / "reference"
+    proc = job(reference, "--stream", "--max-steps", "12")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    crashed = tmp_path / "crashed"
+    proc = job(crashed, "--stream", "--max-steps", "12", "--die-at-step", "5")
+    assert proc.returncode == -9, f"the run was meant to be SIGKILLed: rc={proc.returncode}\n{proc.stderr[-3000:]}"
+    proc = job(crashed, "--stream", "--max-steps", "12", "--resume", "latest")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resuming a streaming training loader" in proc.stdout + proc.stderr
+    assert_same_weights(reference, crashed)
+    assert losses(crashed) == losses(reference)
 
 
 @pytest.mark.timeout(300)

@@ -14,6 +14,8 @@ from lightning_fpdt.models import LlamaConfig, LlamaLM
 from tests.distributed import run_distributed
 from tests.helpers import TokenDataset, dataloader
 
+pytestmark = pytest.mark.distributed  # every test here starts several processes
+
 
 def _fit_validate_fit(rank: int, world: int) -> list[float]:
     # the processes exist already (like torchrun's): Lightning launches nothing and runs here

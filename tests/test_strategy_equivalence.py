@@ -15,6 +15,8 @@ from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.models import GPTConfig, GPTLM, LlamaConfig, LlamaLM
 from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader, reference_step
 
+pytestmark = pytest.mark.distributed  # every test here starts several processes
+
 
 @dataclass(frozen=True)
 class Case:

@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_fpdt.validation as validation
+import lightning_fpdt.attention.kernels as kernels
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.models import LlamaConfig, LlamaLM
-from lightning_fpdt.validation import check_model, validate_setup
+from lightning_fpdt.options import HALF_PRECISIONS, FPDTOptions, check_model
 from tests.helpers import TokenDataset, dataloader
 
 
@@ -85,6 +85,40 @@ class ShortFirstDataset(Dataset):
         return {"input_ids": torch.arange(1 if i == 0 else 16)}
 
 
+class RankDependent(Dataset):
+    """Samples that differ between the ranks of one sequence-parallel group (a broken custom sampler)."""
+
+    def __init__(self, lengths: bool) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        rank = torch.distributed.get_rank()
+        if self.lengths:
+            return {"input_ids": torch.arange(16 + 2 * rank) % 64}
+        return {"input_ids": (torch.arange(16) + rank) % 64}
+
+
+class Items(Dataset):
+    """Fixed samples: a list of dicts."""
+
+    def __init__(self, items: list[dict[str, Any]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.items[i]
+
+
+def _items(**columns: Any) -> Callable[[], DataLoader]:
+    """Two samples per key's value (each a tensor for one sample)."""
+    return lambda: dataloader(Items([{k: v for k, v in columns.items()}] * 2), 2)
+
+
 class OneTokenDataset(Dataset):
     """Samples of a single token: fewer than one per rank for sequence_parallel_size=2."""
 
@@ -113,6 +147,7 @@ class ErrorCase:
     devices: int = 2
     model: Callable[[], L.LightningModule] = _llama
     data: Callable[[], DataLoader] = field(default=_tokens)
+    error: str = "ValueError"
 
 
 CASES = [
@@ -148,12 +183,32 @@ CASES = [
     ErrorCase("one-data-parallel-group-refused", dict(sequence_parallel_size=2),
               r"the sequence length 1 is shorter than sequence_parallel_size=2|another data-parallel group's batch"
               r" was refused", "batch", devices=4, data=lambda: dataloader(ShortFirstDataset(), 1)),
+    ErrorCase("sp-ranks-different-lengths", dict(sequence_parallel_size=2),
+              r"the ranks \[0, 1\] of one sequence-parallel group hold different input_ids shapes \(rank 0: \[2, 16\],"
+              r" rank 1: \[2, 18\]\)\. Every rank of a group must get the same batch", "batch",
+              data=lambda: dataloader(RankDependent(lengths=True), 2)),
+    ErrorCase("sp-ranks-different-tokens", dict(sequence_parallel_size=2),
+              r"the ranks \[0, 1\] of one sequence-parallel group hold different token ids \(same shape\)", "batch",
+              data=lambda: dataloader(RankDependent(lengths=False), 2)),
+    ErrorCase("ids-outside-vocab", dict(sequence_parallel_size=2),
+              r"batch\['input_ids'\] holds values from 0 to 64, but the model's vocabulary has 64 tokens: allowed are"
+              r" \[0, 64\)", "batch", data=_items(input_ids=torch.arange(16) * 64 // 15)),
+    ErrorCase("labels-outside-vocab", dict(sequence_parallel_size=2),
+              r"batch\['labels'\] holds values from -5 to 3, but .* allowed are \[0, 64\) or -100 \(ignored\)", "batch",
+              data=_items(input_ids=torch.arange(16), labels=torch.arange(16) % 9 - 5)),
+    ErrorCase("float-ids", dict(sequence_parallel_size=2),
+              r"batch\['input_ids'\] has dtype torch.float32; token ids must be integers", "batch",
+              data=_items(input_ids=torch.arange(16.0)), error="TypeError"),
+    ErrorCase("empty-batch", dict(sequence_parallel_size=2),
+              r"batch\['input_ids'\] is empty \(shape \(2, 0\)\)", "batch",
+              data=_items(input_ids=torch.zeros(0, dtype=torch.long))),
     ErrorCase("sequence-shorter-than-sp", dict(sequence_parallel_size=2),
               r"the sequence length 1 is shorter than sequence_parallel_size=2.*at least 2 tokens", "batch",
               data=lambda: dataloader(OneTokenDataset(), 2)),
 ]
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_configuration_error_is_raised_on_every_rank(case: ErrorCase, tmp_path: Path) -> None:
@@ -167,7 +222,7 @@ def test_configuration_error_is_raised_on_every_rank(case: ErrorCase, tmp_path: 
         path = tmp_path / f"{rank}.txt"
         assert path.exists(), f"rank {rank} did not raise (ranks that did: {sorted(p.name for p in tmp_path.iterdir())})"
         message, group = path.read_text().rsplit("\n", 1)
-        assert message.startswith("ValueError: FPDTStrategy: "), message
+        assert message.startswith(f"{case.error}: FPDTStrategy: "), message
         assert re.search(case.match, message), f"rank {rank}: {message}"
         # setup errors come before the process group exists, so no collective can have run
         assert group == f"process group: {case.where == 'batch'}", f"rank {rank}: {group}"
@@ -175,12 +230,25 @@ def test_configuration_error_is_raised_on_every_rank(case: ErrorCase, tmp_path: 
 
 # ---- errors that need CUDA to reach, checked without a process launch ------------------------------------
 
+def validate_setup(*, world_size: int, num_nodes: int, num_processes: int, sequence_parallel_size: int,
+                   chunk_size: int | None, device_type: str, model: Any, attention_backend: str, precision: str,
+                   offload: Any = False, offload_checkpoints: Any = False) -> None:
+    """The setup checks of a strategy with these arguments (FPDTOptions.check_run), without a process launch."""
+    options = FPDTOptions(sequence_parallel_size=sequence_parallel_size, chunk_size=chunk_size,
+                          attention_backend=attention_backend, offload=offload,
+                          activation_checkpointing=offload_checkpoints is not False,
+                          offload_checkpoints=offload_checkpoints)
+    options.check_run(world_size=world_size, num_nodes=num_nodes, num_processes=num_processes,
+                      sequence_parallel_size=sequence_parallel_size, precision=precision, device_type=device_type,
+                      model=model)
+
+
 _CUDA_OK = dict(world_size=8, num_nodes=1, num_processes=8, sequence_parallel_size=4, chunk_size=65536,
                 device_type="cuda", model=None)
 
 
 def test_flash_attn_on_cuda_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(validation, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: False)
     with pytest.raises(ValueError, match=r"attention_backend='flash_attn' but the flash-attn package is not installed;"
                                          r" install the 'flash' extra"):
         validate_setup(**_CUDA_OK, attention_backend="flash_attn", precision="bf16-mixed")
@@ -188,8 +256,8 @@ def test_flash_attn_on_cuda_without_the_package(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize("precision", ["32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"])
 def test_flash_attn_needs_half_precision(monkeypatch: pytest.MonkeyPatch, precision: str) -> None:
-    monkeypatch.setattr(validation, "flash_attn_available", lambda: True)
-    if precision in validation.HALF_PRECISIONS:
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: True)
+    if precision in HALF_PRECISIONS:
         validate_setup(**_CUDA_OK, attention_backend="flash_attn", precision=precision)
         return
     with pytest.raises(ValueError, match=rf"'flash_attn' needs float16/bfloat16 attention inputs, but"

@@ -1,6 +1,6 @@
 """Reference models built from ``FPDTBlock``."""
 
-from lightning_fpdt.models.gpt import GPT, GPTConfig, GPTLM
+from lightning_fpdt.models.gpt import GPT, GPTLM, GPTConfig
 from lightning_fpdt.models.llama import Llama, LlamaConfig, LlamaLM
 from lightning_fpdt.models.lm import CausalLM
 

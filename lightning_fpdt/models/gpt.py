@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
@@ -135,13 +134,13 @@ class GPT(nn.Module):
     @classmethod
     def from_hf(cls, model: Any, **overrides: Any) -> GPT:
         """A :class:`GPT` with the weights of a ``transformers`` ``GPT2LMHeadModel`` (or a path to one)."""
-        from lightning_fpdt.models.hf import load_gpt2
+        from lightning_fpdt.models.hf import load_gpt2  # hf imports this module: a cycle at import time
 
         return load_gpt2(cls, model, overrides)
 
     def to_hf(self) -> Any:
         """A ``transformers`` ``GPT2LMHeadModel`` with this model's weights (learned positions only)."""
-        from lightning_fpdt.models.hf import export_gpt2
+        from lightning_fpdt.models.hf import export_gpt2  # hf imports this module: a cycle at import time
 
         return export_gpt2(self)
 

@@ -13,7 +13,7 @@ from lightning_fpdt.rope import RotaryEmbedding
 
 def _transformers() -> Any:
     try:
-        import transformers
+        import transformers  # an optional extra: imported only when Hugging Face models are used
     except ImportError as err:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "Hugging Face import/export needs `transformers`: pip install 'lightning-fpdt[hf]'."
@@ -66,7 +66,7 @@ def _llama_pairs(ours: Any) -> list[tuple[nn.Parameter, str]]:
 
 
 def load_llama(cls: type, model: Any, overrides: dict[str, Any]) -> Any:
-    from lightning_fpdt.models.llama import LlamaConfig
+    from lightning_fpdt.models.llama import LlamaConfig  # llama imports this module: a cycle at import time
 
     hf = _resolve(model, "LlamaForCausalLM")
     c = hf.config
@@ -114,7 +114,7 @@ def export_llama(ours: Any) -> Any:
 
 
 def load_gpt2(cls: type, model: Any, overrides: dict[str, Any]) -> Any:
-    from lightning_fpdt.models.gpt import GPTConfig
+    from lightning_fpdt.models.gpt import GPTConfig  # gpt imports this module: a cycle at import time
 
     hf = _resolve(model, "GPT2LMHeadModel")
     c = hf.config

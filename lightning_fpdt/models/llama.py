@@ -192,13 +192,13 @@ class Llama(nn.Module):
         schedules such as Llama 3's), exactly as ``transformers`` does. ``overrides`` set
         :class:`LlamaConfig` fields that have no Hugging Face counterpart (``mlp_tiles``, ...).
         """
-        from lightning_fpdt.models.hf import load_llama
+        from lightning_fpdt.models.hf import load_llama  # hf imports this module: a cycle at import time
 
         return load_llama(cls, model, overrides)
 
     def to_hf(self) -> Any:
         """A ``transformers`` ``LlamaForCausalLM`` with this model's weights."""
-        from lightning_fpdt.models.hf import export_llama
+        from lightning_fpdt.models.hf import export_llama  # hf imports this module: a cycle at import time
 
         return export_llama(self)
 

@@ -16,15 +16,23 @@ The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-w
 - host memory: offloaded attention chunks (one layer's worth at a time: the pipeline keeps a layer's
   chunks from its forward to its backward only when it is not checkpointed) and block checkpoints.
 
-It is an estimate for planning. ``benchmarks/training.py`` measures the real peak of live tensors.
+The sizes come from the module itself (:meth:`ModelShape.from_module`): its ``FPDTBlock`` s, its
+output projection or token embedding, and its parameters, so any model built from ``FPDTBlock``
+can be sized, not only the bundled ones. It is an estimate for planning. ``benchmarks/training.py``
+measures the real peak of live tensors.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fpdt.block import FPDTBlock, fpdt_blocks
+from lightning_fpdt.mlp import TiledMLP
+from lightning_fpdt.models import GPT, GPTConfig, Llama, LlamaConfig
 
 GIB = 2**30
 
@@ -33,11 +41,30 @@ _PRECISION_BYTES = {  # (parameter bytes, activation bytes)
     "bf16-mixed": (4, 2), "16-mixed": (4, 2), "bf16-true": (2, 2), "16-true": (2, 2),
 }
 _OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # float tensors per parameter
+_EXPLICIT = "set an explicit chunk_size instead of 'auto' (`python -m lightning_fpdt.memory` helps choose one)"
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the memory model needs to know about a decoder."""
+    """What the memory model needs to know about a decoder; :meth:`from_module` reads it from a model.
+
+    Attributes:
+        hidden_size: width of the residual stream (the blocks' input and output).
+        num_layers: FPDT blocks.
+        num_heads: query heads of each block's attention.
+        num_kv_heads: key/value heads of each block's attention.
+        intermediate_size: the MLP's inner width.
+        vocab_size: logits per token (the output projection's width).
+        num_params: parameters of the whole model, each shared (tied) parameter once.
+        tied_embeddings: the output projection shares the token embedding's weight.
+        head_dim: per-head width of q, k and v; ``None`` means ``hidden_size // num_heads``.
+        mlp_projections: linear layers producing the intermediate: 2 for a gated MLP (SwiGLU's gate
+            and up), 1 for a plain one (GELU).
+        block_params: parameters of one block (what FSDP2 gathers per block); ``None`` estimates it
+            from ``num_params`` less the embeddings.
+        norm_extras: hidden-wide tensors a block's two norms keep for backward besides their input
+            (``nn.LayerNorm``: none; RMSNorm: the normalized values, one each).
+    """
 
     hidden_size: int
     num_layers: int
@@ -47,49 +74,133 @@ class ModelShape:
     vocab_size: int
     num_params: int
     tied_embeddings: bool = False
+    head_dim: int | None = None
+    mlp_projections: int = 2
+    block_params: int | None = None
+    norm_extras: int = 2
 
-    @classmethod
-    def from_config(cls, config: Any) -> ModelShape:
-        """From a :class:`~lightning_fpdt.models.LlamaConfig` or :class:`~lightning_fpdt.models.GPTConfig`."""
-        if hasattr(config, "hidden_size"):  # Llama
-            h, n_layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
-            kv, inter, vocab, tied = config.num_key_value_heads, config.intermediate_size, config.vocab_size, config.tie_word_embeddings
-            kv_dim = h // heads * kv
-            per_layer = h * (h + 2 * kv_dim) + h * h + 3 * h * inter + 2 * h
-            mlp_intermediates = 4 * inter  # gate, silu(gate), up, product
-        else:  # GPT
-            h, n_layers, heads = config.n_embd, config.n_layer, config.n_head
-            kv, inter, vocab, tied = heads, config.n_inner or 4 * h, config.vocab_size, config.tie_word_embeddings
-            per_layer = 4 * h * h + 4 * h + 2 * h * inter + inter + h + 4 * h
-            mlp_intermediates = 3 * inter  # fc out, gelu out (and its tanh intermediate)
-        n_params = n_layers * per_layer + vocab * h * (1 if tied else 2) + h
-        shape = cls(h, n_layers, heads, kv, inter, vocab, n_params, tied)
-        object.__setattr__(shape, "_mlp_intermediates", mlp_intermediates)
-        return shape
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
     @property
     def mlp_intermediates(self) -> int:
-        return getattr(self, "_mlp_intermediates", 4 * self.intermediate_size)
+        """Values an untiled MLP keeps per token for backward: two intermediate-wide tensors per projection
+        (SwiGLU: gate, up, silu(gate) and the product; GELU: fc's output and the activation's)."""
+        return 2 * self.mlp_projections * self.intermediate_size
 
     @classmethod
-    def from_module(cls, module: Any) -> tuple[ModelShape, dict[str, bool]]:
-        """The shape of the first :class:`~lightning_fpdt.models.LlamaConfig` / ``GPTConfig`` found as a
-        ``config`` attribute in ``module`` or its submodules, and whether its MLP and loss are tiled.
+    def from_config(cls, config: LlamaConfig | GPTConfig) -> ModelShape:
+        """The shape of the bundled :class:`~lightning_fpdt.models.Llama` or :class:`~lightning_fpdt.models.GPT`
+        that ``config`` describes, read by :meth:`from_module` from the model built on the meta device
+        (no memory, no weights)."""
+        builders: dict[type, type[nn.Module]] = {LlamaConfig: Llama, GPTConfig: GPT}
+        if type(config) not in builders:
+            raise TypeError(f"ModelShape.from_config takes a LlamaConfig or GPTConfig, got {type(config).__name__};"
+                            " for any other model use ModelShape.from_module(model).")
+        with torch.device("meta"):
+            model = builders[type(config)](config)
+        return cls.from_module(model)[0]
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> tuple[ModelShape, dict[str, bool]]:
+        """The shape of a model built from :class:`~lightning_fpdt.block.FPDTBlock` s, and whether its MLP
+        and loss are tiled (``{"mlp_tiled": ..., "loss_tiled": ...}``, arguments of :func:`estimate`).
+
+        What is read, and from where (``module`` may be the ``LightningModule`` or the model inside it):
+
+        - the blocks (:func:`~lightning_fpdt.block.fpdt_blocks`), which must all have the same shape:
+          ``hidden_size`` (``q_proj.in_features``), ``num_heads``, ``num_kv_heads`` and ``head_dim`` of
+          ``block.attention``;
+        - ``norm_extras``: 0 for each ``nn.LayerNorm`` of a block, 1 for any other norm;
+        - the MLP (``block.mlp``, inside its :class:`~lightning_fpdt.mlp.TiledMLP` if wrapped): its
+          output projection is its last ``nn.Linear`` back to ``hidden_size``; ``intermediate_size`` is
+          that layer's ``in_features`` and ``mlp_projections`` counts its other ``nn.Linear`` s of that
+          width. It is tiled when every block's MLP is a ``TiledMLP`` with ``num_tiles != 1``;
+        - ``vocab_size``: the ``out_features`` of the output projection, the widest ``nn.Linear`` outside
+          the blocks that reads ``hidden_size``; without one, the ``num_embeddings`` of the first
+          ``nn.Embedding`` of width ``hidden_size`` outside the blocks (the token embedding, taken as
+          tied). Embeddings are tied when the output projection's weight is such an embedding's weight;
+        - ``num_params``: every parameter of ``module``, shared ones once (position embeddings, norms
+          and biases included);
+        - the loss is tiled when the first ``loss_tiles`` attribute found on ``module``, a submodule, or
+          a submodule's ``config`` (``CausalLM`` reads ``model.config.loss_tiles``) is not 1. The loss is
+          the ``LightningModule``'s code, which cannot be read: without such an attribute it is taken as
+          untiled (full logits: the larger estimate).
 
         Raises:
-            ValueError: when the module carries no such config (a custom model).
+            ValueError: when ``module`` cannot be sized (no ``FPDTBlock``; blocks of different shapes; an
+                MLP without an ``nn.Linear`` back to ``hidden_size``; no output projection and no token
+                embedding), naming what is missing.
         """
-        from lightning_fpdt.models import GPTConfig, LlamaConfig
+        name = type(module).__name__
+        blocks = [block for _, block in fpdt_blocks(module)]
+        if not blocks:
+            raise ValueError(
+                f"{name} has no FPDTBlock, so its memory cannot be estimated (the memory model reads the layer"
+                f" shapes from the FPDT blocks): build its layers from FPDTBlock, or {_EXPLICIT}."
+            )
+        read = [_read_block(block) for block in blocks]
+        shapes = sorted({dims for dims, _ in read})
+        if len(shapes) > 1:
+            raise ValueError(
+                f"{name}: its FPDT blocks differ in shape (hidden, heads, kv heads, head_dim, intermediate, MLP"
+                f" projections, parameters, norm extras): {shapes}; the memory model assumes one shape per layer:"
+                f" {_EXPLICIT}."
+            )
+        hidden, heads, kv_heads, head_dim, inter, projections, block_params, norm_extras = shapes[0]
+        in_blocks = {id(m) for block in blocks for m in block.modules()}
+        outside = [m for m in module.modules() if id(m) not in in_blocks]
+        heads_out = [m for m in outside if isinstance(m, nn.Linear) and m.in_features == hidden]
+        embeddings = [m for m in outside if isinstance(m, nn.Embedding) and m.embedding_dim == hidden]
+        if heads_out:
+            head = max(heads_out, key=lambda m: m.out_features)
+            vocab, tied = head.out_features, any(e.weight is head.weight for e in embeddings)
+        elif embeddings:
+            vocab, tied = embeddings[0].num_embeddings, True
+        else:
+            raise ValueError(
+                f"{name} has neither an output projection (an nn.Linear from hidden_size={hidden} outside the FPDT"
+                f" blocks) nor a token embedding (an nn.Embedding of width {hidden}), so its vocabulary size, and"
+                f" with it the loss's memory, cannot be read: {_EXPLICIT}."
+            )
+        num_params = sum(p.numel() for p in module.parameters())  # parameters() yields a shared one once
+        shape = cls(hidden, len(blocks), heads, kv_heads, inter, vocab, num_params, tied, head_dim, projections,
+                    block_params, norm_extras)
+        return shape, {"mlp_tiled": all(tiled for _, tiled in read), "loss_tiled": _loss_tiled(module)}
 
-        for sub in module.modules():
-            config = getattr(sub, "config", None)
-            if isinstance(config, (LlamaConfig, GPTConfig)):
-                return cls.from_config(config), {"mlp_tiled": config.mlp_tiles != 1, "loss_tiled": config.loss_tiles != 1}
+
+def _read_block(block: FPDTBlock) -> tuple[tuple[int, ...], bool]:
+    """``((hidden, heads, kv_heads, head_dim, intermediate, mlp_projections, parameters, norm_extras), mlp_tiled)``."""
+    attention = block.attention
+    hidden = attention.q_proj.in_features
+    mlp, tiled = block.mlp, False
+    if isinstance(mlp, TiledMLP):
+        mlp, tiled = mlp.mlp, mlp.num_tiles != 1
+    linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)]
+    back = [m for m in linears if m.out_features == hidden]
+    if not back:
         raise ValueError(
-            f"{type(module).__name__} has no LlamaConfig/GPTConfig `config` attribute, so its memory cannot be"
-            " estimated: set an explicit chunk_size instead of 'auto' (`python -m lightning_fpdt.memory` helps"
-            " choose one)."
+            f"{type(mlp).__name__} (an FPDTBlock's MLP) has no nn.Linear back to hidden_size={hidden}, so its"
+            f" intermediate size cannot be read: {_EXPLICIT}."
         )
+    down = back[-1]  # the output projection; the intermediate is its input
+    projections = sum(1 for m in linears if m is not down and m.out_features == down.in_features)
+    params = sum(p.numel() for p in block.parameters())
+    # LayerNorm's kernel keeps only its input (and per-token statistics); RMSNorm, torch's included, also
+    # keeps the normalized values
+    norm_extras = sum(not isinstance(norm, nn.LayerNorm) for norm in (block.attention_norm, block.mlp_norm))
+    dims = (hidden, attention.n_heads, attention.n_kv_heads, attention.head_dim, down.in_features, max(1, projections),
+            params, norm_extras)
+    return dims, tiled
+
+
+def _loss_tiled(module: nn.Module) -> bool:
+    for sub in module.modules():
+        for owner in (sub, getattr(sub, "config", None)):
+            if owner is not None and hasattr(owner, "loss_tiles"):
+                return owner.loss_tiles != 1
+    return False
 
 
 def format_bytes(n: float) -> str:
@@ -149,7 +260,8 @@ def estimate(
     p = sequence_parallel_size
     s_pad = -(-seq_len // p) * p
     t = batch_size * s_pad // p  # tokens per rank
-    h, hd = shape.hidden_size, shape.hidden_size // shape.num_heads
+    h, hd = shape.hidden_size, shape.head_dim or shape.hidden_size // shape.num_heads
+    qd = shape.num_heads * hd  # width of q and of the attention output per token (need not be h)
     kv_eff = max(shape.num_kv_heads, p) * hd  # KV heads are replicated up to sp
     chunk = s_pad if chunk_size is None else min(chunk_size, s_pad)
     chunk_tokens_rank = batch_size * chunk // p  # one chunk, per rank
@@ -166,18 +278,21 @@ def estimate(
     notes: list[str] = []
     gathered = 0
     if shard_parameters:
-        layer = (shape.num_params - shape.vocab_size * shape.hidden_size * (1 if shape.tied_embeddings else 2)) // max(
-            1, shape.num_layers)
+        layer = shape.block_params
+        if layer is None:
+            layer = (shape.num_params - shape.vocab_size * h * (1 if shape.tied_embeddings else 2)) // max(
+                1, shape.num_layers)
         root = shape.num_params - layer * shape.num_layers
         gathered = (root + 2 * layer) * (2 if precision in ("bf16-mixed", "16-mixed") else pe)
         if offload_optimizer:  # sharded parameters, gradients and optimizer state live on the host
             notes.append(f"offload_optimizer: {format_bytes(params + grads + opt)} of sharded state in host memory")
 
     # what one layer saves between its forward and its backward (bytes)
-    pipeline_saved = t * e * (2 * h + 2 * kv_eff) + t * shape.num_heads * 4  # q, out, k, v chunks + lse
+    pipeline_saved = t * e * (2 * qd + 2 * kv_eff) + t * shape.num_heads * 4  # q, out, k, v chunks + lse
     rope = 4 * t * hd * e if chunk_size is None else 0  # with chunking RoPE runs inside the pipeline
     mlp_saved = 0 if mlp_tiled else t * shape.mlp_intermediates * e
-    layer_saved = t * e * 7 * h + pipeline_saved + rope + mlp_saved  # x, 2 norms x 2, o_proj in, residual
+    # x, the norms' outputs and extras, the residual; o_proj's input
+    layer_saved = t * e * ((4 + shape.norm_extras) * h + qd) + pipeline_saved + rope + mlp_saved
     layer_device = layer_saved - (pipeline_saved if offload else 0)
     checkpoint = t * h * e
 
@@ -197,17 +312,18 @@ def estimate(
 
     # attention working set: the current and the prefetched chunk (one chunk: the whole local q/k/v
     # and their head-sharded copies)
-    chunk_buffers = 2 * min(chunk_tokens_rank, t) * (2 * h + 2 * kv_eff) * e
+    chunk_buffers = 2 * min(chunk_tokens_rank, t) * (2 * qd + 2 * kv_eff) * e
     if attention_backend == "math":  # it materializes a chunk pair's scores: S, P, dP and dS in backward
         chunk_global = min(chunk, s_pad)
         chunk_buffers += 4 * batch_size * (shape.num_heads // p or 1) * chunk_global**2 * max(e, 4)
 
     if activation_checkpointing:
-        saved = shape.num_layers * (0 if offload_checkpoints else checkpoint) + final + loss_saved
+        saved = shape.num_layers * (0 if offload_checkpoints else checkpoint) + final
         # one block recomputed and its backward: the block's saved activations, the incoming gradient,
-        # and the larger of the attention chunk buffers and one MLP tile's forward and backward
+        # and the larger of the attention chunk buffers and one MLP tile's forward and backward. The
+        # loss's saved logits are freed before the first block is recomputed: they count in the loss only.
         recompute = layer_device + t * h * e + max(chunk_buffers, mlp_tile_work)
-        transient = max(loss_transient, recompute)
+        transient = max(loss_saved + loss_transient, recompute)
     else:
         saved = shape.num_layers * layer_device + final + loss_saved
         # the peak is at the start of backward, in the loss; with offload, the chunks of the layer being
@@ -227,29 +343,6 @@ def estimate(
     if p > 1 and shape.num_heads % p:
         notes.append(f"num_heads={shape.num_heads} is not divisible by sp={p}: the run will be refused")
     return MemoryEstimate(params, grads, opt, saved, chunk_buffers, transient, host, device_peak, notes)
-
-
-def optimizer_kind(optimizer: Any) -> str:
-    """``"adamw"`` (two moments per parameter), ``"sgd"`` (one momentum buffer) or ``"none"``."""
-    name = type(optimizer).__name__.lower()
-    if "adam" in name or "lamb" in name:
-        return "adamw"
-    if name == "sgd" and optimizer.defaults.get("momentum", 0):
-        return "sgd"
-    return "none" if name == "sgd" else "adamw"  # unknown optimizers: assume two states (conservative)
-
-
-def available_memory(device: Any, local_processes: int = 1) -> int:
-    """Bytes this rank may use: the CUDA device's free memory, or on CPU the host's available memory
-    (``MemAvailable``) shared by the ``local_processes`` ranks on this host."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024 // max(1, local_processes)
 
 
 def auto_chunk_size(
@@ -284,81 +377,6 @@ def auto_chunk_size(
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="an fpdt-train YAML; its model, data.seq_len and strategy are used")
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--intermediate", type=int, default=14336)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--seq", type=int, default=262144)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--sp", type=int, default=1)
-    parser.add_argument("--chunk-size", type=lambda v: v if v == "auto" else int(v), default=None)
-    parser.add_argument("--offload", action="store_true")
-    parser.add_argument("--checkpointing", action="store_true")
-    parser.add_argument("--offload-checkpoints", action="store_true")
-    parser.add_argument("--tiled", action="store_true", help="tiled MLP and loss")
-    parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "flash_attn", "math"])
-    parser.add_argument("--budget", type=float, default=None, help="GiB per rank, to resolve chunk_size 'auto'")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (matters with --shard)")
-    parser.add_argument("--shard", action="store_true", help="shard_parameters (FSDP2 over dp x sp)")
-    parser.add_argument("--offload-optimizer", action="store_true")
-    args = parser.parse_args(argv)
-    from lightning_fpdt.models import LlamaConfig
-
-    options: dict[str, Any] = {}
-    init: dict[str, Any] = {}
-    if args.config:
-        import yaml
-
-        with open(args.config) as f:
-            cfg = yaml.safe_load(f)
-        model_cfg = cfg["model"]["init_args"].get("config", {})
-        if "GPT" in cfg["model"]["class_path"]:
-            from lightning_fpdt.models import GPTConfig
-
-            config: Any = GPTConfig(**model_cfg)
-            tiles = (config.mlp_tiles, config.loss_tiles)
-        else:
-            config = LlamaConfig(**model_cfg)
-            tiles = (config.mlp_tiles, config.loss_tiles)
-        strategy = cfg["trainer"].get("strategy", {})
-        init = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
-        devices = cfg["trainer"].get("devices", 1)
-        data = cfg.get("data", {}).get("init_args", {})
-        options = dict(seq_len=data.get("seq_len", args.seq), batch_size=data.get("batch_size", args.batch),
-                       sequence_parallel_size=init.get("sequence_parallel_size", devices if isinstance(devices, int) else 1),
-                       chunk_size=init.get("chunk_size"), offload=init.get("offload", False),
-                       activation_checkpointing=init.get("activation_checkpointing", False),
-                       offload_checkpoints=init.get("offload_checkpoints", False),
-                       mlp_tiled=tiles[0] != 1, loss_tiled=tiles[1] != 1,
-                       precision=str(cfg["trainer"].get("precision", "32-true")),
-                       attention_backend=init.get("attention_backend", "sdpa"),
-                       shard_parameters=init.get("shard_parameters", False),
-                       offload_optimizer=init.get("offload_optimizer", False),
-                       data_parallel_size=max(1, (cfg["trainer"].get("num_nodes", 1) * (devices if isinstance(devices, int) else 1))
-                                              // init.get("sequence_parallel_size", devices if isinstance(devices, int) else 1)))
-    else:
-        config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                             num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                             num_key_value_heads=args.kv_heads)
-        options = dict(seq_len=args.seq, batch_size=args.batch, sequence_parallel_size=args.sp,
-                       chunk_size=args.chunk_size, offload=args.offload, activation_checkpointing=args.checkpointing,
-                       offload_checkpoints=args.offload_checkpoints, mlp_tiled=args.tiled, loss_tiled=args.tiled,
-                       precision=args.precision, attention_backend=args.attention_backend,
-                       shard_parameters=args.shard, data_parallel_size=args.dp, offload_optimizer=args.offload_optimizer)
-    shape = ModelShape.from_config(config)
-    seq = options.pop("seq_len")
-    try:
-        print(report(shape, seq, budget_gib=args.budget if args.budget is not None else init.get("memory_budget"), **options))
-    except ValueError as err:
-        raise SystemExit(str(err)) from None
-
-
 def report(shape: ModelShape, seq_len: int, budget_gib: float | None = None, **options: Any) -> str:
     """The estimate as printed by ``python -m lightning_fpdt.memory`` and by ``fpdt-train fit``: a header
     line with the run's options, then :meth:`MemoryEstimate.table`. ``chunk_size="auto"`` is resolved
@@ -378,6 +396,3 @@ def report(shape: ModelShape, seq_len: int, budget_gib: float | None = None, **o
     lines.append(estimate(shape, seq_len, **options).table())
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,99 @@
+"""``python -m lightning_fpdt.memory``: the memory estimate of a run from the command line.
+
+    python -m lightning_fpdt.memory --config examples/configs/tiny_cpu.yaml
+    python -m lightning_fpdt.memory --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --vocab 128256 \\
+        --seq 1048576 --sp 8 --chunk-size 65536 --offload --checkpointing --precision bf16-mixed
+
+With ``--config`` (an ``fpdt-train`` YAML) the model is built on the meta device from the YAML's
+``model`` and read like any module (:meth:`ModelShape.from_module`); the strategy's arguments are
+read as the strategy reads them (:class:`lightning_fpdt.options.FPDTOptions`). Without it, a Llama of
+the given sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from lightning_fpdt.memory import ModelShape, report
+from lightning_fpdt.models import LlamaConfig
+from lightning_fpdt.options import FPDTOptions
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="an fpdt-train YAML; its model, data.seq_len and strategy are used")
+    sizes = {"hidden": 4096, "layers": 32, "heads": 32, "kv-heads": 8, "intermediate": 14336, "vocab": 128256,
+             "seq": 262144, "batch": 1, "sp": 1, "dp": 1}  # --dp: the data-parallel size (matters with --shard)
+    for name, default in sizes.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--chunk-size", type=lambda v: v if v == "auto" else int(v), default=None)
+    parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--offload-checkpoints", action="store_true")
+    parser.add_argument("--tiled", action="store_true", help="tiled MLP and loss")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "flash_attn", "math"])
+    parser.add_argument("--budget", type=float, default=None, help="GiB per rank, to resolve chunk_size 'auto'")
+    parser.add_argument("--shard", action="store_true", help="shard_parameters (FSDP2 over dp x sp)")
+    parser.add_argument("--offload-optimizer", action="store_true")
+    args = parser.parse_args(argv)
+    init: dict[str, Any] = {}
+    try:
+        if args.config:
+            with open(args.config) as f:
+                cfg = yaml.safe_load(f)
+            shape, tiling = ModelShape.from_module(_module_from_yaml(cfg.get("model") or {}))
+            trainer = cfg.get("trainer") or {}
+            strategy = trainer.get("strategy", {})
+            init = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
+            devices = trainer.get("devices", 1) if isinstance(trainer.get("devices", 1), int) else 1
+            sp = init.get("sequence_parallel_size", "auto")
+            sp = devices if sp == "auto" else sp
+            data = (cfg.get("data") or {}).get("init_args", {})
+            known = {name: init[name] for name in FPDTOptions.__dataclass_fields__ if name in init}
+            # the strategy's own reading of its options ("emulate" moves nothing off the device, ...)
+            dp = max(1, trainer.get("num_nodes", 1) * devices // sp)
+            options = {"seq_len": data.get("seq_len", args.seq), "batch_size": data.get("batch_size", args.batch),
+                       "chunk_size": "auto",  # replaced by the strategy's, unless it is "auto"
+                       **FPDTOptions(**known).memory_options(sp, dp),
+                       "precision": str(trainer.get("precision", "32-true")), **tiling}
+        else:
+            shape = ModelShape.from_config(LlamaConfig(
+                vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads))
+            options = {"seq_len": args.seq, "batch_size": args.batch, "sequence_parallel_size": args.sp,
+                       "chunk_size": args.chunk_size, "offload": args.offload,
+                       "activation_checkpointing": args.checkpointing, "offload_checkpoints": args.offload_checkpoints,
+                       "mlp_tiled": args.tiled, "loss_tiled": args.tiled, "precision": args.precision,
+                       "attention_backend": args.attention_backend, "shard_parameters": args.shard,
+                       "data_parallel_size": args.dp, "offload_optimizer": args.offload_optimizer}
+        seq = options.pop("seq_len")
+        budget = args.budget if args.budget is not None else init.get("memory_budget")
+        print(report(shape, seq, budget_gib=budget, **options))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+
+
+def _module_from_yaml(model: dict[str, Any]) -> nn.Module:
+    """The YAML's ``model`` (``class_path`` and ``init_args``, as ``fpdt-train`` reads them; its default is
+    ``LlamaLM``) built on the meta device: the real module, read by :meth:`ModelShape.from_module`, with
+    no memory and no weights."""
+    class_path = model.get("class_path", "lightning_fpdt.models.LlamaLM")
+    module_name, _, class_name = class_path.rpartition(".")
+    try:  # a bare class name is one of the bundled models, as fpdt-train resolves it
+        cls = getattr(importlib.import_module(module_name or "lightning_fpdt.models"), class_name)
+        with torch.device("meta"):
+            return cls(**(model.get("init_args") or {}))
+    except (ImportError, AttributeError, TypeError) as err:
+        raise ValueError(f"model {class_path!r} cannot be built from the YAML's init_args on the meta device ({err});"
+                         " give the model's sizes as flags instead (--hidden, --layers, ...).") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The step guard: no optimizer step is ever taken from a NaN/inf loss or gradient, or from no data.
+
+:class:`StepGuard` sees every training loss of an accumulation window and its number of target tokens
+(``observe``, local, no communication) and, just before the optimizer step, checks those losses and
+this rank's gradients with one all-reduce of a ``[world, 3]`` tensor (:meth:`StepGuard.allows_step`),
+so every rank takes the same decision (a rank that skipped alone would hang the next gradient
+collective). Non-finite values follow the ``nonfinite_loss`` policy:
+
+- ``"raise"``: stop before the damaged update, naming the step, the ranks, and loss versus gradients;
+- ``"skip"``: drop the window's update on every rank (gradients zeroed, no step) and warn.
+
+A window without a single target token on any rank (every label ignored) reports a loss of 0 and has
+zero gradients; an optimizer would still apply weight decay and momentum. Its update is always
+skipped, with a warning the first time.
+
+With ``16-mixed`` precision the gradient scaler already skips steps with non-finite gradients, so only
+the losses are checked there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.tensor import DTensor
+
+from lightning_fpdt.options import PREFIX
+
+Policy = Literal["raise", "skip"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every element of every tensor (this rank's shard of a DTensor) is finite."""
+    flags = [torch.isfinite(_local(t)).all() for t in tensors if _local(t).numel()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+class StepGuard:
+    """Checks an accumulation window's losses and gradients before the optimizer step.
+
+    Args:
+        policy: ``"raise"`` or ``"skip"``.
+        check_gradients: ``False`` when a gradient scaler handles non-finite gradients itself.
+    """
+
+    def __init__(self, policy: Policy, check_gradients: bool = True) -> None:
+        self.policy = policy
+        self.check_gradients = check_gradients
+        self._loss_finite = True
+        self._tokens = 0
+        self._warned_empty = False
+
+    def setup(self, automatic_optimization: bool, precision: str) -> None:
+        """Check the policy against the module and precision of the run (in the strategy's ``setup``).
+
+        Raises:
+            ValueError: ``"skip"`` with manual optimization.
+        """
+        if self.policy == "skip" and not automatic_optimization:
+            raise ValueError(
+                f"{PREFIX}nonfinite_loss='skip' needs automatic optimization (with manual optimization your"
+                " training_step steps the optimizer before the strategy sees the loss). Check the loss yourself"
+                " or use nonfinite_loss='raise'."
+            )
+        self.check_gradients = precision != "16-mixed"  # the gradient scaler skips non-finite gradients itself
+
+    def observe(self, loss: torch.Tensor, tokens: int | None) -> None:
+        """Record one training loss of the current window and its target tokens on this rank (``None``:
+        unknown, counted as some); no communication."""
+        self._loss_finite = self._loss_finite and bool(torch.isfinite(loss.detach()).all())
+        self._tokens += 1 if tokens is None else tokens
+
+    def allows_step(
+        self, gradients: Iterable[torch.Tensor], step: int, rank: int, world_size: int, device: torch.device
+    ) -> bool:
+        """Whether the optimizer may step; a collective when ``world_size > 1``.
+
+        Raises:
+            FloatingPointError: with ``"raise"``, when any rank saw a non-finite loss or gradient.
+        """
+        grads_finite = all_finite(gradients) if self.check_gradients else True
+        flags = torch.zeros(world_size, 3, dtype=torch.float64, device=device)
+        flags[rank, 0] = float(not self._loss_finite)
+        flags[rank, 1] = float(not grads_finite)
+        flags[rank, 2] = float(self._tokens)
+        self._loss_finite, self._tokens = True, 0  # the next window starts clean
+        if world_size > 1:
+            torch.distributed.all_reduce(flags)
+        loss_ranks = flags[:, 0].nonzero().flatten().tolist()
+        grad_ranks = flags[:, 1].nonzero().flatten().tolist()
+        if not loss_ranks and not grad_ranks:
+            if flags[:, 2].sum() > 0:
+                return True
+            if not self._warned_empty:
+                rank_zero_warn(
+                    f"{PREFIX}no target token in the batches of global step {step} on any rank (every label is"
+                    " -100, or masked): the loss is 0 and the update is skipped (without this the optimizer would"
+                    " still apply weight decay). Check the labels / loss_mask of your data. Warned once."
+                )
+                self._warned_empty = True
+            return False
+        what = []
+        if loss_ranks:
+            what.append(f"non-finite loss at global step {step} on rank(s) {loss_ranks}")
+        if grad_ranks:
+            what.append(f"non-finite gradients at global step {step} on rank(s) {grad_ranks}")
+        message = PREFIX + "; ".join(what)
+        if not loss_ranks:
+            message += " (the loss was finite: the backward overflowed)"
+        if self.policy == "raise":
+            raise FloatingPointError(
+                message + ". The update was not applied. Lower the learning rate, check the data, or pass"
+                " nonfinite_loss='skip' to skip such steps."
+            )
+        rank_zero_warn(message + ": the update is skipped on every rank (nonfinite_loss='skip').")
+        return False

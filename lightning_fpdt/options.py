@@ -1,0 +1,332 @@
+"""The strategy's configuration: one frozen, validated object, and the checks that need the run.
+
+:class:`FPDTOptions` is built once from :class:`~lightning_fpdt.FPDTStrategy`'s arguments. Its
+``__post_init__`` refuses values that are wrong on their own (types, ranges, combinations); its
+:meth:`FPDTOptions.check_run` refuses values that are wrong for this run (world size, device type,
+precision, the model's head counts). ``check_run`` runs on every rank, first thing in
+``setup_environment``, before the process group exists, and depends only on values that are the same
+on every rank, so a bad configuration raises the same ``ValueError`` everywhere instead of leaving
+some ranks waiting in a collective. Each message names the numbers and the fix.
+
+Each rule is written once: the chunk-size rule in :func:`lightning_fpdt.layout.validate_chunk_size`
+(a chunk is cut into one equal sub-chunk per rank), the head-count rule in
+:func:`lightning_fpdt.comm.check_heads` (heads are scattered over the group by the all-to-all), the
+backend's device and package rules in :func:`lightning_fpdt.attention.kernels.resolve_backend`.
+The one check that needs data, a sequence shorter than the sequence-parallel group, is made per
+batch in :func:`lightning_fpdt.layout.shard_batch`.
+
+Offload is one three-valued setting, read the same way everywhere:
+
+- ``"off"``: chunks stay where they were computed;
+- ``"on"``: chunks move to pinned host memory between uses (CUDA): the schedule runs *and* device
+  memory is freed (the memory estimate counts them on the host);
+- ``"emulate"``: the same schedule on any device, copying between host buffers on a background
+  worker (CPU tests); nothing leaves the device, so the estimate counts them on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_fpdt.attention import kernels
+from lightning_fpdt.attention.kernels import BACKENDS
+from lightning_fpdt.block import fpdt_blocks
+from lightning_fpdt.comm import check_heads
+from lightning_fpdt.layout import DEFAULT_SEQUENCE_KEYS, validate_chunk_size
+
+Offload = Literal["off", "on", "emulate"]
+OffloadArgument = bool | Literal["emulate"]
+
+# Lightning precision strings whose attention inputs are float16/bfloat16
+HALF_PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+PREFIX = "FPDTStrategy: "
+
+
+def offload_mode(name: str, value: Any) -> Offload:
+    """``False`` / ``True`` / ``"emulate"`` (the strategy's argument ``name``) as ``"off"`` / ``"on"`` / ``"emulate"``."""
+    if value is False or value == "off":
+        return "off"
+    if value is True or value == "on":
+        return "on"
+    if isinstance(value, str) and value == "emulate":
+        return "emulate"
+    raise ValueError(f"{PREFIX}{name} must be True, False or 'emulate', got {value!r}.")
+
+
+def _argument(value: Offload) -> OffloadArgument:
+    """The user's spelling of an offload mode, for messages."""
+    return {"off": False, "on": True, "emulate": "emulate"}[value]
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class FPDTOptions:
+    """Everything :class:`~lightning_fpdt.FPDTStrategy` is configured with, validated on construction.
+
+    The fields are the strategy's arguments of the same names. ``offload`` and ``offload_checkpoints``
+    accept ``True`` / ``False`` / ``"emulate"`` and are stored as :data:`Offload` modes.
+    """
+
+    sequence_parallel_size: int | Literal["auto"] = "auto"
+    """Ranks per sequence-parallel group, or ``"auto"`` (all processes of a node). Must divide the world size."""
+    chunk_size: int | Literal["auto"] | None = None
+    """Global tokens per attention chunk, a multiple of ``sequence_parallel_size`` (each chunk is cut into
+    one sub-chunk per rank); ``None`` runs plain Ulysses (one chunk); ``"auto"`` picks, per batch shape at
+    its first batch, the largest chunk whose estimated device peak (:mod:`lightning_fpdt.memory`) fits
+    ``memory_budget``, and logs it."""
+    memory_budget: float | None = None
+    """GiB per rank that ``chunk_size="auto"`` may plan for. Default: 90% of the device's free memory at
+    setup (CUDA), or of the host's available memory shared by this node's processes (CPU); the smallest
+    over all ranks."""
+    attention_backend: str = "auto"
+    """``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"`` (:mod:`lightning_fpdt.attention.kernels`)."""
+    offload: Offload = "off"
+    """Keep the attention chunks saved for backward in pinned host memory, prefetching each before use
+    (pays off when activations, not weights, fill the device; see docs/configuration.md). ``True`` needs
+    CUDA; ``"emulate"`` runs the same schedule on any device (on CPU: a background worker copying between
+    host buffers)."""
+    activation_checkpointing: bool = False
+    """Keep only each FPDT block's input for backward and recompute the block (attention chunks included)."""
+    offload_checkpoints: Offload = "off"
+    """With ``activation_checkpointing``: keep those block inputs in host memory and prefetch the previous
+    block's input during backward. ``True`` needs CUDA; ``"emulate"`` runs anywhere."""
+    sequence_keys: tuple[str, ...] = field(default=DEFAULT_SEQUENCE_KEYS)
+    """Batch keys that are ``[batch, seq, ...]`` tensors to pad and shard; other keys pass through."""
+    pad_token_id: int = 0
+    """Id used to pad ``input_ids`` to the layout's multiple (padded positions are never trained on)."""
+    shard_parameters: bool = False
+    """Shard parameters, gradients and optimizer state over all ranks (FSDP2 ``fully_shard`` per FPDT block
+    and on the LightningModule, over the flattened data x sequence mesh) instead of replicating them (DDP).
+    Checkpoints are then torch distributed checkpoints (directories); they load into any layout."""
+    offload_optimizer: bool = False
+    """With ``shard_parameters``: keep the shards, gradients and optimizer state in pinned host memory and
+    run the optimizer step there (FSDP2 ``CPUOffloadPolicy``; CUDA only)."""
+    nonfinite_loss: Literal["raise", "skip"] = "raise"
+    """What to do when a loss or gradient is NaN/inf, checked before every optimizer step with one small
+    all-reduce (:mod:`lightning_fpdt.nonfinite`): ``"raise"`` stops before the update, naming the step,
+    the ranks and loss versus gradients; ``"skip"`` drops the update of that accumulation window on every
+    rank and warns (it runs the closure once before ``optimizer.step``: not for optimizers that call it
+    several times, such as LBFGS)."""
+
+    def __post_init__(self) -> None:
+        # accept the strategy's spellings (True/False/"emulate", any sequence of keys), store one form
+        object.__setattr__(self, "offload", offload_mode("offload", self.offload))
+        object.__setattr__(self, "offload_checkpoints", offload_mode("offload_checkpoints", self.offload_checkpoints))
+        if isinstance(self.sequence_keys, str) or not isinstance(self.sequence_keys, Sequence):
+            raise TypeError(f"{PREFIX}sequence_keys must be a list of batch keys, got {self.sequence_keys!r}.")
+        object.__setattr__(self, "sequence_keys", tuple(self.sequence_keys))
+        sp = self.sequence_parallel_size
+        if sp != "auto" and not _positive_int(sp):
+            raise ValueError(f"{PREFIX}sequence_parallel_size must be a positive int or 'auto', got {sp!r}.")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"{PREFIX}attention_backend={self.attention_backend!r} is not one of {BACKENDS}.")
+        self._check_chunking()
+        if self.offload_checkpoints != "off" and not self.activation_checkpointing:
+            raise ValueError(
+                f"{PREFIX}offload_checkpoints={_argument(self.offload_checkpoints)!r} needs"
+                " activation_checkpointing=True (only checkpointed block inputs are offloaded)."
+            )
+        if self.offload_optimizer and not self.shard_parameters:
+            raise ValueError(
+                f"{PREFIX}offload_optimizer=True needs shard_parameters=True (the optimizer state is offloaded"
+                " shard by shard by FSDP2)."
+            )
+        if self.nonfinite_loss not in ("raise", "skip"):
+            raise ValueError(f"{PREFIX}nonfinite_loss must be 'raise' or 'skip', got {self.nonfinite_loss!r}.")
+        if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
+            raise ValueError(f"{PREFIX}pad_token_id must be a non-negative int, got {self.pad_token_id!r}.")
+
+    def _check_chunking(self) -> None:
+        chunk, budget = self.chunk_size, self.memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
+            raise ValueError(f"{PREFIX}memory_budget must be a positive number of GiB, got {budget!r}.")
+        if budget is not None and chunk != "auto":
+            raise ValueError(
+                f"{PREFIX}memory_budget={budget} only applies to chunk_size='auto', but chunk_size={chunk!r}."
+            )
+        if chunk is None or chunk == "auto":
+            return
+        if not _positive_int(chunk):
+            raise ValueError(f"{PREFIX}chunk_size must be a positive int, None or 'auto', got {chunk!r}.")
+        if self.sequence_parallel_size != "auto":  # with "auto" it is checked once the size is known
+            self.check_chunk_size(self.sequence_parallel_size)
+
+    # ---- how each setting is read -------------------------------------------------------------
+
+    @property
+    def offload_attention(self) -> bool:
+        """Whether the attention pipeline runs its offload schedule (``"on"`` and ``"emulate"``)."""
+        return self.offload != "off"
+
+    @property
+    def offload_block_inputs(self) -> bool:
+        """Whether checkpointed block inputs go through the offloading store (``"on"`` and ``"emulate"``)."""
+        return self.activation_checkpointing and self.offload_checkpoints != "off"
+
+    def memory_options(self, sequence_parallel_size: int, data_parallel_size: int) -> dict[str, Any]:
+        """Keyword arguments of :func:`lightning_fpdt.memory.estimate` for these options.
+
+        Only ``"on"`` frees device memory: under ``"emulate"`` everything stays in the same memory.
+        ``chunk_size`` is left out while it is ``"auto"`` (the planner fills it in).
+        """
+        options: dict[str, Any] = dict(
+            sequence_parallel_size=sequence_parallel_size, data_parallel_size=data_parallel_size,
+            offload=self.offload == "on", activation_checkpointing=self.activation_checkpointing,
+            offload_checkpoints=self.offload_checkpoints == "on", attention_backend=self.attention_backend,
+            shard_parameters=self.shard_parameters, offload_optimizer=self.offload_optimizer,
+        )
+        if self.chunk_size != "auto":
+            options["chunk_size"] = self.chunk_size
+        return options
+
+    # ---- checks that need the run ----------------------------------------------------------------
+
+    def check_chunk_size(self, sequence_parallel_size: int) -> None:
+        """Raise if a fixed ``chunk_size`` cannot be cut into one equal sub-chunk per rank."""
+        if self.chunk_size is None or self.chunk_size == "auto":
+            return
+        try:
+            validate_chunk_size(self.chunk_size, sequence_parallel_size)
+        except ValueError as err:
+            raise ValueError(f"{PREFIX}{err}") from None
+
+    def check_run(
+        self,
+        *,
+        world_size: int,
+        num_nodes: int,
+        num_processes: int,
+        sequence_parallel_size: int,
+        precision: str,
+        device_type: str,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        """Every check that needs the run; raises the first ``ValueError`` found (same on every rank).
+
+        Args:
+            world_size: processes in the run (``num_nodes * num_processes``).
+            num_nodes: nodes, for the message.
+            num_processes: devices per node, for the message.
+            sequence_parallel_size: the resolved SP size (``"auto"`` already turned into a number).
+            precision: Lightning's precision string (``"32-true"``, ``"bf16-mixed"``, ``"64-true"``, ...).
+            device_type: the root device's type (``"cpu"``, ``"cuda"``, ...).
+            model: the module whose FPDT blocks get bound (``None`` skips the model checks).
+        """
+        check_world_layout(world_size, num_nodes, num_processes, sequence_parallel_size)
+        self.check_chunk_size(sequence_parallel_size)
+        self.check_offload(device_type)
+        check_attention_backend(self.attention_backend, device_type, precision)
+        check_model(model, sequence_parallel_size)
+
+    def check_offload(self, device_type: str) -> None:
+        """Raise for ``True`` offload settings on a device without memory of its own.
+
+        ``"emulate"`` runs the same offload schedule (a background worker copying between host buffers)
+        and is allowed on any device; it exists so that CPU runs can exercise the offload path on purpose.
+        """
+        if device_type == "cuda":
+            return
+        if self.offload == "on":
+            raise ValueError(
+                f"{PREFIX}offload=True moves saved attention chunks from device to pinned host memory; on"
+                f" {device_type} there is no device memory to save. Use offload=False, or offload='emulate' to"
+                " run the offload schedule on CPU (as the tests do)."
+            )
+        if self.offload_checkpoints == "on":
+            raise ValueError(
+                f"{PREFIX}offload_checkpoints=True moves checkpointed block inputs from device to pinned host"
+                f" memory; on {device_type} there is no device memory to save. Use offload_checkpoints=False, or"
+                " offload_checkpoints='emulate' to run the offload schedule on CPU (as the tests do)."
+            )
+        if self.offload_optimizer:
+            raise ValueError(
+                f"{PREFIX}offload_optimizer=True moves the sharded optimizer state from the device to host memory;"
+                f" on {device_type} it is there already. Use offload_optimizer=False."
+            )
+
+
+def check_world_layout(world_size: int, num_nodes: int, num_processes: int, sequence_parallel_size: int) -> None:
+    """Raise if the world (nodes x devices) does not split into whole sequence-parallel groups."""
+    if world_size % sequence_parallel_size != 0:
+        options = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"{PREFIX}sequence_parallel_size={sequence_parallel_size} does not divide the world size {world_size}"
+            f" ({num_nodes} node(s) x {num_processes} device(s)); use one of {options}."
+        )
+
+
+def attention_dtype(precision: str) -> torch.dtype:
+    """The dtype attention inputs have under a Lightning precision string."""
+    if precision in HALF_PRECISIONS:
+        return torch.float16 if precision.startswith("16") else torch.bfloat16
+    return torch.float64 if precision.startswith("64") else torch.float32
+
+
+def check_attention_backend(attention_backend: str, device_type: str, precision: str) -> None:
+    """Raise if the attention backend cannot run on this device type at this precision.
+
+    The device and package rules are the kernel selection's own
+    (:func:`~lightning_fpdt.attention.kernels.resolve_backend`); the precision rule is said here in
+    Lightning's terms.
+    """
+    dtype = attention_dtype(precision)
+    if attention_backend == "flash_attn" and device_type == "cuda" and precision not in HALF_PRECISIONS:
+        raise ValueError(
+            f"{PREFIX}attention_backend='flash_attn' needs float16/bfloat16 attention inputs, but"
+            f" precision={precision!r}. Use precision='bf16-mixed' (or one of {list(HALF_PRECISIONS)}),"
+            " or attention_backend='sdpa' or 'auto'."
+        )
+    try:
+        kernels.resolve_backend(attention_backend, device_type, dtype)
+    except ValueError as err:
+        raise ValueError(f"{PREFIX}{err}") from None
+
+
+def _builds_layers_later(model: torch.nn.Module) -> bool:
+    """Whether the model may create its layers in ``LightningModule.configure_model`` (after setup_environment)."""
+    return isinstance(model, pl.LightningModule) and type(model).configure_model is not pl.LightningModule.configure_model
+
+
+def check_has_blocks(model: torch.nn.Module, num_blocks: int, sequence_parallel_size: int) -> None:
+    """Raise if ``sequence_parallel_size > 1`` and ``model`` has no FPDT block (``num_blocks == 0``)."""
+    if num_blocks == 0 and sequence_parallel_size > 1:
+        raise ValueError(
+            f"{PREFIX}sequence_parallel_size={sequence_parallel_size} but {type(model).__name__} has no"
+            " FPDTBlock; without one, attention would only see this rank's shard of the sequence. Build the"
+            " model from lightning_fpdt.FPDTBlock (see docs/own-model.md) or use sequence_parallel_size=1."
+        )
+
+
+def check_model(model: torch.nn.Module | None, sequence_parallel_size: int) -> None:
+    """Raise if the model's FPDT blocks cannot be sharded over ``sequence_parallel_size`` ranks, or if
+    ``sequence_parallel_size > 1`` and the model has no FPDT block at all.
+
+    A model that builds its layers in ``configure_model`` may have no block yet; then the strategy's
+    block binding in ``setup`` makes the same checks (also on every rank).
+    """
+    if model is None:
+        return
+    blocks = fpdt_blocks(model)
+    if not blocks:
+        if not _builds_layers_later(model):
+            check_has_blocks(model, 0, sequence_parallel_size)
+        return
+    seen: set[tuple[int, int]] = set()
+    for name, block in blocks:
+        heads = (block.attention.n_heads, block.attention.n_kv_heads)
+        if heads in seen:
+            continue
+        seen.add(heads)
+        try:
+            check_heads(*heads, sequence_parallel_size)
+        except ValueError as err:
+            raise ValueError(f"{PREFIX}{err} (FPDTBlock '{name}' of {type(model).__name__})") from None

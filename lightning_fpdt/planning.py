@@ -1,0 +1,105 @@
+"""``chunk_size="auto"``: the per-rank memory budget and the chunk size picked for each batch shape.
+
+The decision is the memory model's (:func:`lightning_fpdt.memory.auto_chunk_size`: the largest chunk
+whose estimated device peak fits the budget). This module owns what the strategy needs around it:
+
+- the budget, resolved once at setup: the user's ``memory_budget`` in GiB, or 90% of the free device
+  memory (CUDA) or of the host's available memory shared by the node's processes (CPU), the minimum
+  over all ranks so that every rank picks the same chunk size (the layout must agree across the
+  sequence-parallel group, or the all-to-alls would not match);
+- one decision per ``(batch, seq_len)`` shape, made at that shape's first batch and logged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_fpdt.memory import GIB, ModelShape, auto_chunk_size, estimate, format_bytes
+from lightning_fpdt.options import PREFIX
+
+BUDGET_FRACTION = 0.9  # of the free memory: the rest is the allocator's fragmentation and the CUDA context
+
+
+def optimizer_kind(optimizer: Any) -> str:
+    """``"adamw"`` (two moments per parameter), ``"sgd"`` (one momentum buffer) or ``"none"``."""
+    name = type(optimizer).__name__.lower()
+    if "adam" in name or "lamb" in name:
+        return "adamw"
+    if name == "sgd" and optimizer.defaults.get("momentum", 0):
+        return "sgd"
+    return "none" if name == "sgd" else "adamw"  # unknown optimizers: assume two states (conservative)
+
+
+def available_memory(device: Any, local_processes: int = 1) -> int:
+    """Bytes this rank may use: the CUDA device's free memory, or on CPU the host's available memory
+    (``MemAvailable``) shared by the ``local_processes`` ranks on this host."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024 // max(1, local_processes)
+
+
+def resolve_budget(memory_budget_gib: float | None, device: torch.device, local_processes: int, world_size: int) -> int:
+    """Bytes per rank that ``chunk_size="auto"`` plans for; a collective when ``world_size > 1`` and no
+    explicit budget is given (every rank must plan for the tightest rank)."""
+    if memory_budget_gib is not None:
+        return int(memory_budget_gib * GIB)
+    free = available_memory(device, local_processes)
+    budget = torch.tensor([int(BUDGET_FRACTION * free)], dtype=torch.int64, device=device)
+    if world_size > 1:
+        torch.distributed.all_reduce(budget, op=torch.distributed.ReduceOp.MIN)
+    return int(budget.item())
+
+
+class ChunkPlanner:
+    """Picks and remembers the chunk size for each batch shape under ``chunk_size="auto"``.
+
+    Args:
+        budget_bytes: the per-rank budget (:func:`resolve_budget`).
+        memory_options: the strategy's arguments to :func:`lightning_fpdt.memory.estimate`
+            (:meth:`lightning_fpdt.options.FPDTOptions.memory_options`), without ``chunk_size``.
+    """
+
+    def __init__(self, budget_bytes: int, memory_options: dict[str, Any]) -> None:
+        self.budget_bytes = budget_bytes
+        self._memory_options = memory_options
+        self._chosen: dict[tuple[int, int], int | None] = {}
+
+    @property
+    def planned(self) -> bool:
+        """Whether a chunk size was picked for any batch shape yet."""
+        return bool(self._chosen)
+
+    def chunk_size(self, module: pl.LightningModule, batch_size: int, seq_len: int) -> int | None:
+        """The chunk size for batches of ``batch_size x seq_len`` tokens (``None``: one chunk fits).
+
+        Raises:
+            ValueError: when not even the smallest chunk fits the budget (the same on every rank).
+        """
+        key = (batch_size, seq_len)
+        if key in self._chosen:
+            return self._chosen[key]
+        shape, tiling = ModelShape.from_module(module)
+        trainer = module._trainer
+        optimizers = trainer.optimizers if trainer is not None else []
+        options = dict(
+            batch_size=batch_size, precision=str(trainer.precision) if trainer is not None else "32-true",
+            optimizer=optimizer_kind(optimizers[0]) if optimizers else "none", **self._memory_options, **tiling,
+        )
+        try:
+            chunk = auto_chunk_size(shape, seq_len, self.budget_bytes, **options)
+        except ValueError as err:
+            raise ValueError(f"{PREFIX}{err}") from None
+        peak = estimate(shape, seq_len, chunk_size=chunk, **options).device_peak
+        self._chosen[key] = chunk
+        rank_zero_info(
+            f"{PREFIX}chunk_size='auto' picked {chunk} for batches of {batch_size} x {seq_len} tokens"
+            f" (estimated device peak {format_bytes(peak)} per rank, budget {format_bytes(self.budget_bytes)})"
+        )
+        return chunk

@@ -1,0 +1,93 @@
+"""Parameter sharding: FSDP2 ``fully_shard`` over every rank, applied to a plain model from outside.
+
+With ``shard_parameters=True`` every rank holds ``1 / world`` of each parameter, gradient and optimizer
+state instead of all of it (DDP). The mesh is the whole world, data x sequence parallel flattened: the
+sequence-parallel ranks of one sample compute gradients of the same parameters from different tokens,
+so they reduce exactly like data-parallel ranks do.
+
+Order matters: each FPDT block is sharded first (its parameters are gathered just before the block
+runs and freed after it, so one block's full weights live at a time), the LightningModule last (the
+rest: embeddings, final norm, output projection). Activation checkpointing and block binding happen
+before (in ``FPDTStrategy.setup``), so the checkpointed recomputation runs inside the block's FSDP
+hooks and re-gathers its parameters in backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+from lightning_fpdt.block import fpdt_blocks
+
+# Lightning calls these instead of forward: FSDP must gather the root's parameters around them
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def setup_sharded(strategy: Any, trainer: pl.Trainer, offload_optimizer: bool) -> None:
+    """``DDPStrategy.setup`` with FSDP2 in place of DDP, in every stage (fit, validate, test, predict):
+    the module on its device, sharded over a mesh of every rank, then the optimizers (built on the
+    shards) when fitting.
+
+    Args:
+        strategy: the :class:`~lightning_fpdt.FPDTStrategy` being set up.
+        trainer: the Trainer.
+        offload_optimizer: keep the shards and the optimizer step in pinned host memory (CUDA).
+    """
+    strategy.accelerator.setup(trainer)
+    strategy.precision_plugin.convert_module(strategy.model)
+    strategy.model_to_device()
+    mesh = init_device_mesh(strategy.root_device.type, (strategy.world_size,), mesh_dim_names=("data_sequence",))
+    precision = str(strategy.precision_plugin.precision)
+    shard_module(strategy.lightning_module, mesh, precision, offload_optimizer)
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    if fitting:
+        strategy.setup_optimizers(trainer)
+    strategy.setup_precision_plugin()
+    if fitting:
+        _optimizers_to_device(strategy.optimizers, strategy.root_device)
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a Lightning precision string: low-precision compute, float32 gradient reduction
+    for the ``*-mixed`` precisions; nothing to convert for the ``*-true`` ones."""
+    low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if low is None:  # true precisions: the parameters already have the compute dtype
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def shard_module(module: pl.LightningModule, mesh: DeviceMesh, precision: str, offload_optimizer: bool) -> None:
+    """Apply ``fully_shard`` to every FPDT block of ``module`` and then to ``module`` itself.
+
+    A module sharded by an earlier fit/validate in the same process is left as it is.
+
+    Args:
+        module: the LightningModule, on its device.
+        mesh: a one-dimensional mesh of every rank.
+        precision: Lightning's precision string.
+        offload_optimizer: keep the shards (and so the optimizer step) in pinned host memory (CUDA).
+    """
+    if isinstance(module, FSDPModule):
+        return
+    options: dict[str, Any] = dict(
+        mesh=mesh, mp_policy=mixed_precision_policy(precision),
+        offload_policy=CPUOffloadPolicy() if offload_optimizer else OffloadPolicy(),
+    )
+    for _, block in fpdt_blocks(module):
+        fully_shard(block, **options)
+    fully_shard(module, **options)
+    for name in STEP_METHODS:
+        register_fsdp_forward_method(module, name)
