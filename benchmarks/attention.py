@@ -1,81 +1,135 @@
 """Forward+backward time and peak tensor memory of one FPDT attention layer vs plain Ulysses.
 
-    python benchmarks/attention.py                      # CPU, 2 gloo processes, 4K..32K tokens
+    python benchmarks/attention.py                          # CPU, 2 gloo processes, 8K and 16K tokens
     python benchmarks/attention.py --seq 1024 --repeats 1   # a quick look
+    python benchmarks/attention.py --sync                   # also the pipeline with blocking all-to-alls
 
-Per rank: q, k, v shards ``[1, S/P, heads, head_dim]``; the variants are plain Ulysses
-(``chunk_size=None``) and the FPDT pipeline with 1, 4 and 8 chunks. Time is the fastest of
-``--repeats`` forward+backward runs, taken round robin over the variants after a warm-up (a shared
-machine's slow phases then hit every variant); memory is the peak of live tensors during one
-forward+backward (``lightning_fpdt.memtrack.TensorMemoryTracker``), per rank.
+Per rank: q, k, v shards ``[1, S/P, heads, head_dim]``, causal attention; the variants are plain
+Ulysses (``chunk_size=None``) and the FPDT pipeline with ``--chunks`` chunks, its all-to-alls
+asynchronous (issued before a chunk's attention, waited for after it); ``--sync`` adds the same
+pipeline with each all-to-all run to completion where it is issued. Time is the best and the median
+of ``--repeats`` forward+backward runs, taken in rounds, round robin over the variants, after a
+warm-up (a shared machine's slow phases then hit every variant). "x ulysses" is best over best;
+"x ulysses, rounds" the median over rounds of the variant's time over Ulysses' time in the same round
+(robust to a slow phase that spares one variant's best run). "kernel ms" is the part of the best run
+spent inside the attention kernel, "other ms" the rest (all-to-alls, merges, copies, waiting for the
+other rank): the pipeline's own cost.
+Memory is the peak of live tensors during the warm-up forward+backward
+(``lightning_fpdt.memtrack.TensorMemoryTracker``), per rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import statistics
 import sys
+import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, run_on_ranks, timed  # noqa: E402
+from common import print_table, run_on_ranks, timed
 
-from lightning_fpdt.attention import fpdt_attention  # noqa: E402
-from lightning_fpdt.memtrack import TensorMemoryTracker  # noqa: E402
+from lightning_fpdt.attention.kernels import AttentionKernel, get_kernel
+from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
+from lightning_fpdt.attention.sources import TensorEnds
+from lightning_fpdt.attention.ulysses import ulysses_attention
+from lightning_fpdt.memtrack import TensorMemoryTracker
+
+
+class TimedKernel:
+    """Wraps a kernel and adds up the seconds spent in it."""
+
+    def __init__(self, kernel: AttentionKernel) -> None:
+        self.kernel, self.name, self.seconds = kernel, kernel.name, 0.0
+
+    def forward(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        result = self.kernel.forward(*args)
+        self.seconds += time.perf_counter() - start
+        return result
+
+    def backward(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        result = self.kernel.backward(*args)
+        self.seconds += time.perf_counter() - start
+        return result
 
 
 def _measure(rank: int, world: int, args: argparse.Namespace) -> list[list]:
     group = dist.group.WORLD if world > 1 else None
     head_dim = args.hidden // args.heads
     dtype = getattr(torch, args.dtype)
+    kernel = TimedKernel(get_kernel(args.backend, torch.device("cpu"), dtype))
+    scale = 1 / math.sqrt(head_dim)
     rows = []
     for seq in args.seq:
         g = torch.Generator().manual_seed(seq)
         q, k, v, dout = (torch.randn(1, seq // world, args.heads, head_dim, generator=g, dtype=dtype) for _ in range(4))
-        variants = {"ulysses": None, **{f"fpdt x{n}": seq // n for n in args.chunks}}
+        # name -> (chunks, asynchronous all-to-alls)
+        variants: dict[str, tuple[int | None, bool]] = {"ulysses": (None, True)}
+        for n in args.chunks:
+            variants[f"fpdt x{n}"] = (n, True)
+            if args.sync:
+                variants[f"fpdt x{n} sync"] = (n, False)
 
-        def step(chunk_size: int | None) -> None:
-            xs = [x.detach().requires_grad_() for x in (q, k, v)]
-            out = fpdt_attention(*xs, group=group, chunk_size=chunk_size, backend=args.backend)
-            out.backward(dout)
+        def step(chunks: int | None, overlap: bool, inputs: tuple = (q, k, v, dout), seq: int = seq) -> None:
+            xs = [x.detach().requires_grad_() for x in inputs[:3]]
+            if chunks is None:
+                out = ulysses_attention(*xs, group, kernel, True, scale)
+            else:
+                opt = PipelineOptions.for_chunk_size(group, seq // chunks, causal=True, scale=scale, kernel=kernel,
+                                                     overlap_comm=overlap)
+                out, _ = run_pipeline(TensorEnds(kv_heads=args.heads), opt, *xs)
+            out.backward(inputs[3])
 
         peaks = {}
-        for name, chunk_size in variants.items():  # warm-up, and the memory peak of one step
-            step(chunk_size)
+        for name, variant in variants.items():  # warm-up, and the memory peak of one step
             with TensorMemoryTracker() as tracker:
                 tracker.reset_peak()
-                step(chunk_size)
+                step(*variant)
             peaks[name] = tracker.peak_bytes
         # round robin over the variants, so that slow phases of a shared machine hit all of them
-        times: dict[str, list[float]] = {name: [] for name in variants}
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
         for _ in range(args.repeats):
-            for name, chunk_size in variants.items():
-                times[name].append(timed(lambda c=chunk_size: step(c), 1, group))
+            for name, variant in variants.items():
+                kernel.seconds = 0.0
+                seconds = timed(lambda v=variant: step(*v), 1, group)
+                times[name].append((seconds, kernel.seconds))
         best = {name: min(t) for name, t in times.items()}
-        for name in variants:
-            rows.append([seq, name, best[name] * 1e3, best[name] / best["ulysses"], peaks[name] / 2**20])
+        for name, (chunks, _) in variants.items():
+            total, in_kernel = best[name]
+            median = statistics.median(t for t, _ in times[name])
+            paired = statistics.median(t / u for (t, _), (u, _) in zip(times[name], times["ulysses"], strict=True))
+            rows.append([seq, name, chunks or 1, total * 1e3, median * 1e3, f"{total / best['ulysses'][0]:.3f}",
+                         f"{paired:.3f}", in_kernel * 1e3, (total - in_kernel) * 1e3, peaks[name] / 2**20])
             if rank == 0:
-                print(f"  S={seq} {name}: {best[name] * 1e3:.1f} ms (min of {args.repeats})", flush=True)
+                print(f"  S={seq} {name}: best {total * 1e3:.0f} ms, median {median * 1e3:.0f} ms"
+                      f" (of {args.repeats})", flush=True)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backend", default="sdpa")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--sync", action="store_true", help="also run the pipeline with blocking all-to-alls")
     args = parser.parse_args()
     print(f"FPDT attention, {args.world} CPU processes (gloo), hidden {args.hidden}, {args.heads} heads, "
-          f"{args.dtype}, backend {args.backend}; forward+backward per rank", flush=True)
+          f"{args.dtype}, backend {args.backend}, causal; forward+backward per rank", flush=True)
     rows = run_on_ranks(_measure, args.world, args)
-    print_table(["seq", "variant", "time ms", "x ulysses", "peak MiB / rank"], rows)
+    print_table(["tokens", "variant", "chunks", "ms fwd+bwd (best)", "median ms", "x ulysses", "x ulysses, rounds",
+                 "kernel ms", "other ms", "peak MiB / rank"], rows)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import training  # noqa: E402
+import training
 
 if __name__ == "__main__":
     defaults = ["--variants", "ulysses", "fpdt", "fpdt_full", "--repeats", "1"]

@@ -25,9 +25,13 @@ offload of attention chunks on for ``fpdt`` and of block checkpoints for ``fpdt_
 the RSS column); MFU is against the measured bf16 matmul rate of one GPU. ``--find-longest`` (on by
 default on CUDA) then doubles the sequence per variant, from the longest ``--seq``, until a step runs
 out of memory, takes longer than ``--probe-seconds`` or passes ``--longest-limit``, and reports the
-longest length whose step ran. The default CUDA run (4 variants x 2 lengths, then the search) is
-sized to finish within 8 minutes on one H200. Every run first checks, on its device, that one FPDT
-step's loss equals the plain model's (float32, math backend) to float32 rounding.
+longest length whose step ran. Each length runs in fresh processes: a rank that runs out of memory
+ends its process at once (it may have left the others inside a collective it will never join), and
+the launcher then ends the others, so no rank ever moves on to a different collective. The default
+CUDA run (4 variants x 2 lengths, then the search) is sized to finish within 8 minutes on one H200.
+Every run first checks, on its device, that one FPDT step's loss and every parameter's gradient equal
+the plain model's (float32) to float32 rounding, with the ``math`` kernel and with ``--backend``.
+For one GPU, ``benchmarks/gpu_check.py`` checks every attention route and measures MFU and offload.
 """
 
 from __future__ import annotations
@@ -42,18 +46,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, run_on_ranks  # noqa: E402
+from common import print_table, run_on_ranks
 
-from lightning_fpdt.block import SequenceParallelContext, fpdt_blocks, new_checkpoint_store  # noqa: E402
-from lightning_fpdt.layout import shard_batch  # noqa: E402
-from lightning_fpdt.loss import token_weighted_loss  # noqa: E402
-from lightning_fpdt.memory import ModelShape, estimate  # noqa: E402
-from lightning_fpdt.memtrack import peak_step_bytes  # noqa: E402
-from lightning_fpdt.models import LlamaConfig, LlamaLM  # noqa: E402
+from lightning_fpdt.block import SequenceParallelContext, fpdt_blocks
+from lightning_fpdt.checkpointing import new_checkpoint_store
+from lightning_fpdt.layout import shard_batch
+from lightning_fpdt.loss import token_weighted_loss
+from lightning_fpdt.memory import ModelShape, estimate
+from lightning_fpdt.memtrack import peak_step_bytes
+from lightning_fpdt.models import LlamaConfig, LlamaLM
 
 VARIANTS = ("single", "ulysses", "fpdt", "fpdt_full")
+OOM_EXIT = 75  # exit status of a rank that ran out of memory in the longest-sequence search
 
 
 def model_config(variant: str, args: argparse.Namespace) -> LlamaConfig:
@@ -80,7 +87,8 @@ def estimated_peak(variant: str, seq: int, world: int, args: argparse.Namespace)
     return estimate(ModelShape.from_config(model_config(variant, args)), seq, sequence_parallel_size=world,
                     chunk_size=chunk_size(variant, seq, world, args), mlp_tiled=tiled, loss_tiled=tiled,
                     activation_checkpointing=tiled, offload=offloads(variant, args),
-                    offload_checkpoints=offloads(variant, args) and tiled, precision="bf16-mixed" if cuda else "32-true",
+                    offload_checkpoints=offloads(variant, args) and tiled,
+                    precision="bf16-mixed" if cuda else "32-true",
                     attention_backend=args.backend).device_peak
 
 
@@ -132,10 +140,12 @@ def _setup(rank: int, world: int, variant: str, seq: int, args: argparse.Namespa
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(seq)
     ids = torch.randint(0, module.model.config.vocab_size, (1, seq), generator=g)
-    batch = {k: v.to(device) for k, v in shard_batch({"input_ids": ids}, world, rank, chunk).items()}
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v  # "documents" may be None
+             for k, v in shard_batch({"input_ids": ids}, world, rank, chunk).items()}
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and config is None else contextlib.nullcontext()
 
-    def step() -> torch.Tensor:
+    def step(update: bool = True) -> torch.Tensor:
+        """One training step; without ``update`` the synchronised gradients stay in ``.grad``."""
         with autocast:
             loss, mean = token_weighted_loss(*module.loss_terms(batch))
         loss.backward()
@@ -143,8 +153,9 @@ def _setup(rank: int, world: int, variant: str, seq: int, args: argparse.Namespa
             for p in module.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= world
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if update:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return mean.detach()
 
     return module, optimizer, step
@@ -178,32 +189,49 @@ def _run(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace
     return {"rss": rss_peak, "tensors": tensor_peak, "seconds": seconds, "flops": flops}
 
 
-def _longest(rank: int, world: int, variant: str, start: int, args: argparse.Namespace) -> dict:
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _probe(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace) -> float:
+    """Seconds of one step at ``seq`` after a warm-up (rank 0's figure).
+
+    A rank that runs out of memory (device, pinned host or library allocations) ends its process at
+    once with status ``OOM_EXIT``: the other ranks may be waiting in a collective it will never join,
+    and any further collective, even an all-reduce of an "I failed" flag, would pair with the wrong
+    one. The launcher sees the exit and ends the other ranks (:func:`_fits`).
+    """
+    try:
+        _, _, step = _setup(rank, world, variant, seq, args)
+        step()  # warm-up: optimizer state, pinned buffers, kernels
+        _sync(args.device)
+        began = time.perf_counter()
+        step()
+        _sync(args.device)
+        return time.perf_counter() - began
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not _is_oom(err):
+            raise
+        print(f"rank {rank}: out of memory at {seq} tokens ({variant})", file=sys.stderr, flush=True)
+        os._exit(OOM_EXIT)
+
+
+def _fits(world: int, variant: str, seq: int, args: argparse.Namespace, comm: str) -> float | None:
+    """:func:`_probe` in fresh processes: its seconds, or ``None`` if a rank ran out of memory."""
+    try:
+        return run_on_ranks(_probe, world, variant, seq, args, backend=comm)
+    except mp.ProcessExitedException as err:  # the launcher has ended the other ranks
+        if err.exit_code == OOM_EXIT:
+            return None
+        raise
+
+
+def _longest(world: int, variant: str, start: int, args: argparse.Namespace, comm: str) -> dict:
     """Double the sequence from ``start`` until a step fails to fit or is too slow; the longest that ran."""
     longest, seconds, seq = 0, 0.0, start
     while seq <= args.longest_limit:
-        failed, elapsed = 0.0, 0.0
-        try:
-            module, optimizer, step = _setup(rank, world, variant, seq, args)
-            step()  # warm-up: optimizer state, pinned buffers, kernels
-            _sync(args.device)
-            began = time.perf_counter()
-            step()
-            _sync(args.device)
-            elapsed = time.perf_counter() - began
-        except (torch.OutOfMemoryError, RuntimeError) as err:  # device, pinned-host or library allocations
-            if "out of memory" not in str(err).lower() and not isinstance(err, torch.OutOfMemoryError):
-                raise
-            failed = 1.0
-        finally:
-            module = optimizer = step = None  # noqa: F841  (free before the next length)
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-        if world > 1:  # every rank stops at the same length (a rank that ran out must not leave the others)
-            flag = torch.tensor([failed], device="cuda" if args.device == "cuda" else "cpu")
-            dist.all_reduce(flag)
-            failed = flag.item()
-        if failed:
+        elapsed = _fits(world, variant, seq, args, comm)
+        if elapsed is None:
             break
         longest, seconds = seq, elapsed
         if elapsed > args.probe_seconds:
@@ -212,18 +240,24 @@ def _longest(rank: int, world: int, variant: str, start: int, args: argparse.Nam
     return {"longest": longest, "seconds": seconds}
 
 
-def _check_exact(rank: int, world: int, args: argparse.Namespace) -> dict[str, float]:
-    """Relative difference between one FPDT step's loss (4 chunks, tiling, checkpointing, offload on
-    CUDA) and the plain model's on the same device, float32: with the ``math`` kernel, and with the
-    measured backend (``--backend``)."""
+def _check_exact(rank: int, world: int, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Relative differences between one FPDT step (4 chunks, tiling, checkpointing, offload on CUDA) and
+    the plain model's on the same device, float32, with the ``math`` kernel and with the measured
+    backend (``--backend``): ``(loss, worst parameter gradient)``. A gradient's error is relative to its
+    own largest element, floored at 1e-3 of the model's largest (some are zero in exact arithmetic)."""
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, mlp_tiles=None, loss_tiles=None)
-    _, _, step = _setup(0, 1, "single", 1024, args, config=config, backend="math")  # every rank, alone
-    reference = step().item()
+    module, _, step = _setup(0, 1, "single", 1024, args, config=config, backend="math")  # every rank, alone
+    reference = step(update=False).item()
+    grads = {name: p.grad.detach().clone() for name, p in module.named_parameters()}
+    floor = 1e-3 * max(g.abs().max().item() for g in grads.values())
     errors = {}
     for backend in dict.fromkeys(("math", args.backend)):
-        _, _, step = _setup(rank, world, "fpdt_full", 1024, args, config=config, backend=backend)
-        errors[backend] = abs(step().item() - reference) / abs(reference)
+        module, _, step = _setup(rank, world, "fpdt_full", 1024, args, config=config, backend=backend)
+        loss = step(update=False).item()
+        grad_error = max(((p.grad - grads[name]).abs().max() / max(grads[name].abs().max().item(), floor)).item()
+                         for name, p in module.named_parameters())
+        errors[backend] = (abs(loss - reference) / abs(reference), grad_error)
     return errors
 
 
@@ -272,9 +306,9 @@ def main() -> None:
     errors = run_on_ranks(_check_exact, args.world, args, backend=comm)
     where = "CUDA" if cuda else "CPU"
     print(f"correctness on {where}: FPDT (4 chunks, tiling, checkpointing{', offload' if cuda else ''}) vs plain"
-          " model, loss of one step, float32: " + ", ".join(f"{b} rel. difference {e:.2e}" for b, e in errors.items()),
-          flush=True)
-    if max(errors.values()) > 1e-4:
+          " model, one step, float32: " + ", ".join(f"{b}: loss rel. difference {loss:.2e}, worst gradient {grad:.2e}"
+                                                     for b, (loss, grad) in errors.items()), flush=True)
+    if max(max(e) for e in errors.values()) > 1e-4:
         raise SystemExit(f"FPDT on {args.device} does not match the plain model: not measuring.")
     results: dict[tuple[str, int], dict] = {}
     for variant in args.variants:
@@ -303,7 +337,7 @@ def main() -> None:
         longest = []
         for variant in args.variants:
             world = 1 if variant == "single" else args.world
-            r = run_on_ranks(_longest, world, variant, max(args.seq), args, backend=comm)
+            r = _longest(world, variant, max(args.seq), args, comm)
             longest.append([variant, world, r["longest"], r["seconds"]])
             print(f"  {variant}: longest {r['longest']} tokens ({r['seconds']:.1f} s/step)", flush=True)
         print_table(["variant", "procs", "longest sequence that ran", "s/step at that length"], longest)

@@ -7,11 +7,15 @@ sequence, in rank order along the sequence.
 
 ``seq_to_head`` / ``head_to_seq`` are plain (no autograd) and used inside the FPDT pipeline's own
 autograd function. ``SeqToHead`` / ``HeadToSeq`` are their autograd versions (each one's backward is
-the other), used by plain Ulysses attention.
+the other), used by plain Ulysses attention. :class:`Exchange` runs the same two all-to-alls as
+asynchronous collectives, so that the pipeline can issue the next chunk's before computing the current
+one and wait for it after (``dist.all_to_all_single(..., async_op=True)``; gloo and NCCL).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,11 +33,26 @@ def group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_to_all(x: Tensor, group: ProcessGroup) -> Tensor:
-    """All-to-all along dim 0 (one equal block per rank) of a contiguous tensor."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
+def _seq_to_head_send(x: Tensor, p: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """The send buffer of :func:`seq_to_head` and the map from the received buffer to its result."""
+    b, s_local, h, d = x.shape
+    if h % p != 0:
+        raise ValueError(f"seq_to_head: {h} heads cannot be split over {p} sequence-parallel ranks.")
+    # [P (destination rank = head group), b, s_local, h/P, d]
+    send = x.reshape(b, s_local, p, h // p, d).permute(2, 0, 1, 3, 4).contiguous()
+    # received: [P (source rank = sequence slice), b, s_local, h/P, d]
+    return send, lambda recv: recv.permute(1, 0, 2, 3, 4).reshape(b, p * s_local, h // p, d)
+
+
+def _head_to_seq_send(x: Tensor, p: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """The send buffer of :func:`head_to_seq` and the map from the received buffer to its result."""
+    b, s, h_local, d = x.shape
+    if s % p != 0:
+        raise ValueError(f"head_to_seq: sequence length {s} cannot be split over {p} ranks.")
+    # [P (destination rank = sequence slice), b, s/P, h_local, d]
+    send = x.reshape(b, p, s // p, h_local, d).transpose(0, 1).contiguous()
+    # received: [P (source rank = head group), b, s/P, h_local, d]
+    return send, lambda recv: recv.permute(1, 2, 0, 3, 4).reshape(b, s // p, p * h_local, d)
 
 
 def seq_to_head(x: Tensor, group: ProcessGroup | None) -> Tensor:
@@ -41,13 +60,10 @@ def seq_to_head(x: Tensor, group: ProcessGroup | None) -> Tensor:
     p = group_size(group)
     if p == 1:
         return x
-    b, s_local, h, d = x.shape
-    if h % p != 0:
-        raise ValueError(f"seq_to_head: {h} heads cannot be split over {p} sequence-parallel ranks.")
-    # [P (destination rank = head group), b, s_local, h/P, d]
-    send = x.reshape(b, s_local, p, h // p, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = _all_to_all(send, group)  # [P (source rank = sequence slice), b, s_local, h/P, d]
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, p * s_local, h // p, d)
+    send, finish = _seq_to_head_send(x, p)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # along dim 0, one equal block per rank
+    return finish(recv)
 
 
 def head_to_seq(x: Tensor, group: ProcessGroup | None) -> Tensor:
@@ -55,13 +71,103 @@ def head_to_seq(x: Tensor, group: ProcessGroup | None) -> Tensor:
     p = group_size(group)
     if p == 1:
         return x
-    b, s, h_local, d = x.shape
-    if s % p != 0:
-        raise ValueError(f"head_to_seq: sequence length {s} cannot be split over {p} ranks.")
-    # [P (destination rank = sequence slice), b, s/P, h_local, d]
-    send = x.reshape(b, p, s // p, h_local, d).transpose(0, 1).contiguous()
-    recv = _all_to_all(send, group)  # [P (source rank = head group), b, s/P, h_local, d]
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // p, p * h_local, d)
+    send, finish = _head_to_seq_send(x, p)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return finish(recv)
+
+
+class PendingAllToAll:
+    """One all-to-all in flight, from :class:`Exchange`. :meth:`wait` once, after the compute it overlaps."""
+
+    def __init__(self, exchange: Exchange, what: str, result: Tensor | None = None, work: Any = None,
+                 recv: Tensor | None = None, send: Tensor | None = None,
+                 finish: Callable[[Tensor], Tensor] | None = None) -> None:
+        self._exchange, self.what = exchange, what
+        self._result, self._work, self._recv, self._send, self._finish = result, work, recv, send, finish
+        self.done = False
+        self.serial = -1
+
+    def wait(self) -> Tensor:
+        """The result; blocks until the collective is complete (on CUDA the current stream waits, not the host).
+
+        Raises:
+            RuntimeError: waited for twice (the result was handed out already).
+        """
+        if self.done:
+            raise RuntimeError(f"Exchange: the all-to-all {self.what} was already waited for; wait() hands its"
+                               " result out once. Keep the tensor it returned.")
+        self.done = True
+        self._exchange._finished(self)
+        if self._result is not None:
+            return self._result
+        assert self._recv is not None and self._finish is not None
+        if self._work is not None:
+            self._work.wait()
+        result = self._finish(self._recv)
+        self._work = self._recv = self._send = self._finish = None  # the send buffer lives until here
+        return result
+
+
+class Exchange:
+    """The all-to-alls of one pass of the FPDT pipeline, as steps: issue before compute, wait after.
+
+    ``seq_to_head(x)`` / ``head_to_seq(x)`` start an all-to-all (an asynchronous collective) and return
+    a :class:`PendingAllToAll`; its ``wait()`` gives the result. Every rank of ``group`` must issue the
+    same all-to-alls in the same order (collectives match by order). :meth:`close` checks that every
+    issued one was waited for: one left in flight would hold its buffers and, if never waited on, hide
+    a schedule bug.
+
+    Args:
+        group: the sequence-parallel group; ``None`` (one process) makes every step a no-op.
+        overlap: ``False`` runs each all-to-all to completion when it is issued (for comparisons).
+    """
+
+    def __init__(self, group: ProcessGroup | None, overlap: bool = True) -> None:
+        self.group, self.overlap = group, overlap
+        self._p = group_size(group)
+        self._in_flight: dict[int, str] = {}  # serial -> what, of the issued all-to-alls not waited for yet
+        self._serials = itertools.count()
+        self._closed = False
+
+    def seq_to_head(self, x: Tensor, what: str = "seq_to_head") -> PendingAllToAll:
+        """Start ``[b, s_local, h, d]`` -> ``[b, s_local * P, h / P, d]`` (see :func:`seq_to_head`)."""
+        return self._issue(x, _seq_to_head_send, what)
+
+    def head_to_seq(self, x: Tensor, what: str = "head_to_seq") -> PendingAllToAll:
+        """Start ``[b, s_local * P, h_local, d]`` -> ``[b, s_local, h_local * P, d]`` (see :func:`head_to_seq`)."""
+        return self._issue(x, _head_to_seq_send, what)
+
+    def _issue(self, x: Tensor, layout: Callable[[Tensor, int], tuple[Tensor, Callable[[Tensor], Tensor]]],
+               what: str) -> PendingAllToAll:
+        if self._closed:
+            raise RuntimeError(f"Exchange: {what} issued after close(); make a new Exchange for the next pass.")
+        if self._p == 1:
+            pending = PendingAllToAll(self, what, result=x)
+        else:
+            send, finish = layout(x, self._p)
+            recv = torch.empty_like(send)
+            work = dist.all_to_all_single(recv, send, group=self.group, async_op=self.overlap)
+            pending = PendingAllToAll(self, what, work=work, recv=recv, send=send, finish=finish)
+        pending.serial = next(self._serials)
+        self._in_flight[pending.serial] = what
+        return pending
+
+    def _finished(self, pending: PendingAllToAll) -> None:
+        self._in_flight.pop(pending.serial, None)
+
+    def close(self) -> None:
+        """End the pass.
+
+        Raises:
+            RuntimeError: an issued all-to-all was never waited for (names them).
+        """
+        self._closed = True
+        if self._in_flight:
+            names = ", ".join(self._in_flight.values())
+            self._in_flight.clear()
+            raise RuntimeError(f"Exchange: all-to-alls issued but never waited for: {names}. Every issue() needs"
+                               " its wait() before the pass ends.")
 
 
 class SeqToHead(torch.autograd.Function):

@@ -7,69 +7,121 @@ Its life cycle is explicit:
 
 ``put(key, x)``
     take ownership of a device tensor under a key that is not in use (a live key is an error, never
-    replaced silently). With offload on, a device-to-host copy starts on the copy stream and the
-    device memory is given back as soon as that copy is done.
+    replaced silently). With offload on, a device-to-host copy starts and the device memory is given
+    back as soon as that copy is done.
 ``prefetch(key)``
-    start bringing an offloaded chunk back to the device on the copy stream (issue before compute).
+    start bringing an offloaded chunk back to the device (issue before compute).
 ``get(key)``
     the device tensor; waits for its prefetch (wait after compute). Without a prefetch it is
-    fetched now and the wait is counted as a stall.
+    fetched now and counted as a stall.
 ``evict(key)``
     the caller is done with the device copy for now; the host copy stays.
 ``delete(key)``
     the chunk is no longer needed at all. ``delete_later(key)`` does the same at the next ``put`` or
     ``keys``: for a finalizer, which may run in the middle of another call of the store.
 
-On CUDA the copies run on a side stream ordered with events: no host synchronize, no barrier.
-Pinned host buffers come from a pool and are reused in copy-stream order, which is the order of
-the copies that read and write them. On CPU the same schedule runs with a one-thread worker in
-place of the copy stream and futures in place of events, copying into separate host buffers, so
-the tests exercise the synchronisation and the data path; ``copy_delay`` makes every copy slower
-so that ordering bugs show.
+Copies and buffers (:class:`~lightning_fpdt.copy_engine.CopyEngine`, one per device for the whole
+process, shared by every store): on CUDA, device-to-host copies run on one side stream and
+host-to-device copies on another, so both directions run at once; a prefetch waits (on the GPU, with
+an event) for its own chunk's host copy, and the compute stream waits for the prefetch. No host
+synchronize, no barrier. Pinned host buffers come from one pool per device, keyed by size, and
+survive the store that used them: a buffer goes back to the pool with the events of the copies that
+still touch it, and its next device-to-host copy waits for them on the GPU. Prefetched device tensors
+are allocated on the host-to-device stream (one stream for the run, so its allocator pool stays as
+small as the chunks in flight) and handed to the compute stream with ``record_stream``. On CPU the
+same structure runs with two one-thread workers (one per direction) in place of the streams and
+futures in place of events, copying into separate host buffers, so the tests exercise the
+synchronisation, the buffer reuse and the data path; ``copy_delay`` makes every copy slower so that
+ordering bugs show. :func:`~lightning_fpdt.copy_engine.release_copy_engines` gives the streams,
+workers and pooled buffers back (strategy teardown).
 
-Accounting (:class:`OffloadStats`): bytes held on the compute device by the store, current and peak,
-per group of kinds; bytes moved each way; time the compute waited for copies.
+Accounting (:class:`OffloadStats`): bytes held on the compute device by the store, current and
+peak, per group of kinds; bytes moved each way; ``stalls``, the chunks used without a prefetch; and
+the wait. ``wait_seconds`` is compute time lost waiting for copies. On CUDA, per ``get`` of a
+prefetched chunk: the time from the compute stream reaching the ``wait_event`` to the copy's
+completion, ``max(0, t(copy done) - t(compute reached the wait))``, from two timing events, read
+lazily when the figure is read (after the step, so no synchronize inside it). On CPU: the time
+``get`` blocks on the copy's future. ``late`` counts the gets that waited at all.
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+# re-exported: the strategy releases the engines at teardown, benchmarks use their streams
+from lightning_fpdt.copy_engine import CopyEngine, HostPool, copy_engine, release_copy_engines
 from lightning_fpdt.profiling import record
+
+__all__ = ["ChunkStore", "CopyEngine", "HostPool", "Key", "OffloadStats", "copy_engine", "release_copy_engines"]
 
 Key = tuple[str, int]
 
 
 @dataclass
 class OffloadStats:
-    """What a store did. All byte counts are of tensor storage, not interpreter overhead."""
+    """What a store did. All byte counts are of tensor storage, not interpreter overhead.
+
+    ``wait_seconds`` and ``late`` are properties: on CUDA they read the timing events of the step's
+    waits when first asked for (module docstring), which synchronizes with those events.
+    """
 
     device_bytes: int = 0
     peak_device_bytes: int = 0
     bytes_to_host: int = 0
     bytes_to_device: int = 0
-    wait_seconds: float = 0.0
     stalls: int = 0
     # group name -> largest number of distinct chunk indices of that group on the device at once
     peak_resident_chunks: dict[str, int] = field(default_factory=dict)
+    _wait_s: float = field(default=0.0, repr=False)
+    _late: int = field(default=0, repr=False)
+    # (compute reached the wait, copy done) timing-event pairs not read yet (CUDA)
+    _pending: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
+
+    @property
+    def wait_seconds(self) -> float:
+        """Compute time lost waiting for copies (module docstring)."""
+        self._resolve()
+        return self._wait_s
+
+    @property
+    def late(self) -> int:
+        """Gets that waited for a copy still in flight."""
+        self._resolve()
+        return self._late
+
+    def add_wait(self, seconds: float) -> None:
+        if seconds > 0:
+            self._wait_s += seconds
+            self._late += 1
+
+    def add_timed_wait(self, reached: Any, done: Any) -> None:
+        """A CUDA wait, measured when read: ``reached`` on the compute stream, ``done`` on the copy stream."""
+        self._pending.append((reached, done))
+
+    def _resolve(self) -> None:
+        while self._pending:
+            reached, done = self._pending.pop()
+            reached.synchronize()
+            done.synchronize()
+            self.add_wait(reached.elapsed_time(done) / 1e3)  # milliseconds; negative: it was there first
 
     def merge(self, other: OffloadStats) -> None:
         """Add ``other``'s traffic and keep the larger peaks (for per-step totals over layers)."""
         self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
         self.bytes_to_host += other.bytes_to_host
         self.bytes_to_device += other.bytes_to_device
-        self.wait_seconds += other.wait_seconds
         self.stalls += other.stalls
+        self._wait_s += other._wait_s
+        self._late += other._late
+        self._pending.extend(other._pending)
         for name, n in other.peak_resident_chunks.items():
             self.peak_resident_chunks[name] = max(self.peak_resident_chunks.get(name, 0), n)
 
@@ -78,32 +130,14 @@ def _nbytes(x: Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-class _HostPool:
-    """Reusable host buffers, by (shape, dtype). Pinned when the compute device is CUDA."""
-
-    def __init__(self, pin: bool) -> None:
-        self._pin = pin
-        self._free: dict[tuple[torch.Size, torch.dtype], list[Tensor]] = defaultdict(list)
-        self._lock = threading.Lock()
-
-    def acquire(self, like: Tensor) -> Tensor:
-        with self._lock:
-            free = self._free[(like.shape, like.dtype)]
-            if free:
-                return free.pop()
-        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self._pin)
-
-    def release(self, buf: Tensor) -> None:
-        with self._lock:
-            self._free[(buf.shape, buf.dtype)].append(buf)
-
-
 @dataclass
 class _Entry:
     device: Tensor | None = None
-    host: Tensor | None = None
+    host: Tensor | None = None  # typed view of ``raw``
+    raw: Tensor | None = None  # the pool's buffer
     to_host: Any = None  # CUDA event or Future: host copy complete
-    to_device: Any = None  # CUDA event or Future: device copy complete (pending prefetch)
+    to_device: Any = None  # (tensor, CUDA event) or Future: the prefetch in flight
+    last_read: Any = None  # event or future of the latest prefetch: the buffer is read until it is done
 
 
 class ChunkStore:
@@ -113,7 +147,7 @@ class ChunkStore:
         device: the compute device.
         offload: keep chunks in host memory between uses.
         groups: kind -> group name, for the per-group residency peaks (e.g. ``{"k": "kv", "v": "kv"}``).
-        copy_delay: seconds each copy sleeps on the CPU worker (tests only).
+        copy_delay: seconds each copy sleeps on the CPU workers (tests only).
     """
 
     def __init__(
@@ -132,13 +166,6 @@ class ChunkStore:
         self._doomed: list[Key] = []  # keys to delete at the next put/keys (delete_later)
         self._copy_delay = copy_delay
         self._cuda = device.type == "cuda"
-        self._pool = _HostPool(pin=self._cuda)
-        self._stream: Any = None
-        self._worker: ThreadPoolExecutor | None = None
-        if offload and self._cuda:
-            self._stream = torch.cuda.Stream(device=device)
-        elif offload:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fpdt-copy")
 
     # ---- life cycle -------------------------------------------------------------------------
 
@@ -166,20 +193,24 @@ class ChunkStore:
             self._start_offload(entry, x, keep_on_device)
 
     def _start_offload(self, entry: _Entry, x: Tensor, keep_on_device: bool) -> None:
-        host = self._pool.acquire(x)
+        engine = copy_engine(self.device)
+        raw, fences = engine.pool.acquire(_nbytes(x))
+        host = raw.view(x.dtype).view(x.shape)
         self.stats.bytes_to_host += _nbytes(x)
         if self._cuda:
-            compute = torch.cuda.current_stream(self.device)
-            self._stream.wait_stream(compute)  # x is written by kernels queued on the compute stream
-            with torch.cuda.stream(self._stream):
+            stream = engine.to_host
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # x is written by kernels queued there
+            for fence in fences:  # a prefetch from this reused buffer may still be reading it
+                stream.wait_event(fence)
+            with torch.cuda.stream(stream):
                 host.copy_(x, non_blocking=True)
                 done = torch.cuda.Event()
-                done.record(self._stream)
-            x.record_stream(self._stream)  # the allocator must not reuse x until the copy ran
+                done.record(stream)
+            x.record_stream(stream)  # the allocator must not reuse x until the copy ran
             entry.to_host = done
         else:
-            entry.to_host = self._submit(host.copy_, x)
-        entry.host = host
+            entry.to_host = engine.submit(engine.to_host, fences, self._copy_delay, host.copy_, x)
+        entry.host, entry.raw = host, raw
         if not keep_on_device:
             # The device copy is dropped now: on CUDA record_stream keeps the memory alive until
             # the copy has run; on CPU the worker holds a reference until its copy is done.
@@ -199,17 +230,20 @@ class ChunkStore:
         self._account()
 
     def _start_prefetch(self, entry: _Entry, host: Tensor) -> None:
+        engine = copy_engine(self.device)
         if self._cuda:
-            with torch.cuda.stream(self._stream):
-                # ordered after this chunk's host copy: same stream
+            stream = engine.to_device
+            stream.wait_event(entry.to_host)  # after this chunk's host copy, which runs on the other stream
+            with torch.cuda.stream(stream):
                 dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
                 dev.copy_(host, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self._stream)
+                ready = torch.cuda.Event(enable_timing=True)
+                ready.record(stream)
             entry.to_device = (dev, ready)
+            entry.last_read = ready
         else:
-            # ordered after this chunk's host copy: one worker runs copies in submission order
-            entry.to_device = self._submit(lambda: host.clone())
+            fut = engine.submit(engine.to_device, [entry.to_host], self._copy_delay, host.clone)
+            entry.to_device = entry.last_read = fut
 
     def get(self, key: Key) -> Tensor:
         """The chunk on the device, waiting for its prefetch if one is in flight."""
@@ -219,16 +253,23 @@ class ChunkStore:
         if entry.to_device is None:
             self.stats.stalls += 1
             self.prefetch(key)
-        start = time.perf_counter()
         with record("fpdt/prefetch_wait"):
             if self._cuda:
                 dev, ready = entry.to_device
                 compute = torch.cuda.current_stream(self.device)
+                reached = torch.cuda.Event(enable_timing=True)
+                reached.record(compute)
                 compute.wait_event(ready)  # the compute stream waits on the GPU; the host does not
                 dev.record_stream(compute)
+                self.stats.add_timed_wait(reached, ready)
             else:
-                dev = entry.to_device.result()
-        self.stats.wait_seconds += time.perf_counter() - start
+                fut = entry.to_device
+                if fut.done():
+                    dev = fut.result()
+                else:
+                    start = time.perf_counter()
+                    dev = fut.result()
+                    self.stats.add_wait(max(time.perf_counter() - start, 1e-9))
         entry.device, entry.to_device = dev, None
         self._account()
         return dev
@@ -246,15 +287,9 @@ class ChunkStore:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
-        if entry.host is not None:
-            if self._cuda:
-                self._pool.release(entry.host)  # later copies into it are ordered on the copy stream
-            else:
-                fut = entry.to_host
-                host = entry.host
-                # give the buffer back only once the worker is done writing into it
-                if isinstance(fut, Future):
-                    fut.add_done_callback(lambda _f, h=host: self._pool.release(h))
+        if entry.raw is not None:
+            # back to the pool with the copies that may still touch it; its next writer waits for them
+            copy_engine(self.device).pool.release(entry.raw, (entry.to_host, entry.last_read))
         self._account()
 
     def delete_later(self, key: Key) -> None:
@@ -275,10 +310,8 @@ class ChunkStore:
             self.delete(key)
 
     def close(self) -> None:
+        """Delete every chunk. The copy engine is the process's (see :func:`release_copy_engines`)."""
         self.clear()
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
 
     def keys(self) -> Iterable[Hashable]:
         """The live keys, in the order they were put."""
@@ -303,17 +336,6 @@ class ChunkStore:
     def _purge(self) -> None:
         while self._doomed:
             self.delete(self._doomed.pop())
-
-    def _submit(self, fn: Any, *args: Any) -> Future:
-        assert self._worker is not None
-        delay = self._copy_delay
-
-        def run() -> Any:
-            if delay:
-                time.sleep(delay)
-            return fn(*args)
-
-        return self._worker.submit(run)
 
     def _account(self) -> None:
         total = 0

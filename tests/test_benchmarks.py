@@ -17,15 +17,38 @@ def _run(script: str, *args: str) -> str:
     return proc.stdout
 
 
-def test_offload_gpu_cpu_smoke() -> None:
-    out = _run("offload_gpu.py", "--cpu", "--repeats", "1")
-    assert "offload bitwise equal=True" in out and ": ok" in out
-    assert "| 512 " in out  # the table has a row for the longest smoke length
+def _table_rows(out: str) -> list[list[str]]:
+    """The cells of every Markdown table row printed (header and separator lines included)."""
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("|")]
+
+
+def test_gpu_check_cpu_smoke() -> None:
+    out = _run("gpu_check.py", "--cpu")
+    rows = _table_rows(out)
+    routes = [r for r in rows if r[0] in ("sdpa", "math")]
+    # every CPU route: two kernel shapes and the pipeline, causal and not
+    assert {(r[0], r[1]) for r in routes} == {("sdpa", "float32"), ("sdpa", "bfloat16"), ("math", "float32")}
+    assert len(routes) == 3 * 6 and all(r[-1] == "ok" for r in routes), out
+    model = [r for r in rows if r[0].startswith("llama ")]
+    assert [r[1] for r in model] == ["math", "auto"] and all(r[-1] == "ok" for r in model), out
+    assert sum(r[0] in ("host -> device", "device -> host", "both at once (sum)") for r in rows) == 3
+    offload = [r for r in rows if len(r) == 10 and r[0].isdigit()]  # tokens, chunks, peaks, times, ..., overlap
+    assert [(r[0], r[1]) for r in offload] == [("64", "1"), ("128", "2"), ("256", "4")], out
+    assert all(float(r[6]) > 0 for r in offload) and "search stopped: length limit" in out  # GiB moved
+    mfu = [r for r in rows if len(r) == 7 and r[0].isdigit()]
+    assert [r[0] for r in mfu] == ["128", "256"] and all(float(r[3]) > 0 for r in mfu), out  # TFLOP/s
 
 
 def test_attention_benchmark_smoke() -> None:
-    out = _run("attention.py", "--seq", "256", "--chunks", "2", "--repeats", "1", "--hidden", "64", "--heads", "4")
-    assert "| 256 | fpdt x2 |" in out.replace("  ", " ") or "fpdt x2" in out
+    out = _run("attention.py", "--seq", "256", "--chunks", "2", "--repeats", "1", "--hidden", "64", "--heads", "4",
+               "--sync")
+    rows = {(r[0], r[1]): r for r in _table_rows(out)}
+    assert set(rows) >= {("256", "ulysses"), ("256", "fpdt x2"), ("256", "fpdt x2 sync")}, out
+    assert rows[("256", "ulysses")][5] == "1.000"  # the ratio column is relative to plain Ulysses
+    for variant in ("fpdt x2", "fpdt x2 sync"):
+        row = rows[("256", variant)]
+        assert row[2] == "2" and float(row[3]) > 0 and float(row[5]) > 0, row
 
 
 def test_training_benchmark_smoke() -> None:

@@ -14,7 +14,7 @@ from lightning_fpdt.attention.pipeline import PipelineOptions, chunk_bounds, run
 from lightning_fpdt.attention.sources import TensorEnds
 from lightning_fpdt.attention.ulysses import ulysses_attention
 from lightning_fpdt.comm import check_heads, expand_kv_heads, group_size, head_to_seq
-from lightning_fpdt.layout import validate_chunk_size
+from lightning_fpdt.layout import DocumentLayout, validate_chunk_size
 from lightning_fpdt.offload import OffloadStats
 
 __all__ = ["BACKENDS", "fpdt_attention", "get_kernel", "update_out_and_lse"]
@@ -34,6 +34,7 @@ def fpdt_attention(
     return_lse: bool = False,
     stats_sink: list[OffloadStats] | None = None,
     copy_delay: float = 0.0,
+    documents: DocumentLayout | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sequence-parallel attention over this rank's shards in the FPDT layout.
 
@@ -51,6 +52,9 @@ def fpdt_attention(
         return_lse: also return the log-sum-exp ``[batch, S/P, n_heads]`` (not differentiable).
         stats_sink: a list the call appends its :class:`OffloadStats` to once its work is done.
         copy_delay: seconds each offload copy sleeps on CPU (tests only).
+        documents: packed documents (global offsets of the padded sequence, the same on every rank:
+            :func:`lightning_fpdt.layout.find_documents`); each token attends only within its document,
+            and blocks that share no document are skipped. ``None``: one document per sample.
 
     Returns:
         The output shard ``[batch, S/P, n_heads, head_dim]`` (and the lse if asked), differentiable
@@ -72,11 +76,16 @@ def fpdt_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # KV heads fewer than ranks: replicate before the all-to-all (autograd sums the replicas' grads).
     k, v = expand_kv_heads(k, p), expand_kv_heads(v, p)
-    if chunk_size is None and not offload and not return_lse:
+    if documents is not None and documents.length != q.shape[1] * p:
+        raise ValueError(
+            f"fpdt_attention: documents cover {documents.length} tokens, but the shards hold"
+            f" {q.shape[1]} x {p} = {q.shape[1] * p}; build them for the padded sequence of this batch."
+        )
+    if chunk_size is None and not offload and not return_lse and documents is None:
         return ulysses_attention(q, k, v, group, kernel, causal, scale)
     opt = PipelineOptions.for_chunk_size(
         group, chunk_size, causal=causal, scale=scale, kernel=kernel, offload=offload, copy_delay=copy_delay,
-        stats_sink=stats_sink,
+        stats_sink=stats_sink, documents=documents,
     )
     out, lse = run_pipeline(TensorEnds(kv_heads=k.shape[2]), opt, q, k, v)
     if not return_lse:

@@ -7,15 +7,22 @@ chunk ``i``. One all-to-all per chunk turns local chunk ``i`` into global chunk 
 
 Forward, for each query chunk ``i``: all-to-all ``q_i, k_i, v_i``; attend ``q_i`` to ``k_j, v_j``
 for ``j <= i`` (causal; all ``j`` otherwise), the diagonal block first while it is on the device,
-then ``j = 0, 1, ...`` with ``j + 1`` prefetched while ``j`` is computed; merge with
-:func:`update_out_and_lse`; all-to-all the output chunk back.
+then ``j = 0, 1, ...``; merge with :func:`update_out_and_lse`; all-to-all the output chunk back.
 
 Backward: outer loop over key/value chunks ``j``, inner loop over query chunks ``i`` (``i >= j``
-when causal) with the next query-side set (q, out, lse, dout, dq) prefetched. After outer step
-``j``, dk_j and dv_j (and for causal attention dq_j) are final and go back through the inverse
-all-to-all, so nothing of the size of the whole sequence with ``heads / P`` heads is ever
-materialised beyond the saved chunks, which live in a :class:`ChunkStore` (host memory when
-offloaded).
+when causal). After outer step ``j``, dk_j and dv_j (and for causal attention dq_j) are final and go
+back through the inverse all-to-all, so nothing of the size of the whole sequence with ``heads / P``
+heads is ever materialised beyond the saved chunks, which live in a :class:`ChunkStore` (host
+memory when offloaded).
+
+Overlap, both ways: each pass runs its blocks (forward) or steps (backward) as one sequence, and
+before computing one it issues what the next needs, waiting for it only after the compute. Copies:
+the next block's k/v (forward; across query chunks too) or the next step's query-side set (q, out,
+lse, dout, dq) and, when the outer step changes, its k/v (backward), so every chunk after a pass's
+first is prefetched one compute ahead. Communication (:class:`~lightning_fpdt.comm.Exchange`,
+asynchronous all-to-alls): the next query chunk's q/k/v and the next ``dout`` chunk are issued before
+the current compute; output and gradient chunks are sent when final and waited for after the next
+compute. Every rank issues the same collectives in the same order, whatever it computes.
 
 Where the local chunks come from and where their gradients go is not this module's business: a
 :class:`ChunkSource` hands out local q/k/v chunks and a :class:`ChunkSink` takes the final gradient
@@ -26,6 +33,7 @@ chunks. ``lightning_fpdt.attention.sources`` has the two pairs: slices of whole 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,10 +41,11 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_fpdt.attention.documents import block_backward, block_forward
 from lightning_fpdt.attention.kernels import AttentionKernel, accumulate_dtype
 from lightning_fpdt.attention.merge import update_out_and_lse
-from lightning_fpdt.comm import group_size, head_to_seq, seq_to_head
-from lightning_fpdt.layout import chunk_lengths, validate_chunk_size
+from lightning_fpdt.comm import Exchange, PendingAllToAll, group_size
+from lightning_fpdt.layout import DocumentLayout, Segment, chunk_lengths, validate_chunk_size
 from lightning_fpdt.offload import ChunkStore, OffloadStats
 from lightning_fpdt.profiling import record
 
@@ -47,7 +56,11 @@ _QUERY_SET = ("q", "o", "lse", "do", "dq")
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """How one FPDT attention call runs. ``local_chunk_size`` is ``chunk_size / P`` (or ``None``)."""
+    """How one FPDT attention call runs. ``local_chunk_size`` is ``chunk_size / P`` (or ``None``).
+
+    ``overlap_comm``: asynchronous all-to-alls overlapping the attention (module docstring); ``False``
+    runs each to completion where it is issued (same results bit for bit; for comparisons).
+    """
 
     group: ProcessGroup | None
     local_chunk_size: int | None
@@ -57,6 +70,20 @@ class PipelineOptions:
     offload: bool = False
     copy_delay: float = 0.0
     stats_sink: list[OffloadStats] | None = None
+    overlap_comm: bool = True
+    documents: DocumentLayout | None = None
+
+    def segments(self, ranges: list[tuple[int, int]], i: int, j: int) -> list[Segment] | None:
+        """The document rectangles of block (query chunk ``i``, key chunk ``j``), or ``None`` for the whole
+        block (no documents). ``ranges`` are the chunks' global token ranges."""
+        if self.documents is None:
+            return None
+        return self.documents.segments(ranges[i], ranges[j], self.causal and i == j)
+
+    def attends(self, ranges: list[tuple[int, int]], i: int, j: int) -> bool:
+        """Whether block ``(i, j)`` has work: with documents, only if the chunks share one (else it is
+        skipped before any copy or kernel)."""
+        return self.documents is None or self.documents.shares_document(ranges[i], ranges[j])
 
     @classmethod
     def for_chunk_size(cls, group: ProcessGroup | None, chunk_size: int | None, **options: Any) -> PipelineOptions:
@@ -140,6 +167,11 @@ def _key_order(i: int, n: int, causal: bool) -> list[int]:
     return [i, *others]
 
 
+def global_ranges(bounds: list[tuple[int, int]], p: int) -> list[tuple[int, int]]:
+    """Global token ranges of the chunks: local chunk ``(lo, hi)`` is global chunk ``(lo * P, hi * P)``."""
+    return [(lo * p, hi * p) for lo, hi in bounds]
+
+
 def pipeline_forward(
     source: ChunkSource, opt: PipelineOptions, store: ChunkStore, save_for_backward: bool = True
 ) -> tuple[Tensor, Tensor]:
@@ -147,53 +179,92 @@ def pipeline_forward(
 
     With ``save_for_backward`` the query-side chunks (q, out, lse) stay in ``store`` for
     :func:`pipeline_backward`; without it only k/v pass through the store, for this forward's own use.
+
+    Overlap: query chunk ``i + 1``'s all-to-alls are issued before chunk ``i``'s attention and waited
+    for after it, and chunk ``i``'s output all-to-all is waited for after chunk ``i + 1``'s attention.
+    The blocks ``(i, j)`` run as one sequence, and the key block after the current one is prefetched
+    while the current one computes, also across query chunks.
     """
     b, s_local, h, d = source.q_shape  # s_local = S // P; h = all query heads
     bounds = chunk_bounds(s_local, opt.local_chunk_size)
     n = len(bounds)
-    out: Tensor | None = None  # [b, s_local, h, d]: chunks are written in as they finish
+    exchange = Exchange(opt.group, overlap=opt.overlap_comm)
+    ranges = global_ranges(bounds, group_size(opt.group))
+    # blocks sharing no document are dropped here: no prefetch, copy or kernel for them (the diagonal stays)
+    orders = [[j for j in _key_order(i, n, opt.causal) if opt.attends(ranges, i, j)] for i in range(n)]
+    next_key = [j for order in orders for j in order][1:] + [None]  # the key chunk of the block after each block
+    out: Tensor | None = None  # [b, s_local, h, d]: chunks are written in as they arrive
     lses: list[Tensor] = []
 
-    def gather_kv(j: int, keep: bool) -> None:
+    def issue_kv(j: int) -> tuple[PendingAllToAll, ...]:
         k_c, v_c = source.kv(*bounds[j])
-        with record("fpdt/all_to_all"):
-            store.put(("k", j), seq_to_head(k_c, opt.group), keep_on_device=keep)  # [b, C_j, h_kv/P, d]
-            store.put(("v", j), seq_to_head(v_c, opt.group), keep_on_device=keep)
+        return exchange.seq_to_head(k_c, f"k{j}"), exchange.seq_to_head(v_c, f"v{j}")
 
-    if not opt.causal:  # every query chunk needs every key chunk: gather them all first
-        for j in range(n):
-            gather_kv(j, keep=j == 0)
-    for i, (lo, hi) in enumerate(bounds):
-        q_c = source.q(lo, hi)
+    def issue_chunk(i: int) -> tuple[PendingAllToAll, ...]:
+        # causal attention gathers each chunk's k/v with its q; full attention gathered them all first
+        q = exchange.seq_to_head(source.q(*bounds[i]), f"q{i}")
+        return (q, *issue_kv(i)) if opt.causal else (q,)
+
+    def store_kv(j: int, pending: tuple[PendingAllToAll, ...], keep: bool) -> None:
         with record("fpdt/all_to_all"):
-            q_i = seq_to_head(q_c, opt.group)  # [b, C_i, h/P, d], global chunk i
-        del q_c
-        if opt.causal:
-            gather_kv(i, keep=True)
-        out_i = lse_i = None
-        order = _key_order(i, n, opt.causal)
-        for pos, j in enumerate(order):
-            if pos + 1 < len(order):  # issue the next copy before computing this block
-                store.prefetch(("k", order[pos + 1]))
-                store.prefetch(("v", order[pos + 1]))
-            k_j, v_j = store.get(("k", j)), store.get(("v", j))
-            with record("fpdt/attention_chunk"):
-                block_out, block_lse = opt.kernel.forward(q_i, k_j, v_j, opt.causal and i == j, opt.scale)
-                out_i, lse_i = update_out_and_lse(out_i, lse_i, block_out, block_lse)
-            store.evict(("k", j))
-            store.evict(("v", j))
-        assert out_i is not None and lse_i is not None
-        out_i = out_i.to(source.dtype)
+            k_j, v_j = (p.wait() for p in pending)  # [b, C_j, h_kv/P, d]
+        store.put(("k", j), k_j, keep_on_device=keep)
+        store.put(("v", j), v_j, keep_on_device=keep)
+
+    def place(sent: tuple[PendingAllToAll, int, int]) -> None:
+        nonlocal out
+        pending, lo, hi = sent
         with record("fpdt/all_to_all"):
-            out_c = head_to_seq(out_i, opt.group)  # [b, C_i / P, h, d]
+            out_c = pending.wait()  # [b, C_i / P, h, d]
         if out is None:
             out = out_c.new_empty(b, s_local, h, d)
         out[:, lo:hi] = out_c
+
+    if not opt.causal:  # every query chunk needs every key chunk: gather them all first
+        ahead = issue_kv(0)
+        for j in range(n):
+            current, ahead = ahead, issue_kv(j + 1) if j + 1 < n else ()
+            store_kv(j, current, keep=j == 0)
+    ahead = issue_chunk(0)
+    block = 0  # index of the current block in the sequence of all blocks
+    sent: tuple[PendingAllToAll, int, int] | None = None  # the previous output chunk, on its way back
+    for i, (lo, hi) in enumerate(bounds):
+        current, ahead = ahead, ()
+        with record("fpdt/all_to_all"):
+            q_i = current[0].wait()  # [b, C_i, h/P, d], global chunk i
+        if opt.causal:
+            store_kv(i, current[1:], keep=True)
+        if i + 1 < n:
+            ahead = issue_chunk(i + 1)  # runs during this chunk's attention
+        out_i = lse_i = None
+        for j in orders[i]:
+            nxt = next_key[block]
+            # issue the next block's copy before computing this one (a causal diagonal comes by all-to-all)
+            if nxt is not None and nxt != j and ("k", nxt) in store:
+                store.prefetch(("k", nxt))
+                store.prefetch(("v", nxt))
+            k_j, v_j = store.get(("k", j)), store.get(("v", j))
+            with record("fpdt/attention_chunk"):
+                block_out, block_lse = block_forward(opt.kernel, q_i, k_j, v_j, opt.causal and i == j, opt.scale,
+                                                     opt.segments(ranges, i, j))
+                out_i, lse_i = update_out_and_lse(out_i, lse_i, block_out, block_lse)
+            if nxt != j:  # full attention's block (n-2, n-1) is followed by (n-1, n-1): keep it
+                store.evict(("k", j))
+                store.evict(("v", j))
+            block += 1
+        assert out_i is not None and lse_i is not None
+        if sent is not None:
+            place(sent)
+        out_i = out_i.to(source.dtype)
+        sent = exchange.head_to_seq(out_i, f"out{i}"), lo, hi
         lses.append(lse_i)
         if save_for_backward:
             store.put(("q", i), q_i)
             store.put(("o", i), out_i)
             store.put(("lse", i), lse_i)
+    assert sent is not None
+    place(sent)
+    exchange.close()
     assert out is not None
     return out, lses[0] if n == 1 else torch.cat(lses, dim=2)  # lse [b, h/P, S]
 
@@ -202,63 +273,97 @@ def pipeline_backward(
     dout: Tensor, q_dtype: torch.dtype, opt: PipelineOptions, store: ChunkStore, sink: ChunkSink
 ) -> None:
     """Gradients of q, k, v from ``dout`` ``[b, s_local, h, d]`` and the chunks :func:`pipeline_forward`
-    left in ``store``, handed to ``sink`` chunk by chunk as they become final."""
+    left in ``store``, handed to ``sink`` chunk by chunk as they become final.
+
+    The steps ``(j, i)`` (outer key chunk, inner query chunk) run as one sequence; before each step's
+    compute the next step's chunks are prefetched (its query set, and its k/v when the outer step
+    changes), and ``dout``'s next all-to-all is issued. Final gradient chunks go home by all-to-alls
+    that are waited for after the next step's compute.
+    """
     s_local = dout.shape[1]
     bounds = chunk_bounds(s_local, opt.local_chunk_size)
     n = len(bounds)
     acc = accumulate_dtype(q_dtype)
+    exchange = Exchange(opt.group, overlap=opt.overlap_comm)
+    ranges = global_ranges(bounds, group_size(opt.group))
+    steps = [(j, i) for j in range(n) for i in (range(j, n) if opt.causal else range(n))
+             if opt.attends(ranges, i, j)]  # blocks sharing no document are skipped
+    # dout chunk i comes over at its first step; dq_i is final after its last one
+    first_visit, last_visit = {}, {}
+    for t, (_, i) in enumerate(steps):
+        first_visit.setdefault(i, t)
+        last_visit[i] = t
+    dout_order = sorted(first_visit, key=first_visit.get)
+    homebound: list[Callable[[], None]] = []  # gradient chunks in flight: hand them to the sink after a compute
 
-    def query_chunks(j: int) -> list[int]:
-        return list(range(j, n)) if opt.causal else list(range(n))
+    def prefetch(t: int) -> None:
+        j, i = steps[t]
+        if t == 0 or steps[t - 1][0] != j:
+            store.prefetch(("k", j))
+            store.prefetch(("v", j))
+        for kind in _QUERY_SET:
+            if (kind, i) in store:
+                store.prefetch((kind, i))
 
-    def send_back(x: Tensor) -> Tensor:
+    def issue_dout(i: int) -> PendingAllToAll:
+        lo, hi = bounds[i]
+        return exchange.seq_to_head(dout[:, lo:hi], f"dout{i}")
+
+    def deliver() -> None:
         with record("fpdt/all_to_all"):
-            return head_to_seq(x, opt.group)
+            for hand_over in homebound:
+                hand_over()
+        homebound.clear()
 
-    for j in range(n):
-        store.prefetch(("k", j))
-        store.prefetch(("v", j))
-        k_j, v_j = store.get(("k", j)), store.get(("v", j))
-        dk_j = dv_j = None
-        rows = query_chunks(j)
-        for pos, i in enumerate(rows):
-            if j == 0:  # first visit of query chunk i: bring its dout over, start its dq
-                lo, hi = bounds[i]
-                with record("fpdt/all_to_all"):
-                    store.put(("do", i), seq_to_head(dout[:, lo:hi], opt.group))
-            if pos + 1 < len(rows):  # prefetch the next query-side set while this one computes
-                for kind in _QUERY_SET:
-                    if (kind, rows[pos + 1]) in store:
-                        store.prefetch((kind, rows[pos + 1]))
-            if j + 1 < n and pos + 1 == len(rows):  # and the next k/v during the last row
-                store.prefetch(("k", j + 1))
-                store.prefetch(("v", j + 1))
-            q_i, o_i, lse_i, do_i = (store.get((kind, i)) for kind in ("q", "o", "lse", "do"))
-            with record("fpdt/attention_chunk_backward"):
-                dq, dk, dv = opt.kernel.backward(do_i, q_i, k_j, v_j, o_i, lse_i, opt.causal and i == j, opt.scale)
-            if ("dq", i) not in store:
-                dq_i = dq.to(acc)
-            elif store.offload:
-                dq_i = store.get(("dq", i)) + dq  # not in place: the old one may still be copying to host
-            else:
-                dq_i = store.get(("dq", i)).add_(dq)
-            # the first contribution is the kernel's own fresh tensor: accumulate into it
-            dk_j = dk.to(acc) if dk_j is None else dk_j.add_(dk)
-            dv_j = dv.to(acc) if dv_j is None else dv_j.add_(dv)
-            store.delete(("dq", i))  # the accumulator is replaced by dq_i (or sent home)
-            final = (opt.causal and i == j) or (not opt.causal and j == n - 1)
-            if final:  # dq_i has every contribution: send it home and drop the query-side set
-                sink.q(*bounds[i], send_back(dq_i.to(q_dtype)))
-                for kind in _QUERY_SET:
-                    store.delete((kind, i))
-            else:
-                store.put(("dq", i), dq_i)
+    dout_ahead: PendingAllToAll | None = issue_dout(dout_order[0])  # in the order of first visits
+    prefetch(0)  # nothing to overlap the first step's copies with
+    for t, (j, i) in enumerate(steps):
+        nxt = steps[t + 1] if t + 1 < len(steps) else None
+        if t == 0 or steps[t - 1][0] != j:  # first row of outer step j
+            k_j, v_j = store.get(("k", j)), store.get(("v", j))
+            dk_j = dv_j = None
+        if first_visit[i] == t:  # first visit of query chunk i: its dout arrives, the next one's all-to-all starts
+            assert dout_ahead is not None
+            with record("fpdt/all_to_all"):
+                store.put(("do", i), dout_ahead.wait(), keep_on_device=True)
+            later = dout_order.index(i) + 1
+            dout_ahead = issue_dout(dout_order[later]) if later < len(dout_order) else None
+        if nxt is not None:
+            prefetch(t + 1)
+        q_i, o_i, lse_i, do_i = (store.get((kind, i)) for kind in ("q", "o", "lse", "do"))
+        with record("fpdt/attention_chunk_backward"):
+            dq, dk, dv = block_backward(opt.kernel, do_i, q_i, k_j, v_j, o_i, lse_i, opt.causal and i == j, opt.scale,
+                                        opt.segments(ranges, i, j))
+        deliver()
+        if ("dq", i) not in store:
+            dq_i = dq.to(acc)
+        elif store.offload:
+            dq_i = store.get(("dq", i)) + dq  # not in place: the old one may still be copying to host
+        else:
+            dq_i = store.get(("dq", i)).add_(dq)
+        # the first contribution is the kernel's own fresh tensor: accumulate into it
+        dk_j = dk.to(acc) if dk_j is None else dk_j.add_(dk)
+        dv_j = dv.to(acc) if dv_j is None else dv_j.add_(dv)
+        store.delete(("dq", i))  # the accumulator is replaced by dq_i (or sent home)
+        reused = nxt is not None and nxt[1] == i  # the next step reads this query chunk again
+        if last_visit[i] == t:  # dq_i has every contribution
+            sent_dq = exchange.head_to_seq(dq_i.to(q_dtype), f"dq{i}")
+            homebound.append(lambda p=sent_dq, b=bounds[i]: sink.q(*b, p.wait()))
+            for kind in _QUERY_SET:
+                store.delete((kind, i))
+        else:
+            store.put(("dq", i), dq_i, keep_on_device=reused)
+            if not reused:
                 for kind in ("q", "o", "lse", "do"):
                     store.evict((kind, i))
-        assert dk_j is not None and dv_j is not None
-        store.delete(("k", j))
-        store.delete(("v", j))
-        sink.kv(*bounds[j], send_back(dk_j.to(q_dtype)), send_back(dv_j.to(q_dtype)))
+        if nxt is None or nxt[0] != j:  # dk_j, dv_j have every contribution
+            assert dk_j is not None and dv_j is not None
+            store.delete(("k", j))
+            store.delete(("v", j))
+            sent_kv = exchange.head_to_seq(dk_j.to(q_dtype), f"dk{j}"), exchange.head_to_seq(dv_j.to(q_dtype), f"dv{j}")
+            homebound.append(lambda p=sent_kv, b=bounds[j]: sink.kv(*b, p[0].wait(), p[1].wait()))
+    deliver()
+    exchange.close()
 
 
 class PipelineFunction(torch.autograd.Function):

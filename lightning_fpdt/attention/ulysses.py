@@ -20,7 +20,9 @@ class KernelAttentionFunction(torch.autograd.Function):
     """One kernel call as an autograd function: ``(q, k, v) -> out`` ``[batch, seq, heads, head_dim]``."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, causal: bool, scale: float) -> Tensor:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, causal: bool, scale: float
+    ) -> Tensor:
         with record("fpdt/attention"):
             out, lse = kernel.forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
