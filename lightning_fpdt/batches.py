@@ -127,7 +127,7 @@ class BatchGate:
         try:
             check_tokens(batch, self.vocab_size)
             batch = shard(batch)
-        except Exception as err:  # noqa: BLE001  (re-raised below, after every rank has heard of it)
+        except Exception as err:
             error = err
         if self.world_size == 1:
             if error is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -21,12 +22,15 @@ from lightning_fpdt.attention.sources import ProjectionEnds, projection_params
 from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.checkpointing import checkpointed_forward, new_checkpoint_store
 from lightning_fpdt.comm import check_heads, group_size
+from lightning_fpdt.layout import DocumentLayout
 from lightning_fpdt.offload import ChunkStore, OffloadStats
 from lightning_fpdt.rope import RotaryEmbedding, rotate_half
 
 # re-exported: the strategy, the benchmarks and the models import these from here
 __all__ = [
     "BlockRecord",
+    "SequenceParallelAttention",
+    "attention_heads",
     "bind_blocks",
     "FPDTAttention",
     "FPDTBlock",
@@ -126,19 +130,20 @@ class FPDTAttention(nn.Module):
         check_heads(self.n_heads, self.n_kv_heads, context.size)
         self.context = context
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        """``x`` ``[batch, s_local, hidden]`` (this rank's shard), ``position_ids`` ``[batch, s_local]``.
+    def forward(self, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None = None) -> Tensor:
+        """``x`` ``[batch, s_local, hidden]`` (this rank's shard), ``position_ids`` ``[batch, s_local]``,
+        ``documents`` the packed documents of the batch (``None``: one per sample).
 
-        With chunking the q/k/v projections and RoPE run chunk by chunk inside the pipeline, so no
-        ``[s_local, heads, head_dim]`` q, k or v exists at once, forward or backward.
+        With chunking (or documents) the q/k/v projections and RoPE run chunk by chunk inside the
+        pipeline, so no ``[s_local, heads, head_dim]`` q, k or v exists at once, forward or backward.
         """
         b, s_local, _ = x.shape  # s_local = S // sp
         ctx = self.context
         self.record = BlockRecord(
             seq_len_local=s_local, chunks=1 if ctx.chunk_size is None else -(-s_local * ctx.size // ctx.chunk_size)
         )
-        if ctx.chunk_size is not None:
-            out = projected_fpdt_attention(self, x, position_ids)
+        if ctx.chunk_size is not None or documents is not None:
+            out = projected_fpdt_attention(self, x, position_ids, documents)
             return self.o_proj(out.reshape(b, s_local, self.n_heads * self.head_dim))
         q = self.q_proj(x).view(b, s_local, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, s_local, self.n_kv_heads, self.head_dim)
@@ -162,7 +167,9 @@ class FPDTBlock(nn.Module):
         mlp_norm: the norm before the MLP.
     """
 
-    def __init__(self, attention: FPDTAttention, mlp: nn.Module, attention_norm: nn.Module, mlp_norm: nn.Module) -> None:
+    def __init__(
+        self, attention: FPDTAttention, mlp: nn.Module, attention_norm: nn.Module, mlp_norm: nn.Module
+    ) -> None:
         super().__init__()
         self.attention_norm = attention_norm
         self.attention = attention
@@ -184,24 +191,28 @@ class FPDTBlock(nn.Module):
     def record(self) -> BlockRecord:
         return self.attention.record
 
-    def block_forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+    def block_forward(self, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None = None) -> Tensor:
         """The block itself: ``[batch, s_local, hidden] -> [batch, s_local, hidden]``."""
-        x = x + self.attention(self.attention_norm(x), position_ids)
+        x = x + self.attention(self.attention_norm(x), position_ids, documents)
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        """``x`` ``[batch, s_local, hidden]`` (this rank's shard), ``position_ids`` ``[batch, s_local]``."""
+    def forward(self, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None = None) -> Tensor:
+        """``x`` ``[batch, s_local, hidden]`` (this rank's shard), ``position_ids`` ``[batch, s_local]``,
+        ``documents`` the batch's packed documents (``None``: one per sample)."""
         if self.context.activation_checkpointing and _needs_backward(x, self):
-            return checkpointed_forward(self, x, position_ids)
-        return self.block_forward(x, position_ids)
+            return checkpointed_forward(self, x, position_ids, documents)
+        return self.block_forward(x, position_ids, documents)
 
 
 def _needs_backward(x: Tensor, module: nn.Module) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
 
 
-def projected_fpdt_attention(attn: FPDTAttention, x: Tensor, position_ids: Tensor) -> Tensor:
-    """``attn``'s q/k/v projection, RoPE and FPDT attention in one pipeline, chunk by chunk.
+def projected_fpdt_attention(
+    attn: FPDTAttention, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None = None
+) -> Tensor:
+    """``attn``'s q/k/v projection, RoPE and FPDT attention in one pipeline, chunk by chunk, each token
+    attending within its document.
 
     Returns the attention output ``[batch, s_local, n_heads, head_dim]`` (before ``o_proj``).
     """
@@ -209,7 +220,7 @@ def projected_fpdt_attention(attn: FPDTAttention, x: Tensor, position_ids: Tenso
     kernel = get_kernel(ctx.attention_backend, x.device, _compute_dtype(attn, x))
     opt = PipelineOptions.for_chunk_size(
         ctx.group, ctx.chunk_size, causal=attn.causal, scale=1.0 / math.sqrt(attn.head_dim), kernel=kernel,
-        offload=ctx.offload, stats_sink=attn.record.sink,
+        offload=ctx.offload, stats_sink=attn.record.sink, documents=documents,
     )
     params = [param for _, param in projection_params(attn)]
     ends = ProjectionEnds(attn, AutocastState.capture(x.device.type))
@@ -229,10 +240,40 @@ def fpdt_blocks(module: nn.Module) -> list[tuple[str, FPDTBlock]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, FPDTBlock)]
 
 
+@runtime_checkable
+class SequenceParallelAttention(Protocol):
+    """A module other than :class:`FPDTBlock` whose attention runs through the FPDT pipeline once bound
+    (e.g. :class:`lightning_fpdt.models.HFCausalLM`, which routes a Hugging Face model's attention).
+    The strategy binds it to the sequence-parallel context and checks its head counts like a block's."""
+
+    def bind_sequence_parallel(self, context: SequenceParallelContext) -> None: ...
+
+    def attention_heads(self) -> list[tuple[str, int, int]]:
+        """``(layer name, n_heads, n_kv_heads)`` of every attention layer it routes."""
+        ...
+
+
+def sequence_parallel_attention(module: nn.Module) -> list[tuple[str, SequenceParallelAttention]]:
+    """``(name, module)`` of every :class:`SequenceParallelAttention` in ``module`` (itself included)."""
+    return [(name, m) for name, m in module.named_modules()
+            if isinstance(m, SequenceParallelAttention) and not isinstance(m, FPDTBlock)]
+
+
+def attention_heads(module: nn.Module) -> list[tuple[str, int, int]]:
+    """``(name, n_heads, n_kv_heads)`` of every attention layer the strategy binds in ``module``."""
+    heads = [(name, b.attention.n_heads, b.attention.n_kv_heads) for name, b in fpdt_blocks(module)]
+    for _, m in sequence_parallel_attention(module):
+        heads += m.attention_heads()
+    return heads
+
+
 def bind_blocks(module: nn.Module, context: SequenceParallelContext) -> int:
     """Bind every :class:`FPDTBlock` of ``module`` to ``context`` (in module order, which is the forward
-    order of a stack of layers); returns how many there are."""
+    order of a stack of layers), and every :class:`SequenceParallelAttention`; returns how many attention
+    layers are bound."""
     blocks = fpdt_blocks(module)
     for index, (_, block) in enumerate(blocks):
         block.bind(context, layer_index=index)
-    return len(blocks)
+    for _, m in sequence_parallel_attention(module):
+        m.bind_sequence_parallel(context)
+    return len(attention_heads(module))

@@ -32,7 +32,9 @@ class FPDTMonitor(pl.Callback):
         self.log_every_n_steps = log_every_n_steps
         self._start = 0.0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._start = time.perf_counter()
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
@@ -61,7 +63,8 @@ class FPDTMonitor(pl.Callback):
             "fpdt/pipeline_peak_device_mib": total.peak_device_bytes / 2**20,
         }
         if trainer.strategy.root_device.type == "cuda":
-            metrics["fpdt/peak_device_memory_mib"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / 2**20
+            peak = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
+            metrics["fpdt/peak_device_memory_mib"] = peak / 2**20
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
 
 

@@ -196,7 +196,9 @@ def gather_rng_states(world_size: int) -> list[dict[str, Any]]:
     return states
 
 
-def layout_record(data_parallel: int, sequence_parallel: int, chunk_size: Any, shard_parameters: bool) -> dict[str, Any]:
+def layout_record(
+    data_parallel: int, sequence_parallel: int, chunk_size: Any, shard_parameters: bool
+) -> dict[str, Any]:
     """What a checkpoint records of the layout it was saved with (plain types: loads with ``weights_only``)."""
     return {"data_parallel": data_parallel, "sequence_parallel": sequence_parallel, "chunk_size": chunk_size,
             "shard_parameters": shard_parameters}
@@ -208,7 +210,7 @@ def on_rank_zero(fn: Callable[[], None], what: str, is_global_zero: bool, broadc
     if is_global_zero:
         try:
             fn()
-        except Exception as err:  # noqa: BLE001  (re-raised below, on every rank)
+        except Exception as err:
             error = f"{type(err).__name__}: {err}"
     error = broadcast(error)
     if error is not None:
@@ -285,7 +287,10 @@ def read(path: Path) -> dict[str, Any]:
             " checkpoint (lightning_fpdt.checkpoint.latest_checkpoint(dir) finds the newest complete one)."
         ) from None
     if not isinstance(checkpoint, dict) or ("state_dict" not in checkpoint and path.name != META_FILE):
-        kind = type(checkpoint).__name__ if not isinstance(checkpoint, dict) else f"a dict with keys {sorted(checkpoint)[:8]}"
+        kind = (
+            type(checkpoint).__name__ if not isinstance(checkpoint, dict)
+            else f"a dict with keys {sorted(checkpoint)[:8]}"
+        )
         raise CheckpointError(
             f"FPDTStrategy: {path} is not a Lightning checkpoint (it holds {kind}, without 'state_dict'). Pass the"
             " .ckpt file (or directory) that Trainer.fit wrote."
@@ -307,7 +312,7 @@ def load_into(path: Path, module: torch.nn.Module, optimizers: list[Any], strict
             states[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer)
         try:
             dcp.load(states, checkpoint_id=path)
-        except Exception as err:  # noqa: BLE001  (DCP reports a missing or mismatched entry in many ways)
+        except Exception as err:
             raise CheckpointError(
                 f"FPDTStrategy: the sharded checkpoint {path} does not fit this model and its optimizers"
                 f" ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Resume it with the"
@@ -336,7 +341,9 @@ def apply_states(checkpoint: dict[str, Any], source: Any, module: torch.nn.Modul
         else:
             module.load_state_dict(checkpoint["state_dict"], strict=strict)
     except RuntimeError as err:  # missing/unexpected keys or shapes: another model
-        raise CheckpointError(f"FPDTStrategy: the checkpoint {source} does not fit {type(module).__name__}: {err}") from None
+        raise CheckpointError(
+            f"FPDTStrategy: the checkpoint {source} does not fit {type(module).__name__}: {err}"
+        ) from None
     for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", [])):
         set_optimizer_state(module, optimizer, state)
 

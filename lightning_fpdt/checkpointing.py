@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_fpdt.autocast_state import AutocastState
+from lightning_fpdt.layout import DocumentLayout
 from lightning_fpdt.offload import ChunkStore, Key
 
 if TYPE_CHECKING:  # block.py imports this module to run its checkpointed forward: a runtime import would be a cycle
@@ -41,14 +42,16 @@ def new_checkpoint_store(device: torch.device, copy_delay: float = 0.0) -> Chunk
     return ChunkStore(device, offload=True, groups={CHECKPOINT_KIND: "checkpoint"}, copy_delay=copy_delay)
 
 
-def checkpointed_forward(block: FPDTBlock, x: Tensor, position_ids: Tensor) -> Tensor:
-    """``block.block_forward(x, position_ids)`` keeping only ``x`` for backward, where the block's
-    context says (its ``checkpoint_store``, or the autograd graph when that is ``None``).
+def checkpointed_forward(
+    block: FPDTBlock, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None = None
+) -> Tensor:
+    """``block.block_forward(x, position_ids, documents)`` keeping only ``x`` for backward, where the
+    block's context says (its ``checkpoint_store``, or the autograd graph when that is ``None``).
 
     ``x`` ``[batch, s_local, hidden]``, ``position_ids`` ``[batch, s_local]``; returns like ``x``.
     """
     params = [p for p in block.parameters() if p.requires_grad]
-    return _CheckpointedBlock.apply(x, position_ids, block, *params)
+    return _CheckpointedBlock.apply(x, position_ids, documents, block, *params)
 
 
 def _previous_checkpoint(store: ChunkStore, key: Key) -> Key | None:
@@ -65,11 +68,13 @@ class _CheckpointedBlock(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, position_ids: Tensor, block: FPDTBlock, *params: Tensor) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None, block: FPDTBlock, *params: Tensor
+    ) -> Tensor:
         with torch.no_grad():
-            y = block.block_forward(x, position_ids)
+            y = block.block_forward(x, position_ids, documents)
         store = block.context.checkpoint_store
-        ctx.block, ctx.store = block, store
+        ctx.block, ctx.store, ctx.documents = block, store, documents
         ctx.autocast = AutocastState.capture(x.device.type)
         ctx.x_requires_grad = x.requires_grad
         if store is not None:
@@ -96,11 +101,11 @@ class _CheckpointedBlock(torch.autograd.Function):
         params = [p for p in block.parameters() if p.requires_grad]
         x = x.detach().requires_grad_(ctx.x_requires_grad)
         with torch.enable_grad(), ctx.autocast.restore():
-            y = block.block_forward(x, position_ids)
+            y = block.block_forward(x, position_ids, ctx.documents)
             inputs = [x, *params] if ctx.x_requires_grad else params
             grads = list(torch.autograd.grad(y, inputs, dy, allow_unused=True))
         if store is not None:
             store.delete(ctx.key)
             ctx.release.detach()
         dx = grads.pop(0) if ctx.x_requires_grad else None
-        return (dx, None, None, *grads)
+        return (dx, None, None, None, *grads)

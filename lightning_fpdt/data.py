@@ -133,7 +133,8 @@ class PackedTokenDataset(Dataset):
 
     Sample ``i`` is tokens ``[i * seq_len, (i + 1) * seq_len)``. Document boundaries are kept as
     position-id resets: the token after each ``eos_token_id`` starts again at position 0, so RoPE and
-    learned positions see each document from its start.
+    learned positions see each document from its start, and attention stays inside each document
+    (``FPDTStrategy`` and ``CausalLM`` read the resets as document starts: ``lightning_fpdt.layout``).
 
     Args:
         tokens: a 1-D integer array (e.g. a ``numpy.memmap``; read lazily, window by window).
@@ -157,7 +158,8 @@ class PackedTokenDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not 0 <= index < len(self):
             raise IndexError(index)
-        window = torch.as_tensor(np.asarray(self.tokens[index * self.seq_len : (index + 1) * self.seq_len]).astype(np.int64))
+        tokens = self.tokens[index * self.seq_len : (index + 1) * self.seq_len]
+        window = torch.as_tensor(np.asarray(tokens).astype(np.int64))
         return {"input_ids": window, "position_ids": document_positions(window, self.eos_token_id)}
 
 
@@ -176,7 +178,9 @@ def document_positions(ids: torch.Tensor, eos_token_id: int | None) -> torch.Ten
 class _PackedDataModule(pl.LightningDataModule):
     """Train/validation split of a packed token stream (the last ``val_fraction`` is validation)."""
 
-    def __init__(self, seq_len: int, batch_size: int, val_fraction: float, eos_token_id: int | None, num_workers: int) -> None:
+    def __init__(
+        self, seq_len: int, batch_size: int, val_fraction: float, eos_token_id: int | None, num_workers: int
+    ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction} must be in [0, 1).")

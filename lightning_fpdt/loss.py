@@ -28,7 +28,10 @@ def cross_entropy_sum(logits: Tensor, shift_labels: Tensor, ignore_index: int = 
     acc = torch.promote_types(logits.dtype, torch.float32)
     # log-softmax inside cross_entropy: exact even when target probabilities underflow float32
     loss_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).to(acc), shift_labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
+        logits.reshape(-1, logits.shape[-1]).to(acc),
+        shift_labels.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="sum",
     )
     return loss_sum, (shift_labels != ignore_index).sum()
 

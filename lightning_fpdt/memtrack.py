@@ -66,7 +66,9 @@ class TensorMemoryTracker(TorchDispatchMode):
             self.current_bytes -= self._live.pop(key)[1]
 
 
-def peak_step_bytes(step: Callable[[], Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+def peak_step_bytes(
+    step: Callable[[], Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> int:
     """Peak bytes of live tensors while ``step()`` runs, counting ``module``'s parameters and
     ``optimizer``'s state from the start (run one step before, so that the state exists)."""
     alive = list(module.parameters())

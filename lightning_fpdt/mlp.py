@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.profiling import record
 
-
 MIN_TILE_TOKENS = 1024
 
 

@@ -35,7 +35,7 @@ import torch
 
 from lightning_fpdt.attention import kernels
 from lightning_fpdt.attention.kernels import BACKENDS
-from lightning_fpdt.block import fpdt_blocks
+from lightning_fpdt.block import attention_heads
 from lightning_fpdt.comm import check_heads
 from lightning_fpdt.layout import DEFAULT_SEQUENCE_KEYS, validate_chunk_size
 
@@ -49,7 +49,8 @@ PREFIX = "FPDTStrategy: "
 
 
 def offload_mode(name: str, value: Any) -> Offload:
-    """``False`` / ``True`` / ``"emulate"`` (the strategy's argument ``name``) as ``"off"`` / ``"on"`` / ``"emulate"``."""
+    """``False`` / ``True`` / ``"emulate"`` (the strategy's argument ``name``) as ``"off"`` / ``"on"`` /
+    ``"emulate"``."""
     if value is False or value == "off":
         return "off"
     if value is True or value == "on":
@@ -293,7 +294,10 @@ def check_attention_backend(attention_backend: str, device_type: str, precision:
 
 def _builds_layers_later(model: torch.nn.Module) -> bool:
     """Whether the model may create its layers in ``LightningModule.configure_model`` (after setup_environment)."""
-    return isinstance(model, pl.LightningModule) and type(model).configure_model is not pl.LightningModule.configure_model
+    return (
+        isinstance(model, pl.LightningModule)
+        and type(model).configure_model is not pl.LightningModule.configure_model
+    )
 
 
 def check_has_blocks(model: torch.nn.Module, num_blocks: int, sequence_parallel_size: int) -> None:
@@ -315,18 +319,17 @@ def check_model(model: torch.nn.Module | None, sequence_parallel_size: int) -> N
     """
     if model is None:
         return
-    blocks = fpdt_blocks(model)
-    if not blocks:
+    layers = attention_heads(model)
+    if not layers:
         if not _builds_layers_later(model):
             check_has_blocks(model, 0, sequence_parallel_size)
         return
     seen: set[tuple[int, int]] = set()
-    for name, block in blocks:
-        heads = (block.attention.n_heads, block.attention.n_kv_heads)
-        if heads in seen:
+    for name, n_heads, n_kv_heads in layers:
+        if (n_heads, n_kv_heads) in seen:
             continue
-        seen.add(heads)
+        seen.add((n_heads, n_kv_heads))
         try:
-            check_heads(*heads, sequence_parallel_size)
+            check_heads(n_heads, n_kv_heads, sequence_parallel_size)
         except ValueError as err:
             raise ValueError(f"{PREFIX}{err} (FPDTBlock '{name}' of {type(model).__name__})") from None

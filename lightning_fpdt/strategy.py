@@ -1,23 +1,16 @@
 """``FPDTStrategy``: data parallel x sequence parallel training with FPDT attention.
 
-The strategy is a thin layer of Lightning hooks. Each hook hands its concern to the module that owns it:
-
-- configuration and every check of it: :mod:`lightning_fpdt.options`;
-- the batch layout (label shift, padding, positions, the FPDT chunk permutation): :mod:`lightning_fpdt.layout`;
-- ``chunk_size="auto"``: :mod:`lightning_fpdt.planning` over :mod:`lightning_fpdt.memory`;
-- parameter sharding (FSDP2): :mod:`lightning_fpdt.sharding`;
-- the non-finite policy: :mod:`lightning_fpdt.nonfinite`;
-- the checkpoint format, atomic saves and loading by name: :mod:`lightning_fpdt.checkpoint`;
-- the data position on resume: :mod:`lightning_fpdt.resume`;
-- the spawn/fork launcher: :mod:`lightning_fpdt.launcher`.
+A thin layer of Lightning hooks; each hands its concern to the module that owns it (the README's
+"what is where" table): options, batches, layout, planning, sharding, nonfinite, checkpoint, resume
+and launcher.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -36,6 +29,7 @@ from lightning_fpdt import checkpoint as ckpt
 from lightning_fpdt.batches import BatchGate, input_vocab_size, target_tokens
 from lightning_fpdt.block import SequenceParallelContext, bind_blocks
 from lightning_fpdt.checkpointing import new_checkpoint_store
+from lightning_fpdt.copy_engine import release_copy_engines
 from lightning_fpdt.launcher import ShardAwareLauncher
 from lightning_fpdt.layout import DEFAULT_SEQUENCE_KEYS, shard_batch
 from lightning_fpdt.memory import ModelShape
@@ -105,7 +99,9 @@ class FPDTStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs)
+        super().__init__(
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
+        )
         self._options = FPDTOptions(
             sequence_parallel_size=sequence_parallel_size, chunk_size=chunk_size, memory_budget=memory_budget,
             attention_backend=attention_backend, offload=offload, activation_checkpointing=activation_checkpointing,
@@ -147,10 +143,6 @@ class FPDTStrategy(DDPStrategy):
     @property
     def data_parallel_rank(self) -> int:
         return self.global_rank // self.sequence_parallel_size
-
-    @property
-    def shard_parameters(self) -> bool:
-        return self._options.shard_parameters
 
     @property
     def chunk_size(self) -> int | Literal["auto"] | None:
@@ -403,6 +395,7 @@ class FPDTStrategy(DDPStrategy):
         if self._checkpoint_store is not None:
             self._checkpoint_store.close()
             self._checkpoint_store = None
+        release_copy_engines()  # the copy streams, workers and pinned host pools of this run
         super().teardown()
         if _distributed_is_initialized():
             self._device_mesh = None

@@ -86,7 +86,9 @@ def dataloader(ds: Dataset, batch_size: int) -> DataLoader:
     return DataLoader(ds, batch_size=batch_size, shuffle=False)
 
 
-def reference_step(module: L.LightningModule, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def reference_step(
+    module: L.LightningModule, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and gradients of the same module in one process on the whole batch (no strategy)."""
     ref = copy.deepcopy(module).double()
     loss, mean = token_weighted_loss(*ref.loss_terms(batch))
@@ -94,7 +96,9 @@ def reference_step(module: L.LightningModule, batch: dict[str, torch.Tensor]) ->
     return mean.detach(), {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
 
 
-def assert_same_step(results: list[dict], ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor], tol: float, label: str) -> None:
+def assert_same_step(
+    results: list[dict], ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor], tol: float, label: str
+) -> None:
     # Some gradients are exactly zero in exact arithmetic (a key bias shifts every logit of a row
     # equally, and softmax ignores that), so both sides are rounding noise. Errors are relative to
     # the parameter's own gradient or 1e-3 of the largest gradient in the model, whichever is larger.

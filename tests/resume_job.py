@@ -4,10 +4,11 @@
         [--die-at-step N] [--die-in-save-at-step N]
 
 Checkpoints every 2 steps into ``DIR/ckpt`` (``step=N.ckpt``) and at every epoch's end into
-``DIR/epoch_ckpt`` (``epoch=E.ckpt``); the loader has 8 samples, so 12 steps at dp=1 cross an epoch. ``--die-at-step N`` SIGKILLs the whole
-process group at the start of step N; ``--die-in-save-at-step N`` does it inside the save of step N's
-checkpoint, after the data is (partly) written and before it is committed. At the end the parent
-writes the final weights to ``DIR/final.pt``; every step's logged loss goes to ``DIR/losses.txt``.
+``DIR/epoch_ckpt`` (``epoch=E.ckpt``); the loader has 8 samples, so 12 steps at dp=1 cross an epoch.
+``--die-at-step N`` SIGKILLs the whole process group at the start of step N; ``--die-in-save-at-step N``
+does it inside the save of step N's checkpoint, after the data is (partly) written and before it is
+committed. At the end the parent writes the final weights to ``DIR/final.pt``; every step's logged loss
+goes to ``DIR/losses.txt``.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lightning as L  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-import lightning_fpdt.checkpoint as fpdt_checkpoint  # noqa: E402
-from lightning_fpdt import FPDTStrategy  # noqa: E402
-from lightning_fpdt.models import LlamaConfig, LlamaLM  # noqa: E402
-from tests.helpers import TokenDataset  # noqa: E402
+import lightning_fpdt.checkpoint as fpdt_checkpoint
+from lightning_fpdt import FPDTStrategy
+from lightning_fpdt.models import LlamaConfig, LlamaLM
+from tests.helpers import TokenDataset
 
 
 def _die() -> None:

@@ -34,7 +34,8 @@ def _scalars(log_dir: str) -> dict[str, list[float]]:
 def test_fit_logs_to_tensorboard_and_profiles(tmp_path: Path) -> None:
     proc = fpdt_train(
         "fit", "--config", str(TINY), "--trainer.max_steps=8", "--trainer.val_check_interval=8",
-        "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
         "--data.init_args.seq_len=256", "--trainer.profiler=pytorch", cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -60,7 +61,10 @@ def test_fit_logs_to_tensorboard_and_profiles(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["--trainer.strategy.init_args.chunk_sise=64"], "chunk_sise"),
-        (["--data=lightning_fpdt.data.TokenFileDataModule", "--data.path=/nonexistent.u16"], "no token file at '/nonexistent.u16'"),
+        (
+            ["--data=lightning_fpdt.data.TokenFileDataModule", "--data.path=/nonexistent.u16"],
+            "no token file at '/nonexistent.u16'",
+        ),
     ],
     ids=["unknown-strategy-option", "missing-data-file"],
 )
@@ -86,7 +90,8 @@ def test_print_config(tmp_path: Path) -> None:
 
 def test_fit_prints_the_memory_estimate_and_resolves_auto_chunks(tmp_path: Path) -> None:
     proc = fpdt_train(
-        "fit", "--config", str(TINY), "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--trainer.logger=false",
+        "fit", "--config", str(TINY), "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
+        "--trainer.logger=false",
         "--trainer.strategy.init_args.chunk_size=auto", "--trainer.strategy.init_args.memory_budget=1.0",
         "--data.init_args.seq_len=256", cwd=tmp_path,
     )

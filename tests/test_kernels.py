@@ -74,7 +74,8 @@ def test_merge_does_not_overflow_when_lse_grows_by_hundreds() -> None:
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
 def test_large_logits_float32_chunked_stays_close_to_float64(backend: str, fresh_seed: int) -> None:
     """Attention logits with std ~64: float32 chunked attention is finite and within 1e-4 of float64."""
-    q, k, v, dout = _qkv(torch.float64, fresh_seed, seq_q=32, seq_k=32, std=8.0)  # q.k / sqrt(16) has std 8 * 8 * 4 / 4 = 64
+    # q.k / sqrt(16) has std 8 * 8 * 4 / 4 = 64
+    q, k, v, dout = _qkv(torch.float64, fresh_seed, seq_q=32, seq_k=32, std=8.0)
     ref, ref_lse = naive_attention(q, k, v, True)
     out32, lse32 = fpdt_attention(q.float(), k.float(), v.float(), chunk_size=8, backend=backend, return_lse=True)
     assert ref_lse.std() > 40

@@ -58,5 +58,7 @@ def test_shift_and_padding() -> None:
 def test_layout_errors_name_the_numbers() -> None:
     with pytest.raises(ValueError, match=r"chunk_size=6 is not divisible by sequence_parallel_size=4"):
         fpdt_permutation(24, 4, 6)
-    with pytest.raises(ValueError, match=r"sequence length 30 is not divisible by sequence_parallel_size=4.*pad it to 32"):
+    with pytest.raises(
+        ValueError, match=r"sequence length 30 is not divisible by sequence_parallel_size=4.*pad it to 32"
+    ):
         fpdt_permutation(30, 4, None)

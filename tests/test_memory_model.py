@@ -109,7 +109,8 @@ def test_parameter_count_matches_the_model(config: LlamaConfig | GPTConfig) -> N
 
 def test_shape_of_the_bundled_models() -> None:
     llama = ModelShape.from_config(LlamaConfig.tiny(tie_word_embeddings=True))
-    assert (llama.hidden_size, llama.num_layers, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (64, 2, 4, 2, 16)
+    assert (llama.hidden_size, llama.num_layers, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (
+        64, 2, 4, 2, 16)
     assert (llama.intermediate_size, llama.mlp_intermediates, llama.vocab_size, llama.tied_embeddings) == (
         176, 4 * 176, 256, True)
     assert llama.norm_extras == 2  # RMSNorms
@@ -142,7 +143,8 @@ def test_mlp_and_norm_rules_match_what_autograd_saves(model: nn.Module) -> None:
     mlp = block.mlp.mlp if isinstance(block.mlp, TiledMLP) else block.mlp
     x = torch.randn(2, 8, shape.hidden_size, requires_grad=True)
     assert _saved_wide(mlp, x) == shape.mlp_intermediates
-    assert sum(_saved_wide(norm, x) for norm in (block.attention_norm, block.mlp_norm)) == shape.norm_extras * x.shape[-1]
+    norms = (block.attention_norm, block.mlp_norm)
+    assert sum(_saved_wide(norm, x) for norm in norms) == shape.norm_extras * x.shape[-1]
 
 
 @pytest.mark.parametrize("tiled", [True, False], ids=["tiled_mlp", "plain_mlp"])
@@ -150,8 +152,10 @@ def test_mlp_and_norm_rules_match_what_autograd_saves(model: nn.Module) -> None:
 def test_shape_of_an_own_model(tiled: bool, tied: bool) -> None:
     module = OwnLM(tiled=tiled, tied=tied)
     shape, tiling = ModelShape.from_module(module)
-    assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (48, 2, 4, 2, 16)
-    assert (shape.intermediate_size, shape.mlp_projections, shape.vocab_size, shape.tied_embeddings) == (80, 1, 96, tied)
+    assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (
+        48, 2, 4, 2, 16)
+    assert (shape.intermediate_size, shape.mlp_projections, shape.vocab_size, shape.tied_embeddings) == (
+        80, 1, 96, tied)
     assert shape.norm_extras == 0  # LayerNorms
     assert shape.num_params == sum(p.numel() for p in module.parameters())  # the tied weight once
     assert shape.num_params == 96 * 48 + 2 * shape.block_params + 2 * 48 + (0 if tied else 96 * 48 + 96)
@@ -189,7 +193,9 @@ def test_auto_chunk_size_fits_the_budget_or_refuses() -> None:
     chunk = auto_chunk_size(SHAPE, seq, budget, sequence_parallel_size=2, **options)
     assert chunk is not None and chunk % 2 == 0 and chunk < seq
     assert estimate(SHAPE, seq, sequence_parallel_size=2, chunk_size=chunk, **options).device_peak <= budget
-    with pytest.raises(ValueError, match=r"chunk_size='auto': nothing fits a budget of 102.4 MiB per rank at 65536 tokens"):
+    with pytest.raises(
+        ValueError, match=r"chunk_size='auto': nothing fits a budget of 102.4 MiB per rank at 65536 tokens"
+    ):
         auto_chunk_size(SHAPE, seq, int(0.1 * 2**30), sequence_parallel_size=2, **options)
 
 
@@ -296,8 +302,8 @@ def test_auto_chunk_size_in_training_fits_the_budget(model: str, tmp_path) -> No
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_auto_chunk_size_refuses_when_nothing_fits(tmp_path) -> None:
-    with pytest.raises(Exception, match=r"FPDTStrategy: chunk_size='auto': nothing fits a budget of 1 KiB per rank at 256 tokens;"
-                                        r" the smallest chunk \(2\) still needs 3.7 MiB"):
+    with pytest.raises(Exception, match=r"FPDTStrategy: chunk_size='auto': nothing fits a budget of 1 KiB per rank"
+                                        r" at 256 tokens; the smallest chunk \(2\) still needs 3.7 MiB"):
         _fit_auto(1024 / 2**30, tmp_path)
 
 
@@ -308,18 +314,22 @@ def _with_blocks(blocks: nn.ModuleList) -> OwnDecoder:
 
 
 def test_auto_needs_a_model_it_can_size_and_sane_options() -> None:
-    with pytest.raises(ValueError, match="Linear has no FPDTBlock, so its memory cannot be estimated.*explicit chunk_size"):
+    with pytest.raises(
+        ValueError, match="Linear has no FPDTBlock, so its memory cannot be estimated.*explicit chunk_size"
+    ):
         ModelShape.from_module(torch.nn.Linear(2, 2))
     blocks = OwnDecoder().blocks
     with pytest.raises(ValueError, match=r"ModuleList has neither an output projection \(an nn.Linear from"
                                          r" hidden_size=48 .*nor a token embedding.*explicit chunk_size"):
         ModelShape.from_module(blocks)
     blocks[1].mlp = TiledMLP(GeluMLP(48, 96))
-    with pytest.raises(ValueError, match=r"OwnDecoder: its FPDT blocks differ in shape .*\(48, 4, 2, 16, 80, 1, .*\(48, 4, 2,"
-                                         r" 16, 96, 1, .*explicit chunk_size"):
+    with pytest.raises(ValueError, match=r"OwnDecoder: its FPDT blocks differ in shape .*\(48, 4, 2, 16, 80, 1,"
+                                         r" .*\(48, 4, 2, 16, 96, 1, .*explicit chunk_size"):
         ModelShape.from_module(_with_blocks(blocks))
     blocks[1].mlp = nn.GELU()
-    with pytest.raises(ValueError, match=r"GELU \(an FPDTBlock's MLP\) has no nn.Linear back to hidden_size=48.*explicit"):
+    with pytest.raises(
+        ValueError, match=r"GELU \(an FPDTBlock's MLP\) has no nn.Linear back to hidden_size=48.*explicit"
+    ):
         ModelShape.from_module(_with_blocks(blocks))
     with pytest.raises(TypeError, match="from_config takes a LlamaConfig or GPTConfig, got dict; .*from_module"):
         ModelShape.from_config({"hidden_size": 64})

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import lightning as L
-import warnings
-
 import pytest
 import torch
 
@@ -115,7 +114,9 @@ def test_huge_learning_rate_never_leaves_nonfinite_weights_with_skip(tmp_path: P
 
 @pytest.mark.timeout(120)
 def test_huge_learning_rate_raises_before_the_damaging_update(tmp_path: Path) -> None:
-    with pytest.raises(Exception, match=r"non-finite (loss|gradients) at global step [1-9] .*The update was not applied"):
+    with pytest.raises(
+        Exception, match=r"non-finite (loss|gradients) at global step [1-9] .*The update was not applied"
+    ):
         _fit_huge_lr("raise", tmp_path / "final.txt")
 
 
@@ -162,6 +163,7 @@ def test_the_guard_warns_once_about_windows_without_targets() -> None:
         guard.observe(torch.tensor(1.0), tokens=5)
         assert guard.allows_step(grads, 9, 0, 1, torch.device("cpu"))
     guard.observe(torch.tensor(1.0), tokens=5)
-    with pytest.raises(FloatingPointError, match=r"non-finite gradients at global step 10 on rank\(s\) \[0\] \(the loss"
-                                                 r" was finite: the backward overflowed\)\. The update was not applied"):
+    with pytest.raises(FloatingPointError, match=r"non-finite gradients at global step 10 on rank\(s\) \[0\]"
+                                                 r" \(the loss was finite: the backward overflowed\)\."
+                                                 r" The update was not applied"):
         guard.allows_step([torch.tensor([1.0, float("inf")])], 10, 0, 1, torch.device("cpu"))

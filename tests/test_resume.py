@@ -122,7 +122,8 @@ def test_checkpoint_resumes_in_another_layout(uninterrupted, tmp_path: Path) -> 
     assert "saved at data_parallel=1 x sequence_parallel=2" in proc.stdout + proc.stderr
     resumed = losses(out)
     for step in (5, 6):
-        assert abs(resumed[step] - reference[step]) <= 1e-12 * abs(reference[step]), (step, resumed[step], reference[step])
+        assert abs(resumed[step] - reference[step]) <= 1e-12 * abs(reference[step]), (
+            step, resumed[step], reference[step])
 
     # a replicated file checkpoint into sharded parameters (same layout, so the same data)
     out = tmp_path / "sharded-from-file"
@@ -130,7 +131,8 @@ def test_checkpoint_resumes_in_another_layout(uninterrupted, tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr[-4000:]
     resumed = losses(out)
     for step in (5, 6):
-        assert abs(resumed[step] - reference[step]) <= 1e-12 * abs(reference[step]), (step, resumed[step], reference[step])
+        assert abs(resumed[step] - reference[step]) <= 1e-12 * abs(reference[step]), (
+            step, resumed[step], reference[step])
 
     # dp x sp = 2 x 2 sharded (1 sample per rank) -> 1 x 1 replicated (2 samples): the same global batches
     sharded = tmp_path / "2x2"

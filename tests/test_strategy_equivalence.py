@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Literal
-
-import copy
 
 import lightning as L
 import pytest
 import torch
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.models import GPTConfig, GPTLM, LlamaConfig, LlamaLM
+from lightning_fpdt.models import GPTLM, GPTConfig, LlamaConfig, LlamaLM
 from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader, reference_step
 
 pytestmark = pytest.mark.distributed  # every test here starts several processes
@@ -78,8 +77,9 @@ CASES = [
 BATCH_PER_RANK = 2
 
 
-def run_case(case: Case, tmp_path, precision: str = "64-true") -> tuple[list[dict], LlamaLM, TokenDataset]:
-    seed = int(torch.randint(0, 2**30, ()).item())
+def run_case(
+    case: Case, tmp_path, seed: int, precision: str = "64-true"
+) -> tuple[list[dict], LlamaLM, TokenDataset]:
     torch.manual_seed(seed)
     if case.model == "llama":
         config = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=case.kv_heads, hidden_size=32,
@@ -113,8 +113,8 @@ def run_case(case: Case, tmp_path, precision: str = "64-true") -> tuple[list[dic
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_fit_step_matches_single_process(case: Case, tmp_path) -> None:
-    results, module, ds = run_case(case, tmp_path)
+def test_fit_step_matches_single_process(case: Case, tmp_path, fresh_seed: int) -> None:
+    results, module, ds = run_case(case, tmp_path, fresh_seed)
     ref_loss, ref_grads = reference_step(module, ds.full_batch())
     assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=case.name)
     # data: every rank of an SP group read the same samples, different DP groups different ones

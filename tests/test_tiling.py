@@ -29,8 +29,8 @@ def test_tile_bounds_cover_the_sequence() -> None:
 
 @pytest.mark.parametrize("mlp_cls", [SwiGLU, GeLUMLP])
 @pytest.mark.parametrize("tiles", [2, 5])
-def test_tiled_mlp_matches_plain(mlp_cls, tiles: int) -> None:
-    torch.manual_seed(int(torch.randint(0, 2**30, ())))
+def test_tiled_mlp_matches_plain(mlp_cls, tiles: int, fresh_seed: int) -> None:
+    torch.manual_seed(fresh_seed)
     mlp = mlp_cls(16, 40).double()
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=0.25)
@@ -83,8 +83,8 @@ def _block() -> FPDTBlock:
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["in-memory", "offloaded"])
-def test_checkpointed_blocks_match_plain(offload: bool) -> None:
-    torch.manual_seed(int(torch.randint(0, 2**30, ())))
+def test_checkpointed_blocks_match_plain(offload: bool, fresh_seed: int) -> None:
+    torch.manual_seed(fresh_seed)
     plain = torch.nn.ModuleList([_block(), _block()])
     ckpt = copy.deepcopy(plain)
     store = new_checkpoint_store(torch.device("cpu"), copy_delay=0.001) if offload else None

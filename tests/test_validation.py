@@ -152,12 +152,15 @@ class ErrorCase:
 
 CASES = [
     ErrorCase("sp-not-dividing-world", dict(sequence_parallel_size=3),
-              r"sequence_parallel_size=3 does not divide the world size 2 \(1 node\(s\) x 2 device\(s\)\); use one of \[1, 2\]",
+              r"sequence_parallel_size=3 does not divide the world size 2 \(1 node\(s\) x 2 device\(s\)\);"
+              r" use one of \[1, 2\]",
               "setup"),
     ErrorCase("chunk-not-multiple-of-sp", dict(sequence_parallel_size="auto", chunk_size=3),
-              r"chunk_size=3 is not divisible by sequence_parallel_size=2.*Use a multiple of 2, e\.g\. 2 or 4", "setup"),
+              r"chunk_size=3 is not divisible by sequence_parallel_size=2.*Use a multiple of 2, e\.g\. 2 or 4",
+              "setup"),
     ErrorCase("heads-not-divisible", dict(sequence_parallel_size=2),
-              r"n_heads=3 is not divisible by sequence_parallel_size=2.*\[1, 3\]\. \(FPDTBlock 'model\.layers\.0' of LlamaLM\)",
+              r"n_heads=3 is not divisible by sequence_parallel_size=2.*\[1, 3\]\."
+              r" \(FPDTBlock 'model\.layers\.0' of LlamaLM\)",
               "setup", model=lambda: _llama(heads=3, kv=3, hidden=24)),
     ErrorCase("kv-heads-not-shardable", dict(sequence_parallel_size=2),
               r"n_kv_heads=3 and sequence_parallel_size=2: KV heads must either divide evenly", "setup",
@@ -165,7 +168,8 @@ CASES = [
     ErrorCase("no-fpdt-block", dict(sequence_parallel_size=2),
               r"sequence_parallel_size=2 but NoBlocks has no FPDTBlock", "setup", model=NoBlocks),
     ErrorCase("flash-attn-on-cpu", dict(sequence_parallel_size=2, attention_backend="flash_attn"),
-              r"attention_backend='flash_attn' needs a CUDA device, but this run is on cpu\. Use attention_backend='sdpa'",
+              r"attention_backend='flash_attn' needs a CUDA device, but this run is on cpu\."
+              r" Use attention_backend='sdpa'",
               "setup"),
     ErrorCase("offload-on-cpu", dict(sequence_parallel_size=2, offload=True),
               r"offload=True moves saved attention chunks from device to pinned host memory; on cpu there is no device"
@@ -202,6 +206,12 @@ CASES = [
     ErrorCase("empty-batch", dict(sequence_parallel_size=2),
               r"batch\['input_ids'\] is empty \(shape \(2, 0\)\)", "batch",
               data=_items(input_ids=torch.zeros(0, dtype=torch.long))),
+    ErrorCase("left-padded-attention-mask", dict(sequence_parallel_size=2),
+              r"'attention_mask' is not right-padded in sample\(s\) \[0, 1\].*padding_side='right'", "batch",
+              data=_items(input_ids=torch.arange(16), attention_mask=(torch.arange(16) >= 3).long())),
+    ErrorCase("4d-attention-mask", dict(sequence_parallel_size=2),
+              r"'attention_mask' has shape \(2, 1, 16, 16\); only the Hugging Face 2-D padding mask", "batch",
+              data=_items(input_ids=torch.arange(16), attention_mask=torch.ones(1, 16, 16, dtype=torch.long))),
     ErrorCase("sequence-shorter-than-sp", dict(sequence_parallel_size=2),
               r"the sequence length 1 is shorter than sequence_parallel_size=2.*at least 2 tokens", "batch",
               data=lambda: dataloader(OneTokenDataset(), 2)),
@@ -220,7 +230,9 @@ def test_configuration_error_is_raised_on_every_rank(case: ErrorCase, tmp_path: 
         trainer.fit(case.model(), case.data())
     for rank in range(case.devices):
         path = tmp_path / f"{rank}.txt"
-        assert path.exists(), f"rank {rank} did not raise (ranks that did: {sorted(p.name for p in tmp_path.iterdir())})"
+        assert path.exists(), (
+            f"rank {rank} did not raise (ranks that did: {sorted(p.name for p in tmp_path.iterdir())})"
+        )
         message, group = path.read_text().rsplit("\n", 1)
         assert message.startswith(f"{case.error}: FPDTStrategy: "), message
         assert re.search(case.match, message), f"rank {rank}: {message}"
@@ -307,7 +319,9 @@ def test_model_checks() -> None:
     # an own model built from FPDTBlock with an invalid GQA head count (LlamaConfig refuses it earlier)
     own = torch.nn.Sequential(FPDTBlock(FPDTAttention(48, n_heads=8, n_kv_heads=3, head_dim=6), torch.nn.Identity(),
                                         torch.nn.Identity(), torch.nn.Identity()))
-    with pytest.raises(ValueError, match=r"FPDTStrategy: n_heads=8 is not a multiple of n_kv_heads=3\. \(FPDTBlock '0'"):
+    with pytest.raises(
+        ValueError, match=r"FPDTStrategy: n_heads=8 is not a multiple of n_kv_heads=3\. \(FPDTBlock '0'"
+    ):
         check_model(own, 1)
 
 

@@ -392,7 +392,9 @@ def report(shape: ModelShape, seq_len: int, budget_gib: float | None = None, **o
             lines.append("chunk_size='auto' is picked at the first batch from the device's free memory;"
                          " estimated here as one chunk (give a budget to resolve it)")
     settings = ", ".join(f"{k}={v}" for k, v in options.items())
-    lines.insert(0, f"memory estimate per rank: {shape.num_params / 1e6:.1f}M parameters, seq_len {seq_len}, {settings}")
+    lines.insert(
+        0, f"memory estimate per rank: {shape.num_params / 1e6:.1f}M parameters, seq_len {seq_len}, {settings}"
+    )
     lines.append(estimate(shape, seq_len, **options).table())
     return "\n".join(lines)
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from torch import Tensor, nn
 
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
-from lightning_fpdt.layout import default_position_ids
+from lightning_fpdt.layout import DocumentLayout, default_position_ids
 from lightning_fpdt.mlp import TiledMLP
 from lightning_fpdt.models.llama import init_weights
 from lightning_fpdt.models.lm import CausalLM
@@ -55,7 +55,9 @@ class GPTConfig:
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}.")
         if self.position_embedding not in ("learned", "rotary"):
-            raise ValueError(f"GPTConfig.position_embedding must be 'learned' or 'rotary', got {self.position_embedding!r}.")
+            raise ValueError(
+                f"GPTConfig.position_embedding must be 'learned' or 'rotary', got {self.position_embedding!r}."
+            )
 
     @classmethod
     def tiny(cls, **overrides: Any) -> GPTConfig:
@@ -105,7 +107,9 @@ class GPT(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
 
-    def hidden_states(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+    def hidden_states(
+        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: DocumentLayout | None = None
+    ) -> Tensor:
         """Final normed hidden states ``[batch, seq, n_embd]`` (``seq`` is this rank's shard under SP)."""
         if position_ids is None:
             position_ids = default_position_ids(*input_ids.shape, device=input_ids.device)
@@ -120,11 +124,13 @@ class GPT(nn.Module):
                 )
             x = x + self.wpe(position_ids)
         for layer in self.layers:
-            x = layer(x, position_ids)
+            x = layer(x, position_ids, documents)
         return self.ln_f(x)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        return self.lm_head(self.hidden_states(input_ids, position_ids))
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: DocumentLayout | None = None
+    ) -> Tensor:
+        return self.lm_head(self.hidden_states(input_ids, position_ids, documents))
 
     def flops_per_token(self, seq_len: int) -> float:
         c = self.config

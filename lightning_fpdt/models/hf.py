@@ -121,7 +121,9 @@ def load_gpt2(cls: type, model: Any, overrides: dict[str, Any]) -> Any:
     if getattr(c, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise NotImplementedError(f"GPT.from_hf: activation_function={c.activation_function!r} is not supported.")
     if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False):
-        raise NotImplementedError("GPT.from_hf: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported.")
+        raise NotImplementedError(
+            "GPT.from_hf: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported."
+        )
     config = GPTConfig(
         vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
         n_inner=c.n_inner, layer_norm_epsilon=c.layer_norm_epsilon,
@@ -158,7 +160,9 @@ def export_gpt2(ours: Any) -> Any:
     transformers = _transformers()
     c = ours.config
     if ours.wpe is None:
-        raise NotImplementedError("GPT.to_hf: rotary positions have no GPT-2 counterpart; use position_embedding='learned'.")
+        raise NotImplementedError(
+            "GPT.to_hf: rotary positions have no GPT-2 counterpart; use position_embedding='learned'."
+        )
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
         n_inner=c.n_inner, layer_norm_epsilon=c.layer_norm_epsilon, tie_word_embeddings=c.tie_word_embeddings,

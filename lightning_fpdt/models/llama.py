@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
-from lightning_fpdt.layout import default_position_ids
+from lightning_fpdt.layout import DocumentLayout, default_position_ids
 from lightning_fpdt.mlp import TiledMLP
 from lightning_fpdt.models.lm import CausalLM
 from lightning_fpdt.rope import RotaryEmbedding
@@ -80,7 +80,10 @@ class LlamaConfig:
                 f" num_key_value_heads={self.num_key_value_heads}."
             )
         if self.norm_compute_dtype not in (None, "float32", "float64"):
-            raise ValueError(f"LlamaConfig.norm_compute_dtype must be None, 'float32' or 'float64', got {self.norm_compute_dtype!r}.")
+            raise ValueError(
+                "LlamaConfig.norm_compute_dtype must be None, 'float32' or 'float64', got"
+                f" {self.norm_compute_dtype!r}."
+            )
 
     @property
     def head_dim(self) -> int:
@@ -162,17 +165,21 @@ class Llama(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def hidden_states(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+    def hidden_states(
+        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: DocumentLayout | None = None
+    ) -> Tensor:
         """Final normed hidden states ``[batch, seq, hidden]`` (``seq`` is this rank's shard under SP)."""
         if position_ids is None:
             position_ids = default_position_ids(*input_ids.shape, device=input_ids.device)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, position_ids)
+            x = layer(x, position_ids, documents)
         return self.norm(x)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        return self.lm_head(self.hidden_states(input_ids, position_ids))
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: DocumentLayout | None = None
+    ) -> Tensor:
+        return self.lm_head(self.hidden_states(input_ids, position_ids, documents))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at global length ``seq_len`` (6 x matmul parameters, plus attention

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_fpdt.layout import IGNORE_INDEX, shift_labels
+from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
 
 
@@ -68,21 +68,30 @@ class CausalLM(pl.LightningModule):
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
         return self.model(input_ids, position_ids)
 
-    @staticmethod
-    def targets(batch: dict[str, Tensor]) -> Tensor:
-        """Pre-shifted targets of a batch: ``shift_labels``, else shifted ``labels``, else shifted ids."""
-        if "shift_labels" in batch:
-            return batch["shift_labels"]
-        return shift_labels(batch.get("labels", batch["input_ids"]), IGNORE_INDEX)
+    def prepared(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The batch as ``FPDTStrategy`` hands it over: pre-shifted targets, position ids, documents.
 
-    def hidden_states(self, batch: dict[str, Any]) -> Tensor:
-        """Final hidden states ``[batch, seq, hidden]`` of this rank's part of a dict batch."""
+        A batch that did not come through the strategy (one process, another strategy) gets the same
+        preparation here (:func:`lightning_fpdt.layout.shard_batch` with one rank), so packed documents,
+        ``attention_mask`` and ``loss_mask`` mean the same with and without sequence parallelism.
+        """
         if not isinstance(batch, dict) or "input_ids" not in batch:
             keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
             raise ValueError(
                 f"{type(self).__name__} expects dict batches with 'input_ids' [batch, seq]; got {keys}."
             )
-        return self.model.hidden_states(batch["input_ids"], batch.get("position_ids"))
+        if "shift_labels" in batch and "documents" in batch:
+            return batch
+        return shard_batch(batch, 1, 0, owner=type(self).__name__)
+
+    def targets(self, batch: dict[str, Tensor]) -> Tensor:
+        """Pre-shifted targets of a batch (``shift_labels``; see :meth:`prepared`)."""
+        return self.prepared(batch)["shift_labels"]
+
+    def hidden_states(self, batch: dict[str, Any]) -> Tensor:
+        """Final hidden states ``[batch, seq, hidden]`` of this rank's part of a dict batch."""
+        batch = self.prepared(batch)
+        return self.model.hidden_states(batch["input_ids"], batch["position_ids"], batch["documents"])
 
     def loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(loss_sum, num_tokens)`` of this rank's part of the batch."""
@@ -105,7 +114,8 @@ class CausalLM(pl.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         if hasattr(self.model, "flops_per_token"):  # read by ThroughputMonitor for FLOP/s and MFU
             ids = batch["input_ids"]
-            self.flops_per_batch = self.model.flops_per_token(ids.shape[1] * self.sequence_parallel_size()) * ids.numel()
+            global_seq = ids.shape[1] * self.sequence_parallel_size()
+            self.flops_per_batch = self.model.flops_per_token(global_seq) * ids.numel()
         loss, mean = token_weighted_loss(*self.loss_terms(batch))
         self.log("train/loss", mean, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss

@@ -1,0 +1,177 @@
+"""Packed documents: the layout's document arithmetic, and attention that stays inside each document.
+
+The oracle runs each document of each sample as its own sequence through the textbook attention and
+puts the results back in place; the FPDT pipeline runs the packed sample, sharded and chunked, with
+the documents crossing chunk and rank boundaries, one-token documents, a document longer than a chunk.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_fpdt.attention import fpdt_attention
+from lightning_fpdt.data import PackedTokenDataset
+from lightning_fpdt.layout import DocumentLayout, find_documents, shard_batch, shard_sequence, unshard_sequence
+from tests.distributed import run_distributed
+from tests.reference import naive_attention, rel_error
+
+HEADS, HEAD_DIM = 4, 8
+SEQ = 32
+# per sample: document lengths (sum SEQ). Sample 0: a one-token document, documents across the chunk
+# (8, 12) and rank boundaries, one longer than a chunk; sample 1: others, so samples differ.
+DOCS = [[1, 5, 11, 2, 13], [16, 1, 1, 14]]
+CHUNKS = [None, 16, 12, 8]
+
+
+def _position_ids(docs: list[list[int]]) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in docs])
+
+
+def _layout(docs: list[list[int]]) -> DocumentLayout:
+    layout = DocumentLayout.from_position_ids(_position_ids(docs))
+    assert layout is not None
+    return layout
+
+
+def _inputs(seed: int, kv_heads: int, batch: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, SEQ, HEADS, HEAD_DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, SEQ, kv_heads, HEAD_DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, SEQ, kv_heads, HEAD_DIM, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, SEQ, HEADS, HEAD_DIM, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _reference(docs: list[list[int]], q, k, v, dout, causal: bool) -> list[torch.Tensor]:
+    """Every document alone through the textbook attention; outputs, lse and gradients put back in place."""
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    outs, lses = torch.zeros_like(q), torch.zeros(q.shape[:3], dtype=q.dtype)
+    total = 0
+    for b, lengths in enumerate(docs):
+        start = 0
+        for n in lengths:
+            sl = slice(start, start + n)
+            out, lse = naive_attention(q[b:b + 1, sl], k[b:b + 1, sl], v[b:b + 1, sl], causal)
+            total = total + (out * dout[b:b + 1, sl]).sum()
+            outs[b:b + 1, sl], lses[b:b + 1, sl] = out.detach(), lse.detach()
+            start += n
+    total.backward()
+    return [outs, lses, q.grad, k.grad, v.grad]
+
+
+def _cases(sp: int) -> list[tuple[int | None, bool, int]]:
+    kv_options = sorted({1, 2, HEADS})
+    return [(c, causal, kv) for c, causal, kv in itertools.product(CHUNKS, (True, False), kv_options)
+            if c is None or c % sp == 0]
+
+
+def _run(rank: int, world: int, seed: int, offload: bool) -> dict:
+    group = dist.group.WORLD if world > 1 else None
+    layout = _layout(DOCS)
+    results = {}
+    for case_id, (chunk, causal, kv) in enumerate(_cases(world)):
+        q, k, v, dout = _inputs(seed + case_id, kv, len(DOCS))
+        shards = [shard_sequence(x, world, rank, chunk).requires_grad_() for x in (q, k, v)]
+        out, lse = fpdt_attention(*shards, group=group, chunk_size=chunk, causal=causal, backend="math",
+                                  offload=offload, return_lse=True, documents=layout)
+        out.backward(shard_sequence(dout, world, rank, chunk))
+        results[(chunk, causal, kv)] = [t.detach() for t in (out, lse, *(x.grad for x in shards))]
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("sp", "offload"), [(1, False), (2, False), (2, True), (4, False)],
+                         ids=["sp1", "sp2", "sp2-offload-emulated", "sp4"])
+def test_packed_attention_equals_each_document_alone(sp: int, offload: bool, fresh_seed: int) -> None:
+    per_rank = run_distributed(_run, sp, fresh_seed, offload) if sp > 1 else [_run(0, 1, fresh_seed, offload)]
+    for case_id, (chunk, causal, kv) in enumerate(_cases(sp)):
+        expected = _reference(DOCS, *_inputs(fresh_seed + case_id, kv, len(DOCS)), causal)
+        got = [unshard_sequence([r[(chunk, causal, kv)][t] for r in per_rank], chunk) for t in range(5)]
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected):
+            err = rel_error(a, b)
+            assert err <= 1e-10, f"sp={sp} chunk={chunk} causal={causal} kv_heads={kv}: {name} rel. error {err:.2e}"
+
+
+def _brute_segments(layout: DocumentLayout, q_range, k_range) -> set:
+    """(sample, q, k) pairs that attend: same document, both in range."""
+    pairs = set()
+    for b, starts in enumerate(layout.starts):
+        doc = torch.zeros(layout.length, dtype=torch.long)
+        for s in starts[1:]:
+            doc[s:] += 1
+        for qi in range(*q_range):
+            for ki in range(*k_range):
+                if doc[qi] == doc[ki]:
+                    pairs.add((b, qi - q_range[0], ki - k_range[0]))
+    return pairs
+
+
+def test_segments_and_block_skipping_match_a_brute_force_mask(fresh_seed: int) -> None:
+    rng = random.Random(fresh_seed)
+    for _ in range(20):
+        docs = []
+        for _b in range(rng.randint(1, 3)):
+            lengths, left = [], SEQ
+            while left:
+                n = min(left, rng.choice([1, 2, 5, 9, 17]))
+                lengths.append(n)
+                left -= n
+            docs.append(lengths)
+        if all(len(d) == 1 for d in docs):
+            continue
+        layout = _layout(docs)
+        for c in (4, 8, 12):
+            ranges = [(lo, min(lo + c, SEQ)) for lo in range(0, SEQ, c)]
+            for qr, kr in itertools.product(ranges, ranges):
+                expected = _brute_segments(layout, qr, kr)
+                batch = len(docs)
+                got = set()
+                for seg in layout.segments(qr, kr, causal=False):
+                    for b in range(batch)[seg.batch]:
+                        got |= {(b, qi, ki) for qi in range(seg.q_lo, seg.q_hi) for ki in range(seg.k_lo, seg.k_hi)}
+                assert got == expected, (docs, c, qr, kr)
+                assert layout.shares_document(qr, kr) == bool(expected), (docs, c, qr, kr)
+
+
+def test_documents_from_position_ids_and_padding_masks() -> None:
+    assert DocumentLayout.from_position_ids(torch.arange(8).expand(2, 8)) is None  # plain sequences
+    pos = _position_ids([[3, 5], [8]])
+    layout = find_documents(pos, None)
+    assert layout.starts == ((0, 3), (0,)) and layout.length == 8
+    assert layout.padded(10).starts == ((0, 3, 8), (0, 8))  # the padding is a document of its own
+    mask = torch.tensor([[1] * 8, [1] * 6 + [0] * 2])
+    assert find_documents(pos, mask).starts == ((0, 3), (0, 6))
+    assert find_documents(torch.arange(8).expand(2, 8), mask).starts == ((0,), (0, 6))
+    with pytest.raises(
+        ValueError, match=r"'attention_mask' is not right-padded in sample\(s\) \[1\].*padding_side='right'"
+    ):
+        find_documents(pos, torch.tensor([[1] * 8, [0] * 2 + [1] * 6]))
+    with pytest.raises(ValueError, match=r"'attention_mask' has shape \(2, 1, 8, 8\); only the Hugging Face 2-D"):
+        find_documents(pos, torch.ones(2, 1, 8, 8))
+
+
+def test_targets_never_cross_documents_padding_or_the_loss_mask() -> None:
+    ids = torch.arange(1, 9).expand(2, 8).clone()
+    pos = _position_ids([[3, 5], [8]])
+    mask = torch.tensor([[1] * 8, [1] * 6 + [0] * 2])
+    loss_mask = torch.ones(2, 8, dtype=torch.long)
+    loss_mask[1, 2] = 0  # token 2 of sample 1 is not a target
+    out = shard_batch({"input_ids": ids, "position_ids": pos, "attention_mask": mask, "loss_mask": loss_mask}, 1, 0)
+    assert out["shift_labels"].tolist() == [
+        [2, 3, -100, 5, 6, 7, 8, -100],  # the last token of document 0 does not predict document 1
+        [2, -100, 4, 5, 6, -100, -100, -100],  # token 2 masked; targets in the padding ignored
+    ]
+    assert out["documents"].starts == ((0, 3), (0, 6))
+
+
+def test_packed_token_data_marks_its_documents() -> None:
+    tokens = torch.tensor([5, 6, 0, 7, 8, 9, 0, 4, 3, 2, 0, 1])  # 0 ends a document
+    sample = PackedTokenDataset(tokens.numpy(), seq_len=12, eos_token_id=0)[0]
+    batch = shard_batch({k: v.unsqueeze(0) for k, v in sample.items()}, 2, 0)
+    assert batch["documents"].starts == ((0, 3, 7, 11),)
+    assert batch["documents"].length == 12
