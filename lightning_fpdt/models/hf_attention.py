@@ -1,0 +1,185 @@
+"""A Hugging Face attention function that runs through the FPDT pipeline, and the checks that a model fits it.
+
+transformers (5.x) calls the function registered under a model's ``config._attn_implementation`` with
+q, k, v after projection and RoPE, ``[batch, heads, seq, head_dim]``; here ``seq`` is this rank's shard in
+the FPDT layout and RoPE has used the global ``position_ids`` the strategy made. The function is
+registered once under :data:`ATTN_IMPLEMENTATION` (a name no other model uses) and selected per model
+(:func:`install`), so other models in the process keep their own attention.
+
+The sequence-parallel context and the batch's documents reach the function as forward keyword arguments
+(``fpdt_context``, ``documents``): every supported family passes a model's ``**kwargs`` down to its
+attention layers, so nothing is stored on the transformers modules and nothing is global.
+
+Mask creation: transformers builds no mask for an implementation missing from its
+``AttentionMaskInterface`` (``masking_utils._preprocess_mask_arguments`` returns early), which is what we
+want: a ``[seq, seq]`` mask over sharded lengths would be wrong and large; causality and documents are the
+pipeline's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+from transformers import AttentionInterface, PreTrainedModel
+
+from lightning_fpdt.attention import fpdt_attention
+from lightning_fpdt.block import SequenceParallelContext
+from lightning_fpdt.layout import DocumentLayout
+
+ATTN_IMPLEMENTATION = "lightning_fpdt"
+
+_ONE_PROCESS = SequenceParallelContext()
+
+
+def fpdt_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    fpdt_context: SequenceParallelContext | None = None,
+    documents: DocumentLayout | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """The attention of one Hugging Face attention layer through :func:`lightning_fpdt.attention.fpdt_attention`.
+
+    Args:
+        module: the transformers attention layer (read for ``is_causal`` and its name in errors).
+        query: ``[batch, n_heads, s_local, head_dim]``, this rank's tokens (FPDT layout), RoPE applied.
+        key: ``[batch, n_kv_heads, s_local, head_dim]``; ``n_kv_heads`` may be below the SP size.
+        value: like ``key``.
+        attention_mask: must be ``None``: causality and packed documents are handled by the pipeline.
+        scaling: the layer's softmax scale (``query_pre_attn_scalar`` etc. already folded in).
+        dropout: attention dropout probability; only 0 is supported.
+        fpdt_context: the bound sequence-parallel context; ``None``: one process, plain Ulysses options.
+        documents: the batch's packed documents (``None``: one per sample).
+        **kwargs: other transformers arguments; ``sliding_window``, ``softcap`` and ``s_aux`` (sinks) must
+            be unset.
+
+    Returns:
+        ``([batch, s_local, n_heads, head_dim], None)``: the output and no attention weights.
+
+    Raises:
+        NotImplementedError: a feature the pipeline does not compute (see :func:`check_supported`).
+        ValueError: an explicit attention mask.
+    """
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    _refuse_call_features(where, module, dropout, kwargs)
+    if attention_mask is not None:
+        raise ValueError(
+            f"HFCausalLM: {where} received an attention mask {tuple(attention_mask.shape)}; under FPDT, padding"
+            " and packed documents travel as 'attention_mask' / 'position_ids' in the batch dict, which the"
+            " strategy turns into documents. Do not pass a mask to the model yourself."
+        )
+    ctx = fpdt_context or _ONE_PROCESS
+    # [b, h, s_local, d] -> [b, s_local, h, d]: the pipeline's layout (s_local = S // sp)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    out = fpdt_attention(
+        q, k, v, group=ctx.group, chunk_size=ctx.chunk_size, causal=True, backend=ctx.attention_backend,
+        scale=scaling, offload=ctx.offload, documents=documents,
+    )
+    return out, None  # [b, s_local, h, d], as transformers' own functions return it
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, fpdt_attention_forward)
+
+
+def _refuse_call_features(where: str, module: nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
+    # the same features check_supported refuses at construction, in case a config was changed afterwards
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"HFCausalLM: {where} is bidirectional (is_causal=False); FPDT is causal only.")
+    for name, feature in (("sliding_window", "sliding-window attention"), ("softcap", "attention-logit softcapping"),
+                          ("s_aux", "attention sinks")):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"HFCausalLM: {where} asks for {feature} ({name}={_short(kwargs[name])}), which the FPDT pipeline"
+                " does not compute; switch it off in the model's config."
+            )
+    if dropout > 0:
+        raise NotImplementedError(
+            f"HFCausalLM: {where} uses attention dropout {dropout} in training, which the FPDT pipeline does not"
+            " compute; set the config's attention dropout to 0."
+        )
+
+
+def _short(value: Any) -> str:
+    return f"tensor{tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
+
+
+def attention_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every self-attention layer of a transformers decoder, in module order.
+
+    An attention layer is a module whose class name ends in ``Attention`` and that knows its ``layer_idx``
+    (the transformers convention for the layer that calls the attention function).
+    """
+    return [(name, m) for name, m in model.named_modules()
+            if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    """Refuse, naming the feature and the layer, what the FPDT pipeline cannot compute exactly.
+
+    Called at construction, so every rank raises before any collective.
+
+    Raises:
+        NotImplementedError: sliding-window attention, attention-logit softcapping, attention sinks,
+            bidirectional (non-causal) layers, or attention dropout > 0, on any layer.
+        ValueError: a model without recognisable attention layers.
+    """
+    config = model.config.get_text_config()
+    layers = attention_layers(model)
+    if not layers:
+        raise ValueError(
+            f"HFCausalLM: found no attention layers in {type(model).__name__} (modules named '*Attention' with"
+            " a 'layer_idx'); this model family is not supported."
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    for name, m in layers:
+        index = getattr(m, "layer_idx", 0)
+        layer_type = layer_types[index] if index is not None and index < len(layer_types) else None
+        window = _sliding_window(config, m, layer_type)
+        problems = []
+        if window is not None:
+            problems.append((f"sliding-window attention (sliding_window={window}, layer type {layer_type!r})",
+                             "make every layer full attention (config.layer_types entries 'full_attention', or"
+                             " sliding_window=None where the config has no layer_types); the model then attends"
+                             " to the whole causal context, which equals the window only for sequences no"
+                             " longer than it"))
+        if getattr(m, "attn_logit_softcapping", None) is not None or (
+            getattr(config, "attn_logit_softcapping", None) is not None and hasattr(m, "attn_logit_softcapping")
+        ):
+            cap = getattr(m, "attn_logit_softcapping", None) or config.attn_logit_softcapping
+            problems.append((f"attention-logit softcapping (attn_logit_softcapping={cap})",
+                             "set attn_logit_softcapping=None in the config (this changes the model)"))
+        if getattr(m, "sinks", None) is not None:
+            problems.append(("attention sinks (a 'sinks' parameter)", "use a family without sinks"))
+        if not getattr(m, "is_causal", True):
+            problems.append(("bidirectional attention (is_causal=False)",
+                             "use causal layers (e.g. use_bidirectional_attention=False)"))
+        drop = getattr(m, "attention_dropout", 0.0)
+        if isinstance(drop, float) and drop > 0:
+            problems.append((f"attention dropout {drop} in training", "set attention_dropout=0.0 in the config"))
+        if problems:
+            feature, fix = problems[0]
+            raise NotImplementedError(
+                f"HFCausalLM: layer {name} ({type(m).__name__}) uses {feature}, which the FPDT attention pipeline"
+                f" does not compute; {fix}."
+            )
+
+
+def _sliding_window(config: Any, layer: nn.Module, layer_type: str | None) -> int | None:
+    if layer_type is not None and "sliding" in layer_type:
+        return getattr(config, "sliding_window", None) or -1
+    if hasattr(layer, "sliding_window"):  # families that resolve the window per layer (Qwen2, Gemma)
+        return layer.sliding_window
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return getattr(config, "sliding_window", None)  # families that read it from the config (Mistral)
+
+
+def install(model: PreTrainedModel) -> None:
+    """Route ``model``'s attention (and only its) through :func:`fpdt_attention_forward`."""
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -1,0 +1,150 @@
+"""``HFCausalLM``: any Hugging Face causal LM, trained exactly under FPDT.
+
+The transformers model stays a plain transformers model (its parameters keep their names under
+``model.``). Two things change, for this model only:
+
+- its attention runs through the FPDT pipeline (:mod:`lightning_fpdt.models.hf_attention`), bound to the
+  sequence-parallel context by ``FPDTStrategy`` through :meth:`HFCausalLM.bind_sequence_parallel`;
+- the loss is this project's: token-weighted across ranks on pre-shifted targets, from the base model's
+  hidden states and the output embedding, never transformers' own loss (which shifts the labels of this
+  rank's shard locally, crossing rank boundaries wrongly, and casts logits to float32).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from lightning_fpdt.block import SequenceParallelContext
+from lightning_fpdt.layout import IGNORE_INDEX
+from lightning_fpdt.loss import auto_loss_tiles, cross_entropy_sum, tiled_cross_entropy_sum
+from lightning_fpdt.mlp import tile_bounds
+from lightning_fpdt.models.hf_attention import attention_layers, check_supported, install
+from lightning_fpdt.models.lm import CausalLM
+
+
+class HFCausalLM(CausalLM):
+    """Trains a transformers causal LM (see :class:`~lightning_fpdt.models.lm.CausalLM` for batches and options).
+
+    Args:
+        model: a ``PreTrainedModel`` (used as is; its attention implementation is switched to FPDT's), a
+            name or local path (``AutoModelForCausalLM.from_pretrained``), a ``PretrainedConfig``
+            (``AutoModelForCausalLM.from_config``, random weights), or a config dict with ``model_type``.
+        loss_tiles: token tiles of the loss (``None``: tiles of 1024 tokens), so no full
+            ``[tokens, vocab]`` logits tensor exists.
+        from_pretrained_kwargs: extra arguments of ``from_pretrained`` (e.g. ``{"dtype": "bfloat16"}``).
+        **kwargs: the optimizer and schedule options of :class:`CausalLM`.
+
+    Raises:
+        NotImplementedError: the model uses a feature the FPDT pipeline does not compute (sliding-window
+            attention, attention-logit softcapping, attention sinks, bidirectional layers, attention dropout);
+            the message names the feature and the layer.
+        TypeError: ``model`` of another type.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | PretrainedConfig | str | dict[str, Any],
+        loss_tiles: int | None = None,
+        from_pretrained_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.model = _build(model, from_pretrained_kwargs or {})
+        check_supported(self.model)
+        install(self.model)
+        self.loss_tiles = loss_tiles
+        self.context = SequenceParallelContext()
+        saved = model if isinstance(model, str) else self.model.config.to_dict()  # a module is not a hyper-parameter
+        self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, **kwargs})
+
+    # ---- the SequenceParallelAttention protocol (lightning_fpdt.block) -----------------------------------
+
+    def bind_sequence_parallel(self, context: SequenceParallelContext) -> None:
+        """Use ``context`` (group, chunk size, backend, offload) in every attention layer's next forward."""
+        self.context = context
+
+    def attention_heads(self) -> list[tuple[str, int, int]]:
+        """``(layer name, n_heads, n_kv_heads)`` of every attention layer, from the model's config."""
+        config = self.model.config.get_text_config()
+        n_heads = config.num_attention_heads
+        n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+        return [(f"model.{name}", n_heads, n_kv_heads) for name, _ in attention_layers(self.model)]
+
+    # ---- forward and loss ----------------------------------------------------------------------------------
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """Logits ``[batch, seq, vocab]`` of whole sequences in one process (softcapped where the model is)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return self.logits(self.hidden_states({"input_ids": input_ids, "position_ids": position_ids}))
+
+    def hidden_states(self, batch: dict[str, Any]) -> Tensor:
+        """Final hidden states ``[batch, s_local, hidden]`` of this rank's part of a dict batch."""
+        batch = self.prepared(batch)
+        out = self.model.base_model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+            # read by fpdt_attention_forward: transformers passes these kwargs down to every attention layer
+            fpdt_context=self.context, documents=batch["documents"],
+        )
+        return out.last_hidden_state
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """``hidden`` ``[..., hidden]`` through the output embedding, with final-logit softcapping
+        (``cap * tanh(logits / cap)``, Gemma-2) where the config sets it: ``[..., vocab]``."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(loss_sum, num_tokens)`` of this rank's part of the batch, on pre-shifted targets."""
+        hidden = self.hidden_states(batch) if hidden is None else hidden
+        targets = self.targets(batch)
+        head = self.model.get_output_embeddings()
+        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        if isinstance(head, nn.Linear) and head.bias is None and cap is None:
+            return tiled_cross_entropy_sum(hidden, head.weight, targets, self.loss_tiles)
+        # a head with a bias or softcapping: token tiles, each recomputed in backward (checkpoint), so only
+        # one tile's logits exist at a time
+        b, s, h = hidden.shape  # s = this rank's tokens
+        flat_h, flat_t = hidden.reshape(b * s, h), targets.reshape(b * s)
+        tiles = self.loss_tiles or auto_loss_tiles(b * s)
+        total: Tensor | None = None
+        for lo, hi in tile_bounds(b * s, tiles):
+            part = checkpoint(self._tile_loss_sum, flat_h[lo:hi], flat_t[lo:hi], use_reentrant=False)
+            total = part if total is None else total + part
+        return total, (targets != IGNORE_INDEX).sum()
+
+    def _tile_loss_sum(self, hidden: Tensor, targets: Tensor) -> Tensor:
+        return cross_entropy_sum(self.logits(hidden), targets)[0]
+
+    def answer_predictions(self, batch: dict[str, Any], hidden: Tensor) -> tuple[Tensor, Tensor]:
+        mask = batch["answer_mask"].bool()
+        return self.logits(hidden[mask]).argmax(-1), self.targets(batch)[mask]
+
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
+        """Export the transformers model (weights and config) to ``path``; loads with plain transformers
+        (``from_pretrained``), which picks its own attention implementation."""
+        self.model.save_pretrained(path, **kwargs)
+
+
+def _build(model: Any, from_pretrained_kwargs: dict[str, Any]) -> PreTrainedModel:
+    if isinstance(model, PreTrainedModel):
+        return model
+    if isinstance(model, dict):  # a config dict, e.g. from a checkpoint's hyper-parameters
+        model = AutoConfig.for_model(**model)
+    if isinstance(model, PretrainedConfig):
+        # a copy: the model keeps the config object it is given, and setting our attention implementation
+        # on a config shared with another model would switch that model too
+        return AutoModelForCausalLM.from_config(copy.deepcopy(model))
+    if isinstance(model, str):
+        return AutoModelForCausalLM.from_pretrained(model, **from_pretrained_kwargs)
+    raise TypeError(
+        f"HFCausalLM: model must be a transformers PreTrainedModel, a PretrainedConfig, a config dict with"
+        f" 'model_type', or a name/local path for from_pretrained; got {type(model).__name__}."
+    )

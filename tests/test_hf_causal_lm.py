@@ -1,0 +1,337 @@
+"""``HFCausalLM``: Hugging Face causal LMs trained under FPDT equal plain transformers in one process.
+
+The oracle is the plain transformers model with the same weights in float64, ``attn_implementation="sdpa"``
+(or, for families without sdpa such as Gemma-2, the textbook attention of ``tests.reference`` registered as
+``float64_reference``: transformers' ``eager`` computes its softmax in float32, about 1e-8 off), the logits of
+its own forward (softcapped where the family is) and the mean cross-entropy over the same targets computed
+here in float64; HF's own loss is not used. Weights are redrawn with std ``1/sqrt(fan_in)`` (norm weights
+around 1 with noise, biases small) so a wrong scale, rotary fraction or mask cannot hide.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPTNeoXConfig,
+    GptOssConfig,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+from lightning_fpdt import FPDTStrategy
+from lightning_fpdt.block import SequenceParallelContext
+from lightning_fpdt.models import HFCausalLM
+from lightning_fpdt.models.hf_attention import ATTN_IMPLEMENTATION
+from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader
+from tests.reference import naive_attention
+
+VOCAB, SEQ, HEADS = 64, 32, 4
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=HEADS)
+FULL = ["full_attention", "full_attention"]
+
+
+def _config(family: str, kv_heads: int = 2, **overrides: Any) -> PretrainedConfig:
+    """A tiny random config of ``family`` with the features FPDT refuses switched off (unless overridden)."""
+    gqa = dict(SIZES, num_key_value_heads=kv_heads)
+    configs: dict[str, Callable[[], PretrainedConfig]] = {
+        "llama": lambda: LlamaConfig(**gqa),
+        "qwen2": lambda: Qwen2Config(**gqa),
+        "qwen3": lambda: Qwen3Config(head_dim=8, **gqa),  # q/k norms
+        "mistral": lambda: MistralConfig(sliding_window=None, **gqa),
+        "phi3": lambda: Phi3Config(pad_token_id=0, **gqa),  # fused qkv and gate_up projections
+        "olmo2": lambda: Olmo2Config(**gqa),  # q/k norms over all heads, post-norms
+        # partial rotary (half of each head), parallel residual; multi-head only
+        "gpt_neox": lambda: GPTNeoXConfig(rotary_pct=0.5, use_parallel_residual=True, **SIZES),
+        # final-logit softcapping kept (the loss applies it); attention softcapping and windows off
+        "gemma2": lambda: Gemma2Config(head_dim=8, attn_logit_softcapping=None, final_logit_softcapping=3.0,
+                                       sliding_window=None, layer_types=FULL, query_pre_attn_scalar=16, **gqa),
+        # no sliding layer (transformers' own mask code needs sliding_window set even then)
+        "gemma3": lambda: Gemma3TextConfig(head_dim=8, sliding_window=512, layer_types=FULL,
+                                           query_pre_attn_scalar=16, **gqa),
+    }
+    config = configs[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _norm_in_input_dtype(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self._norm(x) * (1.0 + self.weight)  # Gemma's maths without its float32 cast
+
+
+@pytest.fixture(autouse=True)
+def gemma_norms_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma's RMSNorm computes in float32 even for float64 inputs, including the weight gradient (a sum over
+    tokens): any other grouping of the tokens (per rank, per sample) changes it by ~1e-8, a property of the
+    model, not of FPDT. The same maths in the input's dtype, on both sides (forked workers inherit it)."""
+    monkeypatch.setattr(Gemma2RMSNorm, "forward", _norm_in_input_dtype)
+    monkeypatch.setattr(Gemma3RMSNorm, "forward", _norm_in_input_dtype)
+
+
+def _redraw(model: torch.nn.Module, seed: int) -> None:
+    """Matrices std 1/sqrt(fan_in); norm weights 1 + noise; biases small noise (all in place)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+            if p.dim() >= 2:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * noise)
+            else:
+                p.copy_(0.1 * noise)
+
+
+def _reference_attention(
+    module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
+    scaling: float, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    # whole sequences only (no mask is made for an unregistered mask name): causal over [b, h, s, d]
+    assert attention_mask is None and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
+    out, _ = naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, scale=scaling)
+    return out, None
+
+
+AttentionInterface.register("float64_reference", _reference_attention)
+
+
+def _plain(module: HFCausalLM) -> torch.nn.Module:
+    """The same weights in a plain transformers model (float64) with its own config copy."""
+    config = copy.deepcopy(module.model.config)
+    attention = "sdpa" if type(module.model)._supports_sdpa else "float64_reference"
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float64)
+    ref.load_state_dict(module.model.state_dict())
+    with torch.no_grad():  # non-persistent buffers too: RoPE's inv_freq, made in float32 in the module
+        buffers = dict(ref.named_buffers())
+        for name, buffer in module.model.named_buffers():
+            buffers[name].copy_(buffer)
+    return ref
+
+
+def _mean_ce(ref: torch.nn.Module, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
+    """Mean float64 cross-entropy of ``(ids [1, n], unshifted labels [1, n])`` samples and its gradients,
+    keyed by HFCausalLM's parameter names (``model.`` + the transformers name)."""
+    loss_sum, count = torch.zeros((), dtype=torch.float64), 0
+    for ids, labels in samples:
+        logits = ref(input_ids=ids, use_cache=False).logits.double()
+        targets = labels[:, 1:]
+        loss_sum = loss_sum + F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="sum")
+        count += int((targets != -100).sum())
+    loss = loss_sum / count
+    loss.backward()
+    return loss.detach(), {f"model.{n}": p.grad.detach().clone() for n, p in ref.named_parameters()}
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    sp: int
+    chunk_size: int | None
+    kv_heads: int = 2
+    offload: bool | Literal["emulate"] = False
+
+    @property
+    def name(self) -> str:
+        return "-".join([self.family, f"sp{self.sp}", f"C{self.chunk_size}", f"kv{self.kv_heads}"]
+                        + (["offload"] if self.offload else []))
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "gpt_neox", "gemma2", "gemma3"]
+CASES = [
+    # every family: sequence parallel over 2 ranks, 4 chunks of 8 tokens
+    *[Case(f, sp=2, chunk_size=8, kv_heads=HEADS if f == "gpt_neox" else 2) for f in FAMILIES],
+    Case("llama", sp=2, chunk_size=8, kv_heads=1),  # kv heads < sp: replicated
+    Case("qwen3", sp=4, chunk_size=16, kv_heads=2),  # sp=4, kv heads < sp
+    Case("gemma2", sp=4, chunk_size=None, kv_heads=1),  # plain Ulysses, softcapped logits
+    Case("mistral", sp=2, chunk_size=8, offload="emulate"),
+    Case("gpt_neox", sp=4, chunk_size=8, kv_heads=HEADS, offload="emulate"),
+]
+
+
+def _module(case: Case, seed: int) -> HFCausalLM:
+    module = HFCausalLM(_config(case.family, case.kv_heads), learning_rate=1e-3, warmup_steps=1)
+    _redraw(module.model, seed)
+    return module
+
+
+def _fit(module: HFCausalLM, data: Dataset, sp: int, chunk_size: int | None, offload: Any, tmp_path) -> list[dict]:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=sp, precision="64-true", max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[CaptureStep(str(tmp_path))],
+        strategy=FPDTStrategy(sequence_parallel_size=sp, chunk_size=chunk_size, attention_backend="math",
+                              offload=offload, start_method="fork"),
+    )
+    trainer.fit(module, dataloader(data, len(data)))
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(sp)]
+
+
+def _max_error(results: list[dict], loss: torch.Tensor, grads: dict) -> float:
+    """The largest relative error (loss, every gradient) with the floor ``assert_same_step`` uses."""
+    floor = 1e-3 * max(g.abs().max().item() for g in grads.values())
+    errors = [((r["loss"] - loss).abs() / loss.abs()).item() for r in results]
+    errors += [((r["grads"][n] - g).abs().max() / max(g.abs().max().item(), floor)).item()
+               for r in results for n, g in grads.items()]
+    return max(errors)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_fit_step_equals_plain_transformers(case: Case, tmp_path, fresh_seed: int) -> None:
+    torch.manual_seed(fresh_seed)
+    module = _module(case, fresh_seed)
+    ref = _plain(module)
+    data = TokenDataset(2, SEQ, VOCAB, fresh_seed)
+    results = _fit(module, data, case.sp, case.chunk_size, case.offload, tmp_path)
+    ref_loss, ref_grads = _mean_ce(ref, [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))])
+    print(f"{case.name}: max rel. error {_max_error(results, ref_loss, ref_grads):.2e}")
+    assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"{case.name} seed={fresh_seed}")
+
+
+PACKING = [[1, 12, 19], [20, 12]]  # one-token document; documents across chunk (8) and rank (16) boundaries
+
+
+class Packed(Dataset):
+    """Packed samples: ``position_ids`` restart at 0 at every document."""
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (len(PACKING), SEQ), generator=g)
+        self.pos = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in PACKING])
+
+    def __len__(self) -> int:
+        return len(PACKING)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.ids[i], "position_ids": self.pos[i], "index": i}
+
+    def documents(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        docs = []
+        for i, lengths in enumerate(PACKING):
+            start = 0
+            for n in lengths:
+                ids = self.ids[i:i + 1, start:start + n]
+                docs.append((ids, ids.clone()))
+                start += n
+        return docs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["qwen3", "gpt_neox"])
+def test_packed_fit_step_equals_each_document_alone(family: str, tmp_path, fresh_seed: int) -> None:
+    torch.manual_seed(fresh_seed)
+    case = Case(family, sp=2, chunk_size=8, kv_heads=HEADS if family == "gpt_neox" else 2)
+    module = _module(case, fresh_seed)
+    ref = _plain(module)
+    data = Packed(fresh_seed)
+    results = _fit(module, data, case.sp, case.chunk_size, False, tmp_path)
+    ref_loss, ref_grads = _mean_ce(ref, data.documents())
+    print(f"packed {case.name}: max rel. error {_max_error(results, ref_loss, ref_grads):.2e}")
+    assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"packed {case.name} seed={fresh_seed}")
+
+
+# ---- one process -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_size", [None, 8])
+def test_unbound_one_process_loss_and_grads_equal_plain_transformers(chunk_size: int | None, fresh_seed: int) -> None:
+    torch.manual_seed(fresh_seed)
+    module = _module(Case("gemma2", sp=1, chunk_size=None), fresh_seed).double()
+    if chunk_size is not None:  # bound as the strategy would in one process: 4 chunks
+        module.bind_sequence_parallel(SequenceParallelContext(chunk_size=chunk_size, attention_backend="math"))
+    ref = _plain(module)
+    data = TokenDataset(2, SEQ, VOCAB, fresh_seed)
+    loss_sum, count = module.loss_terms(data.full_batch())
+    (loss_sum / count).backward()
+    result = {"loss": (loss_sum / count).detach(), "grads": {n: p.grad for n, p in module.named_parameters()}}
+    ref_loss, ref_grads = _mean_ce(ref, [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))])
+    assert_same_step([result], ref_loss, ref_grads, tol=1e-10, label=f"one process C{chunk_size} seed={fresh_seed}")
+
+
+def test_other_models_in_the_process_keep_their_attention(fresh_seed: int) -> None:
+    torch.manual_seed(fresh_seed)
+    config = _config("llama")
+    config._attn_implementation = "sdpa"
+    other = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    ids = torch.randint(0, VOCAB, (1, SEQ))
+    before = other(ids).logits
+    module = HFCausalLM(config)
+    later = AutoModelForCausalLM.from_config(_config("llama"), dtype=torch.float64)
+    assert module.model.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert other.config._attn_implementation == "sdpa" and config._attn_implementation == "sdpa"
+    assert later.config._attn_implementation != ATTN_IMPLEMENTATION
+    torch.testing.assert_close(other(ids).logits, before, rtol=0, atol=0)
+
+
+def test_parameters_keep_hf_names_and_export_with_save_pretrained(tmp_path, fresh_seed: int) -> None:
+    module = _module(Case("qwen2", sp=1, chunk_size=None), fresh_seed)
+    names = {n for n, _ in module.named_parameters()}
+    assert names == {f"model.{n}" for n, _ in module.model.named_parameters()}
+    assert "model.model.layers.0.self_attn.q_proj.weight" in names
+    module.save_pretrained(str(tmp_path))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert loaded.config._attn_implementation != ATTN_IMPLEMENTATION
+    for (n, p), (m, q) in zip(module.model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert n == m and torch.equal(p, q), n
+    assert module.attention_heads() == [(f"model.model.layers.{i}.self_attn", HEADS, 2) for i in range(2)]
+
+
+def test_model_from_a_local_path(tmp_path, fresh_seed: int) -> None:
+    module = _module(Case("llama", sp=1, chunk_size=None), fresh_seed)
+    module.save_pretrained(str(tmp_path))
+    again = HFCausalLM(str(tmp_path), from_pretrained_kwargs={"local_files_only": True})
+    for (n, p), (_, q) in zip(module.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
+# ---- refused features: a clear error at construction, naming the feature and the layer ----------------------
+
+REFUSED = {
+    "sliding-window": lambda: _config("mistral", sliding_window=4096),
+    "sliding-window-layer-types": lambda: _config("gemma3", sliding_window=512,
+                                                  layer_types=["full_attention", "sliding_attention"]),
+    "attention-logit softcapping": lambda: _config("gemma2", attn_logit_softcapping=50.0),
+    "bidirectional": lambda: _config("gemma3", use_bidirectional_attention=True, sliding_window=512),
+    "attention dropout": lambda: _config("llama", attention_dropout=0.1),
+    "attention sinks": lambda: GptOssConfig(num_local_experts=2, num_experts_per_tok=1, head_dim=8, layer_types=FULL,
+                                            sliding_window=None, **dict(SIZES, num_key_value_heads=2)),
+}
+MESSAGES = {
+    "sliding-window": r"layer model\.layers\.0\.self_attn .*sliding-window attention \(sliding_window=4096",
+    "sliding-window-layer-types": r"layer model\.layers\.1\.self_attn .*sliding-window attention",
+    "attention-logit softcapping": r"layers\.0\.self_attn .*attention-logit softcapping \(attn_logit_softcapping=50",
+    "bidirectional": r"layers\.0\.self_attn .*bidirectional attention \(is_causal=False\)",
+    "attention dropout": r"layers\.0\.self_attn .*attention dropout 0\.1",
+    "attention sinks": r"layers\.0\.self_attn .*attention sinks",
+}
+
+
+@pytest.mark.parametrize("feature", list(REFUSED))
+def test_unsupported_feature_raises_naming_it_and_the_layer(feature: str) -> None:
+    with pytest.raises(NotImplementedError, match=MESSAGES[feature]):
+        HFCausalLM(REFUSED[feature]())
+
+
+def test_unsupported_model_argument_raises() -> None:
+    with pytest.raises(TypeError, match="PreTrainedModel, a PretrainedConfig"):
+        HFCausalLM(3)  # type: ignore[arg-type]
