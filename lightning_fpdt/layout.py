@@ -311,7 +311,7 @@ def default_position_ids(batch_size: int, seq_len: int, device: torch.device | N
 
 
 def shard_batch(
-    batch: Mapping[str, Any],
+    batch: Mapping[str, Any] | Any,
     sp_size: int,
     sp_rank: int,
     chunk_size: int | None = None,
@@ -330,10 +330,20 @@ def shard_batch(
     in ``sequence_keys`` pass through untouched. ``documents`` is added: the batch's
     :class:`DocumentLayout` over the padded length, or ``None`` for plain sequences.
 
+    A batch that is not a mapping is returned as it is when ``sp_size == 1``.
+
     Raises:
+        TypeError: a batch that is not a mapping, with ``sp_size > 1`` (nothing says what to shard).
         ValueError: no ``input_ids``, ``input_ids`` not ``[batch, seq]``, a sequence shorter than
             ``sp_size``, or a sequence key whose leading dims differ from ``input_ids``'.
     """
+    if not isinstance(batch, Mapping):
+        if sp_size == 1:
+            return batch  # nothing to shard: the module gets it as it is
+        raise TypeError(
+            f"{owner}: sequence_parallel_size={sp_size} needs dict batches with 'input_ids' [batch, seq]"
+            f" to shard; got a {type(batch).__name__}."
+        )
     if "input_ids" not in batch:
         raise ValueError(
             f"{owner}: the batch has no 'input_ids'; its keys are {sorted(batch)}. Return a dict with"

@@ -35,7 +35,7 @@ import torch
 
 from lightning_fpdt.attention import kernels
 from lightning_fpdt.attention.kernels import BACKENDS
-from lightning_fpdt.block import attention_heads
+from lightning_fpdt.block import SequenceParallelContext, attention_heads
 from lightning_fpdt.comm import check_heads
 from lightning_fpdt.layout import DEFAULT_SEQUENCE_KEYS, validate_chunk_size
 
@@ -172,6 +172,15 @@ class FPDTOptions:
     def offload_block_inputs(self) -> bool:
         """Whether checkpointed block inputs go through the offloading store (``"on"`` and ``"emulate"``)."""
         return self.activation_checkpointing and self.offload_checkpoints != "off"
+
+    def context(self, group: Any, chunk_size: int | None, checkpoint_store: Any) -> SequenceParallelContext:
+        """The :class:`~lightning_fpdt.block.SequenceParallelContext` the strategy binds to the blocks:
+        ``"on"`` and ``"emulate"`` both run the offload schedule."""
+        return SequenceParallelContext(
+            group=group, chunk_size=chunk_size, attention_backend=self.attention_backend,
+            offload=self.offload_attention, activation_checkpointing=self.activation_checkpointing,
+            checkpoint_store=checkpoint_store,
+        )
 
     def memory_options(self, sequence_parallel_size: int, data_parallel_size: int) -> dict[str, Any]:
         """Keyword arguments of :func:`lightning_fpdt.memory.estimate` for these options.

@@ -56,26 +56,12 @@ class FPDTStrategy(DDPStrategy):
     token-weighted loss of :func:`lightning_fpdt.loss.token_weighted_loss` this is exactly the
     single-process gradient.
 
-    Args:
-        sequence_parallel_size: ranks per sequence-parallel group, or ``"auto"`` (the processes of a node).
-        chunk_size: global tokens per attention chunk, ``None`` (plain Ulysses) or ``"auto"`` (planned from
-            ``memory_budget``).
-        memory_budget: GiB per rank for ``chunk_size="auto"``.
-        attention_backend: ``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"``.
-        offload: keep attention chunks in host memory between uses (``True``, ``False``, ``"emulate"``).
-        activation_checkpointing: keep only each FPDT block's input for backward and recompute the block.
-        offload_checkpoints: keep those block inputs in host memory (``True``, ``False``, ``"emulate"``).
-        sequence_keys: batch keys that are ``[batch, seq, ...]`` tensors to pad and shard.
-        pad_token_id: id used to pad ``input_ids`` to the layout's multiple.
-        shard_parameters: FSDP2 over every rank instead of replicated parameters (DDP).
-        offload_optimizer: with ``shard_parameters``, the shards and the optimizer step in host memory.
-        nonfinite_loss: ``"raise"`` or ``"skip"`` when a loss or gradient is NaN/inf.
-        **kwargs: the usual :class:`~lightning.pytorch.strategies.DDPStrategy` arguments.
-
-    Each option is documented in full on :class:`lightning_fpdt.options.FPDTOptions`, which validates them.
-
-    Raises:
-        ValueError: for any argument that is wrong on its own.
+    Args: the fields of :class:`lightning_fpdt.options.FPDTOptions` (``sequence_parallel_size``,
+    ``chunk_size``, ``memory_budget``, ``attention_backend``, ``offload``, ``activation_checkpointing``,
+    ``offload_checkpoints``, ``sequence_keys``, ``pad_token_id``, ``shard_parameters``,
+    ``offload_optimizer``, ``nonfinite_loss``), each documented and validated there, then
+    :class:`~lightning.pytorch.strategies.DDPStrategy`'s (``process_group_backend``, ``timeout``,
+    ``start_method``, ``**kwargs``). A value that is wrong on its own raises ``ValueError`` here.
     """
 
     strategy_name = "fpdt"
@@ -173,11 +159,7 @@ class FPDTStrategy(DDPStrategy):
     @property
     def sequence_parallel_context(self) -> SequenceParallelContext:
         """What every FPDT block is bound to (the checkpoint store exists once ``setup`` ran)."""
-        return SequenceParallelContext(
-            group=self.sequence_parallel_group, chunk_size=self._active_chunk_size,
-            attention_backend=self._options.attention_backend, offload=self._options.offload_attention,
-            activation_checkpointing=self._options.activation_checkpointing, checkpoint_store=self._checkpoint_store,
-        )
+        return self._options.context(self.sequence_parallel_group, self._active_chunk_size, self._checkpoint_store)
 
     @property
     @override
@@ -241,7 +223,7 @@ class FPDTStrategy(DDPStrategy):
         count = bind_blocks(module, self.sequence_parallel_context)
         if log:
             check_has_blocks(module, count, self.sequence_parallel_size)  # layers made in configure_model
-            rank_zero_info(f"{PREFIX}bound {count} FPDT block(s) to the sequence-parallel group"
+            rank_zero_info(f"{PREFIX}bound {count} attention layer(s) to the sequence-parallel group"
                            f" (activation_checkpointing={self._options.activation_checkpointing},"
                            f" offload_checkpoints={self._options.offload_checkpoints!r})")
 
@@ -263,21 +245,13 @@ class FPDTStrategy(DDPStrategy):
 
     def shard_batch(self, batch: Any) -> Any:
         """This rank's part of a dict batch of whole sequences (see :func:`lightning_fpdt.layout.shard_batch`)."""
-        sp = self.sequence_parallel_size
-        if not isinstance(batch, Mapping):
-            if sp == 1:
-                return batch
-            raise TypeError(
-                f"{PREFIX}sequence_parallel_size={sp} needs dict batches with 'input_ids' [batch, seq]"
-                f" to shard; got a {type(batch).__name__}."
-            )
-        ids = batch.get("input_ids")
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
         if self._planner is not None and isinstance(ids, torch.Tensor):
             chunk = self._planner.chunk_size(self.lightning_module, ids.shape[0], ids.shape[-1])
             if chunk != self._active_chunk_size:  # the blocks follow the batch's layout
                 self._active_chunk_size = chunk
                 self._bind_blocks(self.lightning_module, log=False)
-        return shard_batch(batch, sp, self.sequence_parallel_rank, self._active_chunk_size,
+        return shard_batch(batch, self.sequence_parallel_size, self.sequence_parallel_rank, self._active_chunk_size,
                            self._options.sequence_keys, self._options.pad_token_id, owner="FPDTStrategy")
 
     # ---- training step and the non-finite policy ------------------------------------------------
@@ -324,15 +298,13 @@ class FPDTStrategy(DDPStrategy):
         replicated weights, a distributed-checkpoint directory with ``shard_parameters``."""
         checkpoint["fpdt"] = ckpt.records(ckpt.gather_rng_states(self.world_size), self._layout())
         target = str(self.broadcast(str(filepath)))
-        remote = ckpt.is_remote(target)
-        if not self._options.shard_parameters:
-            if remote or storage_options is not None or not isinstance(self.checkpoint_io, TorchCheckpointIO):
-                super().save_checkpoint(checkpoint, target, storage_options)  # the CheckpointIO decides
-            else:
-                self._on_rank_zero(lambda: ckpt.atomic_save(checkpoint, target), f"saving {target}")
-            return
-        token = self.broadcast(ckpt.new_token())
-        ckpt.save_sharded(checkpoint, target, token, self.barrier, self._on_rank_zero)
+        own_io = isinstance(self.checkpoint_io, TorchCheckpointIO) and storage_options is None
+        if self._options.shard_parameters:
+            ckpt.save_sharded(checkpoint, target, self.broadcast(ckpt.new_token()), self.barrier, self._on_rank_zero)
+        elif own_io and not ckpt.is_remote(target):
+            self._on_rank_zero(lambda: ckpt.atomic_save(checkpoint, target), f"saving {target}")
+        else:
+            super().save_checkpoint(checkpoint, target, storage_options)  # the CheckpointIO decides
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
