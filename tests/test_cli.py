@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_fpdt.cli import main as cli_main
 from lightning_fpdt.cli import own_message
 
 pytestmark = pytest.mark.distributed  # every test here starts several processes
@@ -59,6 +60,23 @@ def test_fit_logs_to_tensorboard_and_profiles(tmp_path: Path) -> None:
         assert name in text, f"{name} not in the profiler traces"
 
 
+def fpdt_train_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """``fpdt-train`` in this process, for runs that end before any process is launched (bad configuration,
+    ``--print_config``): saves an interpreter start per test. Returns the exit code, stdout and stderr, with
+    an uncaught exception or ``SystemExit`` message in stderr as the interpreter would print it."""
+    monkeypatch.setattr(sys, "argv", ["fpdt-train", *args])
+    code, message = 0, ""
+    try:
+        cli_main()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+        message = "" if isinstance(exit_.code, int) or exit_.code is None else str(exit_.code)
+    except Exception as err:
+        code, message = 1, f"{type(err).__name__}: {err}"
+    out = capsys.readouterr()
+    return code, out.out, out.err + message
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -70,24 +88,24 @@ def test_fit_logs_to_tensorboard_and_profiles(tmp_path: Path) -> None:
     ],
     ids=["unknown-strategy-option", "missing-data-file"],
 )
-def test_bad_configuration_is_reported(tmp_path: Path, args: list[str], message: str) -> None:
-    proc = fpdt_train("fit", "--config", str(TINY), *args, cwd=tmp_path, timeout=120)
-    assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr[-3000:]
+def test_bad_configuration_is_reported(monkeypatch, capsys, args: list[str], message: str) -> None:
+    code, _, err = fpdt_train_here(monkeypatch, capsys, "fit", "--config", str(TINY), *args)
+    assert code != 0
+    assert message in err, err[-3000:]
 
 
-def test_bad_yaml_is_reported(tmp_path: Path) -> None:
+def test_bad_yaml_is_reported(tmp_path: Path, monkeypatch, capsys) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  max_steps: [1, 2\n")
-    proc = fpdt_train("fit", "--config", str(bad), cwd=tmp_path, timeout=120)
-    assert proc.returncode != 0
-    assert "bad.yaml' is not valid YAML" in proc.stderr and "line 2" in proc.stderr, proc.stderr[-3000:]
+    code, _, err = fpdt_train_here(monkeypatch, capsys, "fit", "--config", str(bad))
+    assert code != 0
+    assert "bad.yaml' is not valid YAML" in err and "line 2" in err, err[-3000:]
 
 
-def test_print_config(tmp_path: Path) -> None:
-    proc = fpdt_train("fit", "--config", str(TINY), "--print_config", cwd=tmp_path, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "class_path: lightning_fpdt.FPDTStrategy" in proc.stdout and "chunk_size: 128" in proc.stdout
+def test_print_config(monkeypatch, capsys) -> None:
+    code, out, err = fpdt_train_here(monkeypatch, capsys, "fit", "--config", str(TINY), "--print_config")
+    assert code == 0, err[-3000:]
+    assert "class_path: lightning_fpdt.FPDTStrategy" in out and "chunk_size: 128" in out
 
 
 def test_fit_prints_the_memory_estimate_and_resolves_auto_chunks(tmp_path: Path) -> None:
@@ -203,11 +221,12 @@ def torch_equal(a, b) -> bool:
     return torch.equal(a, b)
 
 
-def test_a_corrupt_checkpoint_names_the_file_and_never_advises_unsafe_loading(tmp_path: Path) -> None:
+def test_a_corrupt_checkpoint_names_the_file_and_never_advises_unsafe_loading(tmp_path: Path, monkeypatch,
+                                                                             capsys) -> None:
     bad = tmp_path / "broken.ckpt"
     bad.write_bytes(b"PK\x03\x04 not a whole checkpoint")
-    proc = fpdt_train("fit", "--config", str(TINY), "--trainer.max_steps=1", "--trainer.logger=false",
-                      "--ckpt_path", str(bad), cwd=tmp_path, timeout=180)
-    assert proc.returncode != 0
-    assert f"the checkpoint {bad} is truncated or corrupt" in proc.stderr, proc.stderr[-3000:]
-    assert "weights_only=False" not in proc.stderr and "weights_only set to False" not in proc.stderr
+    code, _, err = fpdt_train_here(monkeypatch, capsys, "fit", "--config", str(TINY), "--trainer.max_steps=1",
+                                   "--trainer.logger=false", "--ckpt_path", str(bad))
+    assert code != 0
+    assert f"the checkpoint {bad} is truncated or corrupt" in err, err[-3000:]
+    assert "weights_only=False" not in err and "weights_only set to False" not in err
