@@ -5,6 +5,10 @@
     python benchmarks/training.py --device cuda     # one process per GPU (NCCL), bf16, + longest sequence
 
 Model: Llama-style, hidden 512, 8 heads (4 KV heads), 4 layers, vocabulary 32000, float32, batch 1.
+``--models llama hf`` runs each variant for the project's own ``LlamaLM`` and for
+``HFCausalLM(transformers.LlamaForCausalLM)`` of the same shape, with the same strategy options (the
+HF model's attention through the FPDT pipeline, its MLPs tiled and decoder layers checkpointed by
+``lightning_fpdt.models.hf_layers``).
 Variants (``--variants``):
 
 - ``single``: one process, no sequence parallelism (plain model, no tiling, no checkpointing);
@@ -51,15 +55,16 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, run_on_ranks
 
-from lightning_fpdt.block import SequenceParallelContext, fpdt_blocks
+from lightning_fpdt.block import SequenceParallelContext, bind_blocks
 from lightning_fpdt.checkpointing import new_checkpoint_store
 from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.memory import ModelShape, estimate
 from lightning_fpdt.memtrack import peak_step_bytes
-from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.models import CausalLM, Llama, LlamaConfig, LlamaLM
 
 VARIANTS = ("single", "ulysses", "fpdt", "fpdt_full")
+MODELS = ("llama", "hf")
 OOM_EXIT = 75  # exit status of a rank that ran out of memory in the longest-sequence search
 
 
@@ -81,10 +86,35 @@ def offloads(variant: str, args: argparse.Namespace) -> bool:
     return args.device == "cuda" and variant in ("fpdt", "fpdt_full")
 
 
-def estimated_peak(variant: str, seq: int, world: int, args: argparse.Namespace) -> int:
+def build(model: str, config: LlamaConfig) -> CausalLM:
+    """The project's ``LlamaLM`` of ``config``, or ``HFCausalLM`` around a transformers Llama of the same
+    shape with the same tiling (``model="hf"``)."""
+    if model == "llama":
+        return LlamaLM(config)
+    import transformers  # optional extra, needed only for --models hf
+
+    from lightning_fpdt.models import HFCausalLM
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, rope_theta=config.rope_theta, max_position_embeddings=1 << 22,
+    )
+    return HFCausalLM(hf_config, mlp_tiles=config.mlp_tiles, loss_tiles=config.loss_tiles)
+
+
+def flops_per_token(config: LlamaConfig, seq: int) -> float:
+    """Model FLOPs per token of a Llama of ``config`` (the same for both ``--models``)."""
+    with torch.device("meta"):
+        return Llama(config).flops_per_token(seq)
+
+
+def estimated_peak(variant: str, seq: int, world: int, args: argparse.Namespace, model: str = "llama") -> int:
     """``lightning_fpdt.memory``'s device peak for this variant (the measured column's counterpart)."""
     tiled, cuda = variant == "fpdt_full", args.device == "cuda"
-    return estimate(ModelShape.from_config(model_config(variant, args)), seq, sequence_parallel_size=world,
+    with torch.device("meta"):
+        shape, _ = ModelShape.from_module(build(model, model_config(variant, args)))
+    return estimate(shape, seq, sequence_parallel_size=world,
                     chunk_size=chunk_size(variant, seq, world, args), mlp_tiled=tiled, loss_tiled=tiled,
                     activation_checkpointing=tiled, offload=offloads(variant, args),
                     offload_checkpoints=offloads(variant, args) and tiled,
@@ -121,13 +151,15 @@ def _sync(device: str) -> None:
 
 
 def _setup(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace, config: LlamaConfig | None = None,
-           backend: str | None = None) -> tuple[LlamaLM, torch.optim.Optimizer, Any]:
+           backend: str | None = None, model: str = "llama") -> tuple[CausalLM, torch.optim.Optimizer, Any]:
     """The model bound to this variant's FPDT options, its optimizer, and a step function."""
     group = dist.group.WORLD if world > 1 else None
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    module = LlamaLM(config or model_config(variant, args)).to(device)
+    mixed = cuda and config is None  # the correctness check (an explicit config) runs in float32
+    config = config or model_config(variant, args)
+    module = build(model, config).to(device)
     chunk = chunk_size(variant, seq, world, args)
     full = variant == "fpdt_full"
     context = SequenceParallelContext(
@@ -135,14 +167,13 @@ def _setup(rank: int, world: int, variant: str, seq: int, args: argparse.Namespa
         offload=offloads(variant, args),
         checkpoint_store=new_checkpoint_store(device) if offloads(variant, args) and full else None,
     )
-    for index, (_, block) in enumerate(fpdt_blocks(module)):
-        block.bind(context, layer_index=index)
+    bind_blocks(module, context)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(seq)
-    ids = torch.randint(0, module.model.config.vocab_size, (1, seq), generator=g)
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=g)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v  # "documents" may be None
              for k, v in shard_batch({"input_ids": ids}, world, rank, chunk).items()}
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and config is None else contextlib.nullcontext()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
 
     def step(update: bool = True) -> torch.Tensor:
         """One training step; without ``update`` the synchronised gradients stay in ``.grad``."""
@@ -161,8 +192,8 @@ def _setup(rank: int, world: int, variant: str, seq: int, args: argparse.Namespa
     return module, optimizer, step
 
 
-def _run(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace) -> dict:
-    module, optimizer, step = _setup(rank, world, variant, seq, args)
+def _run(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace, model: str = "llama") -> dict:
+    module, optimizer, step = _setup(rank, world, variant, seq, args, model=model)
     cuda = args.device == "cuda"
     if cuda:
         step()  # warm-up (optimizer state, kernels)
@@ -185,7 +216,7 @@ def _run(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace
     if world > 1:
         dist.barrier()
     seconds = (time.perf_counter() - start) / args.repeats
-    flops = module.model.flops_per_token(seq) * seq / world / seconds  # per process
+    flops = flops_per_token(model_config(variant, args), seq) * seq / world / seconds  # per process
     return {"rss": rss_peak, "tensors": tensor_peak, "seconds": seconds, "flops": flops}
 
 
@@ -269,6 +300,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--models", nargs="+", default=["llama"], choices=MODELS,
+                        help="llama: the project's LlamaLM; hf: HFCausalLM(transformers.LlamaForCausalLM)")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
@@ -310,26 +343,29 @@ def main() -> None:
                                                      for b, (loss, grad) in errors.items()), flush=True)
     if max(max(e) for e in errors.values()) > 1e-4:
         raise SystemExit(f"FPDT on {args.device} does not match the plain model: not measuring.")
-    results: dict[tuple[str, int], dict] = {}
-    for variant in args.variants:
+    results: dict[tuple[str, str, int], dict] = {}
+    runs = [(model, variant) for variant in args.variants for model in args.models]
+    for model, variant in runs:
         world = 1 if variant == "single" else args.world
         for seq in args.seq:
-            results[(variant, seq)] = run_on_ranks(_run, world, variant, seq, args, backend=comm)
-            r = results[(variant, seq)]
-            print(f"  {variant} S={seq}: {r['seconds']:.2f} s/step, rss +{r['rss'] / 2**20:.0f} MiB", flush=True)
+            results[(model, variant, seq)] = r = run_on_ranks(_run, world, variant, seq, args, model, backend=comm)
+            print(f"  {model} {variant} S={seq}: {r['seconds']:.2f} s/step, rss +{r['rss'] / 2**20:.0f} MiB",
+                  flush=True)
     rows = []
     lo, hi = min(args.seq), max(args.seq)
-    for variant in args.variants:
+    for model, variant in runs:
         world = 1 if variant == "single" else args.world
-        slope_rss = (results[(variant, hi)]["rss"] - results[(variant, lo)]["rss"]) / ((hi - lo) / world)
-        slope_t = (results[(variant, hi)]["tensors"] - results[(variant, lo)]["tensors"]) / ((hi - lo) / world)
+        low, high = results[(model, variant, lo)], results[(model, variant, hi)]
+        slope_rss = (high["rss"] - low["rss"]) / ((hi - lo) / world)
+        slope_t = (high["tensors"] - low["tensors"]) / ((hi - lo) / world)
         for seq in args.seq:
-            r = results[(variant, seq)]
-            est = estimated_peak(variant, seq, world, args)
-            rows.append([variant, seq, world, seq / r["seconds"], r["rss"] / 2**20, r["tensors"] / 2**20,
+            r = results[(model, variant, seq)]
+            est = estimated_peak(variant, seq, world, args, model)
+            rows.append([model, variant, seq, world, seq / r["seconds"], r["rss"] / 2**20, r["tensors"] / 2**20,
                          est / 2**20, f"{est / r['tensors']:.2f}", slope_rss / 1024, slope_t / 1024,
                          f"{100 * r['flops'] / peak_flops[world]:.1f}%"])
-    print_table(["variant", "seq", "procs", "tokens/s", "peak reserved MiB/rank" if cuda else "peak RSS MiB/rank",
+    print_table(["model", "variant", "seq", "procs", "tokens/s",
+                 "peak reserved MiB/rank" if cuda else "peak RSS MiB/rank",
                  "peak tensors MiB/rank", "estimate MiB", "estimate/tensors",
                  "reserved KiB/token" if cuda else "RSS KiB/token", "tensors KiB/token", "MFU" if cuda else "CPU MFU"],
                 rows)

@@ -23,15 +23,18 @@ from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.checkpointing import checkpointed_forward, new_checkpoint_store
 from lightning_fpdt.comm import check_heads, group_size
 from lightning_fpdt.layout import DocumentLayout
+from lightning_fpdt.mlp import TiledMLP
 from lightning_fpdt.offload import ChunkStore, OffloadStats
 from lightning_fpdt.rope import RotaryEmbedding, rotate_half
 
 # re-exported: the strategy, the benchmarks and the models import these from here
 __all__ = [
     "BlockRecord",
+    "DecoderLayer",
     "SequenceParallelAttention",
     "attention_heads",
     "bind_blocks",
+    "decoder_layers",
     "FPDTAttention",
     "FPDTBlock",
     "RotaryEmbedding",
@@ -240,11 +243,43 @@ def fpdt_blocks(module: nn.Module) -> list[tuple[str, FPDTBlock]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, FPDTBlock)]
 
 
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One decoder layer as the strategy and the memory model see it: the unit of activation
+    checkpointing and of FSDP2 sharding, and the sizes the memory model reads.
+
+    Attributes:
+        name: the layer's module name in the model.
+        module: the layer (an :class:`FPDTBlock`, a Hugging Face decoder layer, ...).
+        hidden_size: width of its input and output.
+        n_heads: query heads of its attention.
+        n_kv_heads: key/value heads.
+        head_dim: per-head width of q, k and v.
+        mlp: its MLP as written (inside any tiling); ``None`` if it has no MLP module.
+        mlp_tiled: whether the MLP runs in recomputed sequence tiles.
+        norms: its norm modules (LayerNorm keeps only its input for backward; RMSNorm also its output).
+        chunked_projections: q/k/v are projected chunk by chunk inside the attention pipeline
+            (``FPDTBlock``) rather than for the whole local sequence before it (Hugging Face layers).
+    """
+
+    name: str
+    module: nn.Module
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    mlp: nn.Module | None
+    mlp_tiled: bool
+    norms: tuple[nn.Module, ...]
+    chunked_projections: bool = True
+
+
 @runtime_checkable
 class SequenceParallelAttention(Protocol):
     """A module other than :class:`FPDTBlock` whose attention runs through the FPDT pipeline once bound
     (e.g. :class:`lightning_fpdt.models.HFCausalLM`, which routes a Hugging Face model's attention).
-    The strategy binds it to the sequence-parallel context and checks its head counts like a block's."""
+    The strategy binds it to the sequence-parallel context and checks its head counts like a block's,
+    shards its decoder layers with FSDP2, and the memory model reads them."""
 
     def bind_sequence_parallel(self, context: SequenceParallelContext) -> None: ...
 
@@ -252,11 +287,32 @@ class SequenceParallelAttention(Protocol):
         """``(layer name, n_heads, n_kv_heads)`` of every attention layer it routes."""
         ...
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """Its decoder layers, in forward order."""
+        ...
+
 
 def sequence_parallel_attention(module: nn.Module) -> list[tuple[str, SequenceParallelAttention]]:
     """``(name, module)`` of every :class:`SequenceParallelAttention` in ``module`` (itself included)."""
     return [(name, m) for name, m in module.named_modules()
             if isinstance(m, SequenceParallelAttention) and not isinstance(m, FPDTBlock)]
+
+
+def decoder_layers(module: nn.Module) -> list[DecoderLayer]:
+    """Every decoder layer of ``module``: its :class:`FPDTBlock` s and the layers of its
+    :class:`SequenceParallelAttention` modules, in module order."""
+    layers = []
+    for name, block in fpdt_blocks(module):
+        attn, mlp = block.attention, block.mlp
+        tiled = isinstance(mlp, TiledMLP)
+        layers.append(DecoderLayer(
+            name=name, module=block, hidden_size=attn.q_proj.in_features, n_heads=attn.n_heads,
+            n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, mlp=mlp.mlp if tiled else mlp,
+            mlp_tiled=tiled and mlp.num_tiles != 1, norms=(block.attention_norm, block.mlp_norm),
+        ))
+    for _, m in sequence_parallel_attention(module):
+        layers += m.decoder_layers()
+    return layers
 
 
 def attention_heads(module: nn.Module) -> list[tuple[str, int, int]]:

@@ -1,4 +1,5 @@
-"""Activation checkpointing of FPDT blocks, the checkpoint optionally kept in host memory.
+"""Activation checkpointing of decoder layers (FPDT blocks, Hugging Face decoder layers), the checkpoint
+optionally kept in host memory.
 
 A checkpointed block keeps only its input for backward and recomputes itself there. With a
 checkpoint store (``SequenceParallelContext.checkpoint_store``) the input goes into that
@@ -17,10 +18,11 @@ context is freed.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.layout import DocumentLayout
@@ -50,8 +52,23 @@ def checkpointed_forward(
 
     ``x`` ``[batch, s_local, hidden]``, ``position_ids`` ``[batch, s_local]``; returns like ``x``.
     """
-    params = [p for p in block.parameters() if p.requires_grad]
-    return _CheckpointedBlock.apply(x, position_ids, documents, block, *params)
+    return checkpointed_call(block, lambda t: block.block_forward(t, position_ids, documents), x,
+                             block.context.checkpoint_store)
+
+
+def checkpointed_call(
+    module: nn.Module, run: Callable[[Tensor], Tensor], x: Tensor, store: ChunkStore | None = None
+) -> Tensor:
+    """``run(x)`` keeping only ``x`` for backward (in ``store`` when given, else in the autograd graph) and
+    recomputing ``run`` there.
+
+    ``module`` owns every parameter ``run`` uses (their gradients are returned once per backward, as DDP's
+    reducer and FSDP's hooks expect); anything else ``run`` reads (position ids, rotary tables, documents)
+    must need no gradient and stay unchanged until backward. ``x`` ``[batch, s_local, hidden]``; ``run``
+    returns one tensor.
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    return _Checkpointed.apply(x, module, run, store, *params)
 
 
 def _previous_checkpoint(store: ChunkStore, key: Key) -> Key | None:
@@ -60,21 +77,21 @@ def _previous_checkpoint(store: ChunkStore, key: Key) -> Key | None:
     return max(earlier, key=lambda k: k[1], default=None)
 
 
-class _CheckpointedBlock(torch.autograd.Function):
-    """Activation checkpointing of one block: only its input is kept (optionally on the host).
+class _Checkpointed(torch.autograd.Function):
+    """Activation checkpointing of one layer: only its input is kept (optionally in a host store).
 
-    The block's parameters are explicit inputs and their gradients are returned, so each is
+    The layer's parameters are explicit inputs and their gradients are returned, so each is
     produced once per backward (DDP's reducer and FSDP hooks see one gradient per parameter).
     """
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None, block: FPDTBlock, *params: Tensor
+        ctx: Any, x: Tensor, module: nn.Module, run: Callable[[Tensor], Tensor], store: ChunkStore | None,
+        *params: Tensor,
     ) -> Tensor:
         with torch.no_grad():
-            y = block.block_forward(x, position_ids, documents)
-        store = block.context.checkpoint_store
-        ctx.block, ctx.store, ctx.documents = block, store, documents
+            y = run(x)
+        ctx.module, ctx.run, ctx.store = module, run, store
         ctx.autocast = AutocastState.capture(x.device.type)
         ctx.x_requires_grad = x.requires_grad
         if store is not None:
@@ -82,26 +99,24 @@ class _CheckpointedBlock(torch.autograd.Function):
             store.put(ctx.key, x.detach())
             # no backward will come if the graph is dropped: give the checkpoint back then
             ctx.release = weakref.finalize(ctx, store.delete_later, ctx.key)
-            ctx.save_for_backward(position_ids)
         else:
-            ctx.save_for_backward(position_ids, x)
+            ctx.save_for_backward(x)
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:
-        block, store = ctx.block, ctx.store
+        store = ctx.store
         if store is not None:
-            (position_ids,) = ctx.saved_tensors
             x = store.get(ctx.key)
             previous = _previous_checkpoint(store, ctx.key)
-            if previous is not None:  # its backward runs next: fetch its input while this block recomputes
+            if previous is not None:  # its backward runs next: fetch its input while this layer recomputes
                 store.prefetch(previous)
         else:
-            position_ids, x = ctx.saved_tensors
-        params = [p for p in block.parameters() if p.requires_grad]
+            (x,) = ctx.saved_tensors
+        params = [p for p in ctx.module.parameters() if p.requires_grad]
         x = x.detach().requires_grad_(ctx.x_requires_grad)
         with torch.enable_grad(), ctx.autocast.restore():
-            y = block.block_forward(x, position_ids, ctx.documents)
+            y = ctx.run(x)
             inputs = [x, *params] if ctx.x_requires_grad else params
             grads = list(torch.autograd.grad(y, inputs, dy, allow_unused=True))
         if store is not None:

@@ -10,6 +10,7 @@ reducer and FSDP expect), never accumulated from a nested backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,14 +36,15 @@ def tile_bounds(length: int, num_tiles: int) -> list[tuple[int, int]]:
 
 class _TiledFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, module: nn.Module, num_tiles: int, *params: Tensor) -> Tensor:
-        ctx.module, ctx.num_tiles = module, num_tiles
+    def forward(ctx: Any, x: Tensor, module: nn.Module, run: Callable[[Tensor], Tensor], num_tiles: int,
+                *params: Tensor) -> Tensor:
+        ctx.module, ctx.run, ctx.num_tiles = module, run, num_tiles
         ctx.autocast = AutocastState.capture(x.device.type)
         ctx.save_for_backward(x)
         out = None
         for lo, hi in tile_bounds(x.shape[1], num_tiles):
             with record("fpdt/mlp_tile"):
-                y = module(x[:, lo:hi])
+                y = run(x[:, lo:hi])
             if out is None:
                 out = y.new_empty(x.shape[0], x.shape[1], *y.shape[2:])
             out[:, lo:hi] = y
@@ -57,7 +59,7 @@ class _TiledFunction(torch.autograd.Function):
         for lo, hi in tile_bounds(x.shape[1], ctx.num_tiles):
             x_tile = x[:, lo:hi].detach().requires_grad_(x.requires_grad)
             with torch.enable_grad(), ctx.autocast.restore(), record("fpdt/mlp_tile_backward"):
-                y = ctx.module(x_tile)
+                y = ctx.run(x_tile)
                 inputs = [x_tile, *params] if x.requires_grad else params
                 grads = torch.autograd.grad(y, inputs, grad[:, lo:hi], allow_unused=True)
             if x.requires_grad:
@@ -66,10 +68,20 @@ class _TiledFunction(torch.autograd.Function):
             for i, g in enumerate(grads):
                 if g is not None:
                     dparams[i] = g if dparams[i] is None else dparams[i].add_(g)
-        # gradients for (x, module, num_tiles, *params) in the order forward received them
+        # gradients for (x, module, run, num_tiles, *params) in the order forward received them
         all_params = list(ctx.module.parameters())
         by_param = {id(p): g for p, g in zip(params, dparams)}
-        return (dx if x.requires_grad else None, None, None, *(by_param.get(id(p)) for p in all_params))
+        return (dx if x.requires_grad else None, None, None, None, *(by_param.get(id(p)) for p in all_params))
+
+
+def tiled_call(module: nn.Module, x: Tensor, num_tiles: int, run: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """``run(x)`` (default ``module(x)``) over ``x`` ``[batch, seq, ...]`` in ``num_tiles`` sequence tiles,
+    keeping only ``x`` for backward, where each tile is recomputed; ``module`` owns the parameters ``run``
+    uses. Without grad mode the tiles run and nothing is saved."""
+    run = module if run is None else run
+    if not torch.is_grad_enabled():
+        return _TiledFunction.forward(_NoCtx(), x, module, run, num_tiles)  # inference: tiles, nothing saved
+    return _TiledFunction.apply(x, module, run, num_tiles, *module.parameters())
 
 
 class TiledMLP(nn.Module):
@@ -100,9 +112,7 @@ class TiledMLP(nn.Module):
             return self.mlp(x)
         # automatic tiling may pick one tile for a short shard: still recomputed, nothing kept
         tiles = self.num_tiles if self.num_tiles is not None else self.auto_tiles(x.shape[1], x.shape[-1])
-        if not torch.is_grad_enabled():
-            return _TiledFunction.forward(_NoCtx(), x, self.mlp, tiles)  # inference: tiles, nothing saved
-        return _TiledFunction.apply(x, self.mlp, tiles, *self.mlp.parameters())
+        return tiled_call(self.mlp, x, tiles)
 
 
 class _NoCtx:

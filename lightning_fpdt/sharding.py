@@ -5,9 +5,10 @@ state instead of all of it (DDP). The mesh is the whole world, data x sequence p
 sequence-parallel ranks of one sample compute gradients of the same parameters from different tokens,
 so they reduce exactly like data-parallel ranks do.
 
-Order matters: each FPDT block is sharded first (its parameters are gathered just before the block
-runs and freed after it, so one block's full weights live at a time), the LightningModule last (the
-rest: embeddings, final norm, output projection). Activation checkpointing and block binding happen
+Order matters: each decoder layer (FPDT block, or Hugging Face decoder layer of ``HFCausalLM``) is
+sharded first (its parameters are gathered just before the layer runs and freed after it, so one
+layer's full weights live at a time), the LightningModule last (the rest: embeddings, final norm,
+output projection). Activation checkpointing and block binding happen
 before (in ``FPDTStrategy.setup``), so the checkpointed recomputation runs inside the block's FSDP
 hooks and re-gathers its parameters in backward.
 """
@@ -30,7 +31,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from lightning_fpdt.block import fpdt_blocks
+from lightning_fpdt.block import decoder_layers
 
 # Lightning calls these instead of forward: FSDP must gather the root's parameters around them
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -70,7 +71,7 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 
 def shard_module(module: pl.LightningModule, mesh: DeviceMesh, precision: str, offload_optimizer: bool) -> None:
-    """Apply ``fully_shard`` to every FPDT block of ``module`` and then to ``module`` itself.
+    """Apply ``fully_shard`` to every decoder layer of ``module`` and then to ``module`` itself.
 
     A module sharded by an earlier fit/validate in the same process is left as it is.
 
@@ -86,8 +87,8 @@ def shard_module(module: pl.LightningModule, mesh: DeviceMesh, precision: str, o
         mesh=mesh, mp_policy=mixed_precision_policy(precision),
         offload_policy=CPUOffloadPolicy() if offload_optimizer else OffloadPolicy(),
     )
-    for _, block in fpdt_blocks(module):
-        fully_shard(block, **options)
+    for layer in decoder_layers(module):
+        fully_shard(layer.module, **options)
     fully_shard(module, **options)
     for name in STEP_METHODS:
         register_fsdp_forward_method(module, name)

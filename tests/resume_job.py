@@ -1,7 +1,10 @@
 """A small training run for the crash/resume tests (tests/test_resume.py), run as its own process group.
 
     python tests/resume_job.py --out DIR --dp 1 --sp 2 --max-steps 12 [--shard] [--resume latest|PATH]
-        [--die-at-step N] [--die-in-save-at-step N]
+        [--die-at-step N] [--die-in-save-at-step N] [--model hf] [--checkpointing]
+
+``--model hf`` trains ``HFCausalLM`` around a transformers Llama of the same tiny shape (tiled MLP and
+loss); ``--checkpointing`` adds activation checkpointing with host-offload emulation.
 
 Checkpoints every 2 steps into ``DIR/ckpt`` (``step=N.ckpt``) and at every epoch's end into
 ``DIR/epoch_ckpt`` (``epoch=E.ckpt``); the loader has 8 samples, so 12 steps at dp=1 cross an epoch.
@@ -108,6 +111,8 @@ def main() -> None:
     parser.add_argument("--skip-nonfinite", action="store_true", help="nonfinite_loss='skip'")
     parser.add_argument("--stream", action="store_true", help="an IterableDataset without __len__")
     parser.add_argument("--max-steps", type=int, default=12)
+    parser.add_argument("--model", choices=["llama", "hf"], default="llama")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing, offload emulated")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--die-at-step", type=int, default=None)
     parser.add_argument("--die-in-save-at-step", type=int, default=None)
@@ -121,7 +126,19 @@ def main() -> None:
     L.seed_everything(1234)
     config = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=2, hidden_size=32, intermediate_size=64,
                               vocab_size=64)
-    module = LlamaLM(config, learning_rate=3e-3, warmup_steps=2)
+    if args.model == "hf":
+        import transformers  # the optional extra, only for this model
+
+        from lightning_fpdt.models import HFCausalLM
+
+        hf_config = transformers.LlamaConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+        )
+        module = HFCausalLM(hf_config, mlp_tiles=2, loss_tiles=3, learning_rate=3e-3, warmup_steps=2)
+    else:
+        module = LlamaLM(config, learning_rate=3e-3, warmup_steps=2)
     data = TokenDataset(8, 24, config.vocab_size, seed=7)  # 8 batches per epoch at dp=1: runs cross epochs
     if args.stream:
         loader = torch.utils.data.DataLoader(Stream(data, seed=5), batch_size=args.batch)
@@ -131,6 +148,8 @@ def main() -> None:
         accelerator="cpu", devices=args.dp * args.sp, precision="64-true", max_steps=args.max_steps,
         strategy=FPDTStrategy(sequence_parallel_size=args.sp, chunk_size=args.chunk_size, attention_backend="math",
                               shard_parameters=args.shard, start_method="fork",
+                              activation_checkpointing=args.checkpointing,
+                              offload_checkpoints="emulate" if args.checkpointing else False,
                               nonfinite_loss="skip" if args.skip_nonfinite else "raise"),
         callbacks=[ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1),
                    # and one at the end of every epoch (saved in on_train_epoch_end)

@@ -52,11 +52,16 @@ def test_attention_benchmark_smoke() -> None:
 
 
 def test_training_benchmark_smoke() -> None:
-    # one variant (each (variant, length) runs in fresh processes, which is what costs time here), two
-    # lengths for the memory slopes, and the longest-sequence search up to one probe past them
+    # two variants, both models, two lengths for the memory slopes, and the longest-sequence search up to
+    # one probe past them (CPU ranks are forked, so each fresh process group costs little)
     out = _run("training.py", "--seq", "128", "256", "--hidden", "64", "--heads", "4", "--layers", "1",
-               "--vocab", "256", "--repeats", "1", "--variants", "fpdt_full", "--find-longest",
-               "--longest-limit", "512")
+               "--vocab", "256", "--repeats", "1", "--variants", "ulysses", "fpdt_full", "--models", "llama", "hf",
+               "--find-longest", "--longest-limit", "512")
     assert "correctness on CPU" in out
-    assert "| fpdt_full | 128 " in out and "| fpdt_full | 256 " in out
+    rows = {(r[0], r[1], r[2]): r for r in _table_rows(out)}
+    for model in ("llama", "hf"):
+        for variant in ("ulysses", "fpdt_full"):
+            for seq in ("128", "256"):
+                row = rows[(model, variant, seq)]
+                assert float(row[4]) > 0 and float(row[6]) > 0 and float(row[7]) > 0, row  # tokens/s, tensors, estimate
     assert "| fpdt_full | 2     | 512 " in out  # the longest-sequence search reached its limit

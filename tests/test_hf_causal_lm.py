@@ -19,6 +19,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 from transformers import (
     AttentionInterface,
@@ -29,11 +30,13 @@ from transformers import (
     GptOssConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Olmo2Config,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
@@ -149,41 +152,66 @@ class Case:
     chunk_size: int | None
     kv_heads: int = 2
     offload: bool | Literal["emulate"] = False
+    stack: bool = False  # the memory stack: tiled MLP and loss, checkpointing with offload emulation, FSDP2
 
     @property
     def name(self) -> str:
         return "-".join([self.family, f"sp{self.sp}", f"C{self.chunk_size}", f"kv{self.kv_heads}"]
-                        + (["offload"] if self.offload else []))
+                        + (["offload"] if self.offload else []) + (["stack"] if self.stack else []))
 
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "gpt_neox", "gemma2", "gemma3"]
+
+
+def _kv(family: str, kv_heads: int) -> int:
+    return HEADS if family == "gpt_neox" else kv_heads  # GPT-NeoX has multi-head attention only
+
+
 CASES = [
-    # every family: sequence parallel over 2 ranks, 4 chunks of 8 tokens
-    *[Case(f, sp=2, chunk_size=8, kv_heads=HEADS if f == "gpt_neox" else 2) for f in FAMILIES],
-    Case("llama", sp=2, chunk_size=8, kv_heads=1),  # kv heads < sp: replicated
-    Case("qwen3", sp=4, chunk_size=16, kv_heads=2),  # sp=4, kv heads < sp
+    # every family: sp=2 with kv heads < sp (GPT-NeoX: multi-head), 4 chunks of 8 tokens, offload emulation
+    *[Case(f, sp=2, chunk_size=8, kv_heads=_kv(f, 1), offload="emulate") for f in FAMILIES],
+    # every family: sp=4 (kv heads < sp), 2 chunks of 16 tokens
+    *[Case(f, sp=4, chunk_size=16, kv_heads=_kv(f, 2)) for f in FAMILIES],
     Case("gemma2", sp=4, chunk_size=None, kv_heads=1),  # plain Ulysses, softcapped logits
-    Case("mistral", sp=2, chunk_size=8, offload="emulate"),
-    Case("gpt_neox", sp=4, chunk_size=8, kv_heads=HEADS, offload="emulate"),
+    # the memory stack, for a GQA family, one with q/k norms, one with a GeLU MLP and parallel residual, one
+    # with a fused gate-up MLP, and Gemma-2's softcapped loss in tiles
+    *[Case(f, sp=2, chunk_size=8, kv_heads=_kv(f, 1), offload="emulate", stack=True)
+      for f in ("llama", "qwen3", "gpt_neox", "phi3", "gemma2")],
 ]
+
+MLP_TILES, LOSS_TILES = 3, 5  # uneven tiles of a rank's 16 tokens (2 x 16 for the loss)
 
 
 def _module(case: Case, seed: int) -> HFCausalLM:
-    module = HFCausalLM(_config(case.family, case.kv_heads), learning_rate=1e-3, warmup_steps=1)
+    tiles = dict(mlp_tiles=MLP_TILES, loss_tiles=LOSS_TILES) if case.stack else dict(mlp_tiles=1, loss_tiles=1)
+    module = HFCausalLM(_config(case.family, case.kv_heads), learning_rate=1e-3, warmup_steps=1, **tiles)
     _redraw(module.model, seed)
     return module
 
 
-def _fit(module: HFCausalLM, data: Dataset, sp: int, chunk_size: int | None, offload: Any, tmp_path) -> list[dict]:
+class CaptureStack(CaptureStep):
+    """Also records what the memory stack did: which decoder layers FSDP2 sharded, and the bytes of layer
+    checkpoints this rank's store copied to the host."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        store = trainer.strategy._checkpoint_store
+        self._pending["sharded_layers"] = [isinstance(layer.module, FSDPModule) for layer in pl_module.decoder_layers()]
+        self._pending["checkpoint_bytes"] = 0 if store is None else store.stats.bytes_to_host
+
+
+def _fit(module: HFCausalLM, data: Dataset, case: Case, tmp_path) -> list[dict]:
+    stack = dict(activation_checkpointing=True, offload_checkpoints="emulate", shard_parameters=True) if case.stack \
+        else {}
     trainer = L.Trainer(
-        accelerator="cpu", devices=sp, precision="64-true", max_steps=1, logger=False,
+        accelerator="cpu", devices=case.sp, precision="64-true", max_steps=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[CaptureStep(str(tmp_path))],
-        strategy=FPDTStrategy(sequence_parallel_size=sp, chunk_size=chunk_size, attention_backend="math",
-                              offload=offload, start_method="fork"),
+        callbacks=[CaptureStack(str(tmp_path))],
+        strategy=FPDTStrategy(sequence_parallel_size=case.sp, chunk_size=case.chunk_size, attention_backend="math",
+                              offload=case.offload, start_method="fork", **stack),
     )
     trainer.fit(module, dataloader(data, len(data)))
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(sp)]
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(case.sp)]
 
 
 def _max_error(results: list[dict], loss: torch.Tensor, grads: dict) -> float:
@@ -202,10 +230,17 @@ def test_fit_step_equals_plain_transformers(case: Case, tmp_path, fresh_seed: in
     module = _module(case, fresh_seed)
     ref = _plain(module)
     data = TokenDataset(2, SEQ, VOCAB, fresh_seed)
-    results = _fit(module, data, case.sp, case.chunk_size, case.offload, tmp_path)
+    results = _fit(module, data, case, tmp_path)
     ref_loss, ref_grads = _mean_ce(ref, [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))])
     print(f"{case.name}: max rel. error {_max_error(results, ref_loss, ref_grads):.2e}")
     assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"{case.name} seed={fresh_seed}")
+    layers = module.model.config.num_hidden_layers
+    for r in results:
+        if case.stack:  # every decoder layer sharded; each layer's input [2, 16, 32] float64 went to the host
+            assert r["sharded_layers"] == [True] * layers and r["local_numel"] < r["numel"], r["sharded_layers"]
+            assert r["checkpoint_bytes"] == layers * 2 * (SEQ // case.sp) * SIZES["hidden_size"] * 8
+        else:
+            assert r["sharded_layers"] == [False] * layers and r["checkpoint_bytes"] == 0
 
 
 PACKING = [[1, 12, 19], [20, 12]]  # one-token document; documents across chunk (8) and rank (16) boundaries
@@ -240,11 +275,11 @@ class Packed(Dataset):
 @pytest.mark.parametrize("family", ["qwen3", "gpt_neox"])
 def test_packed_fit_step_equals_each_document_alone(family: str, tmp_path, fresh_seed: int) -> None:
     torch.manual_seed(fresh_seed)
-    case = Case(family, sp=2, chunk_size=8, kv_heads=HEADS if family == "gpt_neox" else 2)
+    case = Case(family, sp=2, chunk_size=8, kv_heads=_kv(family, 2))
     module = _module(case, fresh_seed)
     ref = _plain(module)
     data = Packed(fresh_seed)
-    results = _fit(module, data, case.sp, case.chunk_size, False, tmp_path)
+    results = _fit(module, data, case, tmp_path)
     ref_loss, ref_grads = _mean_ce(ref, data.documents())
     print(f"packed {case.name}: max rel. error {_max_error(results, ref_loss, ref_grads):.2e}")
     assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"packed {case.name} seed={fresh_seed}")
@@ -330,6 +365,37 @@ MESSAGES = {
 def test_unsupported_feature_raises_naming_it_and_the_layer(feature: str) -> None:
     with pytest.raises(NotImplementedError, match=MESSAGES[feature]):
         HFCausalLM(REFUSED[feature]())
+
+
+MOE = {
+    "qwen3_moe": lambda: Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8,
+                                        **dict(SIZES, num_key_value_heads=2)),
+    "mixtral": lambda: MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                                     **dict(SIZES, num_key_value_heads=2)),
+}
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_mixture_of_experts_is_refused_naming_the_layer(family: str) -> None:
+    with pytest.raises(NotImplementedError, match=r"layer model\.model\.layers\.0 \(\w+DecoderLayer\) is a"
+                                                  r" mixture-of-experts layer .*auxiliary \(load-balancing\) loss"):
+        HFCausalLM(MOE[family]())
+
+
+def test_dropout_in_recomputed_layers_is_refused() -> None:
+    """Checkpointing recomputes a decoder layer, tiling recomputes an MLP tile: dropout there would draw
+    another mask in backward. Residual dropout outside the MLP is fine without checkpointing."""
+    module = HFCausalLM(_config("gpt_neox", hidden_dropout=0.1), mlp_tiles=2)  # the dropout is outside the MLP
+    with pytest.raises(NotImplementedError, match=r"model\.gpt_neox\.layers\.0\.post_attention_dropout is a"
+                                                  r" dropout with p=0\.1; activation_checkpointing recomputes"):
+        module.bind_sequence_parallel(SequenceParallelContext(activation_checkpointing=True))
+    module.bind_sequence_parallel(SequenceParallelContext(chunk_size=8))  # without checkpointing: accepted
+
+
+def test_bad_tile_counts_raise() -> None:
+    for name in ("mlp_tiles", "loss_tiles"):
+        with pytest.raises(ValueError, match=f"HFCausalLM: {name} must be a positive int or None .*got 0"):
+            HFCausalLM(_config("llama"), **{name: 0})
 
 
 def test_unsupported_model_argument_raises() -> None:

@@ -314,21 +314,20 @@ def _with_blocks(blocks: nn.ModuleList) -> OwnDecoder:
 
 
 def test_auto_needs_a_model_it_can_size_and_sane_options() -> None:
-    with pytest.raises(
-        ValueError, match="Linear has no FPDTBlock, so its memory cannot be estimated.*explicit chunk_size"
-    ):
+    with pytest.raises(ValueError, match="Linear has no FPDTBlock and no Hugging Face decoder layer .*, so its"
+                                         " memory cannot be estimated.*explicit chunk_size"):
         ModelShape.from_module(torch.nn.Linear(2, 2))
     blocks = OwnDecoder().blocks
     with pytest.raises(ValueError, match=r"ModuleList has neither an output projection \(an nn.Linear from"
                                          r" hidden_size=48 .*nor a token embedding.*explicit chunk_size"):
         ModelShape.from_module(blocks)
     blocks[1].mlp = TiledMLP(GeluMLP(48, 96))
-    with pytest.raises(ValueError, match=r"OwnDecoder: its FPDT blocks differ in shape .*\(48, 4, 2, 16, 80, 1,"
+    with pytest.raises(ValueError, match=r"OwnDecoder: its decoder layers differ in shape .*\(48, 4, 2, 16, 80, 1,"
                                          r" .*\(48, 4, 2, 16, 96, 1, .*explicit chunk_size"):
         ModelShape.from_module(_with_blocks(blocks))
     blocks[1].mlp = nn.GELU()
     with pytest.raises(
-        ValueError, match=r"GELU \(an FPDTBlock's MLP\) has no nn.Linear back to hidden_size=48.*explicit"
+        ValueError, match=r"blocks\.1: its MLP \(GELU\) has no nn.Linear back to hidden_size=48.*explicit"
     ):
         ModelShape.from_module(_with_blocks(blocks))
     with pytest.raises(TypeError, match="from_config takes a LlamaConfig or GPTConfig, got dict; .*from_module"):

@@ -150,3 +150,31 @@ def test_checkpoint_resumes_in_another_layout(uninterrupted, tmp_path: Path) -> 
     a, b = losses(single), losses(continued)
     for step in (5, 6):
         assert abs(a[step] - b[step]) <= 1e-12 * abs(b[step]), (step, a[step], b[step])
+
+
+@pytest.mark.timeout(300)
+def test_hf_model_resumes_bitwise_and_in_another_layout(tmp_path: Path) -> None:
+    """HFCausalLM (a transformers Llama) with the memory stack (tiled MLP and loss, checkpointed decoder layers
+    with host-offload emulation, FSDP2 per decoder layer): SIGKILLed mid-training, it resumes to the same
+    weights, bitwise; its sharded checkpoint resumes replicated at sp=4 with chunks, next losses within 1e-12."""
+    stack = ["--model", "hf", "--checkpointing", "--shard", "--max-steps", "8"]
+    reference = tmp_path / "reference"
+    proc = job(reference, *stack)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    killed = tmp_path / "killed"
+    proc = job(killed, *stack, "--die-at-step", "5")
+    assert proc.returncode == -9, f"the run was meant to be SIGKILLed: rc={proc.returncode}\n{proc.stderr[-3000:]}"
+    assert latest_checkpoint(killed / "ckpt").name == "step=4.ckpt"
+    proc = job(killed, *stack, "--resume", "latest")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_weights(reference, killed)
+    assert losses(killed) == losses(reference)
+
+    other = tmp_path / "sp4"
+    proc = job(other, "--model", "hf", "--sp", "4", "--chunk-size", "8", "--max-steps", "6", "--resume",
+               str(reference / "ckpt" / "step=4.ckpt"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "saved at data_parallel=1 x sequence_parallel=2" in proc.stdout + proc.stderr
+    resumed, expected = losses(other), losses(reference)
+    for step in (5, 6):
+        assert abs(resumed[step] - expected[step]) <= 1e-12 * abs(expected[step]), (step, resumed[step], expected[step])

@@ -16,9 +16,10 @@ The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-w
 - host memory: offloaded attention chunks (one layer's worth at a time: the pipeline keeps a layer's
   chunks from its forward to its backward only when it is not checkpointed) and block checkpoints.
 
-The sizes come from the module itself (:meth:`ModelShape.from_module`): its ``FPDTBlock`` s, its
-output projection or token embedding, and its parameters, so any model built from ``FPDTBlock``
-can be sized, not only the bundled ones. It is an estimate for planning. ``benchmarks/training.py``
+The sizes come from the module itself (:meth:`ModelShape.from_module`): its decoder layers
+(``FPDTBlock`` s, or the transformers decoder layers of ``HFCausalLM``), its output projection or token
+embedding, and its parameters, so any model built from ``FPDTBlock`` or wrapped by ``HFCausalLM`` can be
+sized, not only the bundled ones. It is an estimate for planning. ``benchmarks/training.py``
 measures the real peak of live tensors.
 """
 
@@ -30,8 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fpdt.block import FPDTBlock, fpdt_blocks
-from lightning_fpdt.mlp import TiledMLP
+from lightning_fpdt.block import DecoderLayer, decoder_layers
 from lightning_fpdt.models import GPT, GPTConfig, Llama, LlamaConfig
 
 GIB = 2**30
@@ -64,6 +64,9 @@ class ModelShape:
             from ``num_params`` less the embeddings.
         norm_extras: hidden-wide tensors a block's two norms keep for backward besides their input
             (``nn.LayerNorm``: none; RMSNorm: the normalized values, one each).
+        chunked_projections: q/k/v are projected chunk by chunk inside the attention pipeline
+            (``FPDTBlock``); ``False`` (Hugging Face layers): the whole local q/k/v exist while a layer
+            runs, forward and backward.
     """
 
     hidden_size: int
@@ -78,6 +81,7 @@ class ModelShape:
     mlp_projections: int = 2
     block_params: int | None = None
     norm_extras: int = 2
+    chunked_projections: bool = True
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -104,22 +108,23 @@ class ModelShape:
 
     @classmethod
     def from_module(cls, module: nn.Module) -> tuple[ModelShape, dict[str, bool]]:
-        """The shape of a model built from :class:`~lightning_fpdt.block.FPDTBlock` s, and whether its MLP
-        and loss are tiled (``{"mlp_tiled": ..., "loss_tiled": ...}``, arguments of :func:`estimate`).
+        """The shape of a model built from :class:`~lightning_fpdt.block.FPDTBlock` s or wrapping a Hugging
+        Face decoder (:class:`~lightning_fpdt.models.HFCausalLM`), and whether its MLP and loss are tiled
+        (``{"mlp_tiled": ..., "loss_tiled": ...}``, arguments of :func:`estimate`).
 
         What is read, and from where (``module`` may be the ``LightningModule`` or the model inside it):
 
-        - the blocks (:func:`~lightning_fpdt.block.fpdt_blocks`), which must all have the same shape:
-          ``hidden_size`` (``q_proj.in_features``), ``num_heads``, ``num_kv_heads`` and ``head_dim`` of
-          ``block.attention``;
-        - ``norm_extras``: 0 for each ``nn.LayerNorm`` of a block, 1 for any other norm;
-        - the MLP (``block.mlp``, inside its :class:`~lightning_fpdt.mlp.TiledMLP` if wrapped): its
-          output projection is its last ``nn.Linear`` back to ``hidden_size``; ``intermediate_size`` is
-          that layer's ``in_features`` and ``mlp_projections`` counts its other ``nn.Linear`` s of that
-          width. It is tiled when every block's MLP is a ``TiledMLP`` with ``num_tiles != 1``;
+        - the decoder layers (:func:`~lightning_fpdt.block.decoder_layers`: the FPDT blocks, or the
+          transformers decoder layers, sized from the model's config), which must all have the same shape:
+          ``hidden_size``, ``num_heads``, ``num_kv_heads`` and ``head_dim``;
+        - ``norm_extras``: 0 for each LayerNorm of a layer, 1 for any other norm (RMSNorm);
+        - the MLP (inside its tiling if tiled): its output projection is its last ``nn.Linear`` back to
+          ``hidden_size``; ``intermediate_size`` is that layer's ``in_features`` and ``mlp_projections`` is
+          the width of its other ``nn.Linear`` s over the intermediate (2 for a gated MLP, fused or not). It
+          is tiled when every layer's MLP is;
         - ``vocab_size``: the ``out_features`` of the output projection, the widest ``nn.Linear`` outside
-          the blocks that reads ``hidden_size``; without one, the ``num_embeddings`` of the first
-          ``nn.Embedding`` of width ``hidden_size`` outside the blocks (the token embedding, taken as
+          the layers that reads ``hidden_size``; without one, the ``num_embeddings`` of the first
+          ``nn.Embedding`` of width ``hidden_size`` outside the layers (the token embedding, taken as
           tied). Embeddings are tied when the output projection's weight is such an embedding's weight;
         - ``num_params``: every parameter of ``module``, shared ones once (position embeddings, norms
           and biases included);
@@ -129,28 +134,29 @@ class ModelShape:
           untiled (full logits: the larger estimate).
 
         Raises:
-            ValueError: when ``module`` cannot be sized (no ``FPDTBlock``; blocks of different shapes; an
+            ValueError: when ``module`` cannot be sized (no decoder layer; layers of different shapes; an
                 MLP without an ``nn.Linear`` back to ``hidden_size``; no output projection and no token
                 embedding), naming what is missing.
         """
         name = type(module).__name__
-        blocks = [block for _, block in fpdt_blocks(module)]
-        if not blocks:
+        layers = decoder_layers(module)
+        if not layers:
             raise ValueError(
-                f"{name} has no FPDTBlock, so its memory cannot be estimated (the memory model reads the layer"
-                f" shapes from the FPDT blocks): build its layers from FPDTBlock, or {_EXPLICIT}."
+                f"{name} has no FPDTBlock and no Hugging Face decoder layer (HFCausalLM), so its memory cannot be"
+                f" estimated (the memory model reads the layer shapes from them): build its layers from FPDTBlock,"
+                f" or {_EXPLICIT}."
             )
-        read = [_read_block(block) for block in blocks]
+        read = [_read_layer(layer) for layer in layers]
         shapes = sorted({dims for dims, _ in read})
         if len(shapes) > 1:
             raise ValueError(
-                f"{name}: its FPDT blocks differ in shape (hidden, heads, kv heads, head_dim, intermediate, MLP"
+                f"{name}: its decoder layers differ in shape (hidden, heads, kv heads, head_dim, intermediate, MLP"
                 f" projections, parameters, norm extras): {shapes}; the memory model assumes one shape per layer:"
                 f" {_EXPLICIT}."
             )
         hidden, heads, kv_heads, head_dim, inter, projections, block_params, norm_extras = shapes[0]
-        in_blocks = {id(m) for block in blocks for m in block.modules()}
-        outside = [m for m in module.modules() if id(m) not in in_blocks]
+        in_layers = {id(m) for layer in layers for m in layer.module.modules()}
+        outside = [m for m in module.modules() if id(m) not in in_layers]
         heads_out = [m for m in outside if isinstance(m, nn.Linear) and m.in_features == hidden]
         embeddings = [m for m in outside if isinstance(m, nn.Embedding) and m.embedding_dim == hidden]
         if heads_out:
@@ -160,39 +166,37 @@ class ModelShape:
             vocab, tied = embeddings[0].num_embeddings, True
         else:
             raise ValueError(
-                f"{name} has neither an output projection (an nn.Linear from hidden_size={hidden} outside the FPDT"
-                f" blocks) nor a token embedding (an nn.Embedding of width {hidden}), so its vocabulary size, and"
-                f" with it the loss's memory, cannot be read: {_EXPLICIT}."
+                f"{name} has neither an output projection (an nn.Linear from hidden_size={hidden} outside the"
+                f" decoder layers) nor a token embedding (an nn.Embedding of width {hidden}), so its vocabulary"
+                f" size, and with it the loss's memory, cannot be read: {_EXPLICIT}."
             )
         num_params = sum(p.numel() for p in module.parameters())  # parameters() yields a shared one once
-        shape = cls(hidden, len(blocks), heads, kv_heads, inter, vocab, num_params, tied, head_dim, projections,
-                    block_params, norm_extras)
+        shape = cls(hidden, len(layers), heads, kv_heads, inter, vocab, num_params, tied, head_dim, projections,
+                    block_params, norm_extras, all(layer.chunked_projections for layer in layers))
         return shape, {"mlp_tiled": all(tiled for _, tiled in read), "loss_tiled": _loss_tiled(module)}
 
 
-def _read_block(block: FPDTBlock) -> tuple[tuple[int, ...], bool]:
+def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], bool]:
     """``((hidden, heads, kv_heads, head_dim, intermediate, mlp_projections, parameters, norm_extras), mlp_tiled)``."""
-    attention = block.attention
-    hidden = attention.q_proj.in_features
-    mlp, tiled = block.mlp, False
-    if isinstance(mlp, TiledMLP):
-        mlp, tiled = mlp.mlp, mlp.num_tiles != 1
-    linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)]
+    hidden, mlp = layer.hidden_size, layer.mlp
+    linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)] if mlp is not None else []
     back = [m for m in linears if m.out_features == hidden]
     if not back:
         raise ValueError(
-            f"{type(mlp).__name__} (an FPDTBlock's MLP) has no nn.Linear back to hidden_size={hidden}, so its"
+            f"{layer.name}: its MLP ({type(mlp).__name__}) has no nn.Linear back to hidden_size={hidden}, so its"
             f" intermediate size cannot be read: {_EXPLICIT}."
         )
     down = back[-1]  # the output projection; the intermediate is its input
-    projections = sum(1 for m in linears if m is not down and m.out_features == down.in_features)
-    params = sum(p.numel() for p in block.parameters())
+    inter = down.in_features
+    # gate and up (SwiGLU: 2), a fused gate_up (Phi-3: 2), fc (GeLU: 1): their width over the intermediate's
+    widths = sum(m.out_features for m in linears if m is not down and m.out_features % inter == 0)
+    params = sum(p.numel() for p in layer.module.parameters())
     # LayerNorm's kernel keeps only its input (and per-token statistics); RMSNorm, torch's included, also
     # keeps the normalized values
-    norm_extras = sum(not isinstance(norm, nn.LayerNorm) for norm in (block.attention_norm, block.mlp_norm))
-    dims = (hidden, attention.n_heads, attention.n_kv_heads, attention.head_dim, down.in_features, max(1, projections),
-            params, norm_extras)
-    return dims, tiled
+    norm_extras = sum(not isinstance(norm, nn.LayerNorm) for norm in layer.norms)
+    dims = (hidden, layer.n_heads, layer.n_kv_heads, layer.head_dim, inter, max(1, widths // inter), params,
+            norm_extras)
+    return dims, layer.mlp_tiled
 
 
 def _loss_tiled(module: nn.Module) -> bool:
@@ -317,12 +321,16 @@ def estimate(
         chunk_global = min(chunk, s_pad)
         chunk_buffers += 4 * batch_size * (shape.num_heads // p or 1) * chunk_global**2 * max(e, 4)
 
+    # Hugging Face layers project q/k/v for the whole local sequence before the pipeline: those and their
+    # gradients exist while a layer's attention runs (forward, and its recomputation's backward)
+    qkv_local = 0 if shape.chunked_projections else 2 * t * (qd + 2 * shape.num_kv_heads * hd) * e
+
     if activation_checkpointing:
         saved = shape.num_layers * (0 if offload_checkpoints else checkpoint) + final
         # one block recomputed and its backward: the block's saved activations, the incoming gradient,
         # and the larger of the attention chunk buffers and one MLP tile's forward and backward. The
         # loss's saved logits are freed before the first block is recomputed: they count in the loss only.
-        recompute = layer_device + t * h * e + max(chunk_buffers, mlp_tile_work)
+        recompute = layer_device + t * h * e + max(chunk_buffers + qkv_local, mlp_tile_work)
         transient = max(loss_saved + loss_transient, recompute)
     else:
         saved = shape.num_layers * layer_device + final + loss_saved

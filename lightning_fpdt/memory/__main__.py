@@ -90,7 +90,7 @@ def _module_from_yaml(model: dict[str, Any]) -> nn.Module:
         cls = getattr(importlib.import_module(module_name or "lightning_fpdt.models"), class_name)
         with torch.device("meta"):
             return cls(**(model.get("init_args") or {}))
-    except (ImportError, AttributeError, TypeError) as err:
+    except (ImportError, AttributeError, TypeError, OSError) as err:
         raise ValueError(f"model {class_path!r} cannot be built from the YAML's init_args on the meta device ({err});"
                          " give the model's sizes as flags instead (--hidden, --layers, ...).") from None
 

@@ -7,12 +7,17 @@ The transformers model stays a plain transformers model (its parameters keep the
   sequence-parallel context by ``FPDTStrategy`` through :meth:`HFCausalLM.bind_sequence_parallel`;
 - the loss is this project's: token-weighted across ranks on pre-shifted targets, from the base model's
   hidden states and the output embedding, never transformers' own loss (which shifts the labels of this
-  rank's shard locally, crossing rank boundaries wrongly, and casts logits to float32).
+  rank's shard locally, crossing rank boundaries wrongly, and casts logits to float32);
+- the memory stack (:mod:`lightning_fpdt.models.hf_layers`): the decoder MLPs run in sequence tiles, each
+  decoder layer is checkpointed (its input optionally in host memory) when the strategy's
+  ``activation_checkpointing`` says so, and ``shard_parameters`` shards each decoder layer (FSDP2) through
+  :meth:`HFCausalLM.decoder_layers`. The loss runs in token tiles, so no full logits tensor exists.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 from typing import Any
 
 import torch
@@ -20,11 +25,13 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.block import SequenceParallelContext
+from lightning_fpdt.block import DecoderLayer, SequenceParallelContext
 from lightning_fpdt.layout import IGNORE_INDEX
 from lightning_fpdt.loss import auto_loss_tiles, cross_entropy_sum, tiled_cross_entropy_sum
 from lightning_fpdt.mlp import tile_bounds
 from lightning_fpdt.models.hf_attention import attention_layers, check_supported, install
+from lightning_fpdt.models.hf_layers import check_dense, check_recomputable, install_memory_stack
+from lightning_fpdt.models.hf_layers import decoder_layers as hf_decoder_layers
 from lightning_fpdt.models.lm import CausalLM
 
 
@@ -36,37 +43,55 @@ class HFCausalLM(CausalLM):
             name or local path (``AutoModelForCausalLM.from_pretrained``), a ``PretrainedConfig``
             (``AutoModelForCausalLM.from_config``, random weights), or a config dict with ``model_type``.
         loss_tiles: token tiles of the loss (``None``: tiles of 1024 tokens), so no full
-            ``[tokens, vocab]`` logits tensor exists.
+            ``[tokens, vocab]`` logits tensor exists; ``1``: one tile.
+        mlp_tiles: sequence tiles of every decoder layer's MLP, each recomputed in backward (``None``: tiles
+            of ``max(hidden, 1024)`` tokens; ``1``: off, the MLP's intermediates kept for backward).
         from_pretrained_kwargs: extra arguments of ``from_pretrained`` (e.g. ``{"dtype": "bfloat16"}``).
         **kwargs: the optimizer and schedule options of :class:`CausalLM`.
 
     Raises:
         NotImplementedError: the model uses a feature the FPDT pipeline does not compute (sliding-window
-            attention, attention-logit softcapping, attention sinks, bidirectional layers, attention dropout);
-            the message names the feature and the layer.
+            attention, attention-logit softcapping, attention sinks, bidirectional layers, attention dropout),
+            is a mixture-of-experts model, or has dropout in a tiled MLP; the message names the feature and
+            the layer.
         TypeError: ``model`` of another type.
+        ValueError: ``mlp_tiles`` below 1.
     """
 
     def __init__(
         self,
         model: PreTrainedModel | PretrainedConfig | str | dict[str, Any],
         loss_tiles: int | None = None,
+        mlp_tiles: int | None = None,
         from_pretrained_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        for name, tiles in (("loss_tiles", loss_tiles), ("mlp_tiles", mlp_tiles)):
+            if tiles is not None and (isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1):
+                raise ValueError(f"HFCausalLM: {name} must be a positive int or None (automatic), got {tiles!r}.")
         self.model = _build(model, from_pretrained_kwargs or {})
         check_supported(self.model)
+        check_dense(self.model)
+        check_recomputable(self.model, mlp_tiled=mlp_tiles != 1, checkpointing=False)
         install(self.model)
-        self.loss_tiles = loss_tiles
+        install_memory_stack(self.model, mlp_tiles)
+        self.loss_tiles, self.mlp_tiles = loss_tiles, mlp_tiles
         self.context = SequenceParallelContext()
         saved = model if isinstance(model, str) else self.model.config.to_dict()  # a module is not a hyper-parameter
-        self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, **kwargs})
+        self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, "mlp_tiles": mlp_tiles, **kwargs})
 
     # ---- the SequenceParallelAttention protocol (lightning_fpdt.block) -----------------------------------
 
     def bind_sequence_parallel(self, context: SequenceParallelContext) -> None:
-        """Use ``context`` (group, chunk size, backend, offload) in every attention layer's next forward."""
+        """Use ``context`` (group, chunk size, backend, offload, checkpointing) in every decoder layer's next
+        forward.
+
+        Raises:
+            NotImplementedError: ``context.activation_checkpointing`` with dropout in a decoder layer.
+        """
+        if context.activation_checkpointing:
+            check_recomputable(self.model, mlp_tiled=self.mlp_tiles != 1, checkpointing=True)
         self.context = context
 
     def attention_heads(self) -> list[tuple[str, int, int]]:
@@ -75,6 +100,22 @@ class HFCausalLM(CausalLM):
         n_heads = config.num_attention_heads
         n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
         return [(f"model.{name}", n_heads, n_kv_heads) for name, _ in attention_layers(self.model)]
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The transformers decoder layers, as the strategy shards them and the memory model reads them."""
+        config = self.model.config.get_text_config()
+        n_heads = config.num_attention_heads
+        n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        layers = []
+        for name, layer in hf_decoder_layers(self.model):
+            norms = tuple(m for m in layer.children() if "norm" in type(m).__name__.lower())
+            layers.append(DecoderLayer(
+                name=f"model.{name}", module=layer, hidden_size=config.hidden_size, n_heads=n_heads,
+                n_kv_heads=n_kv_heads, head_dim=head_dim, mlp=getattr(layer, "mlp", None),
+                mlp_tiled=self.mlp_tiles != 1, norms=norms, chunked_projections=False,
+            ))
+        return layers
 
     # ---- forward and loss ----------------------------------------------------------------------------------
 
@@ -136,15 +177,27 @@ class HFCausalLM(CausalLM):
 def _build(model: Any, from_pretrained_kwargs: dict[str, Any]) -> PreTrainedModel:
     if isinstance(model, PreTrainedModel):
         return model
-    if isinstance(model, dict):  # a config dict, e.g. from a checkpoint's hyper-parameters
+    if isinstance(model, dict) and "class_path" in model:  # a YAML's config class, not resolved by a CLI
+        module_name, _, class_name = model["class_path"].rpartition(".")
+        model = getattr(importlib.import_module(module_name), class_name)(**(model.get("init_args") or {}))
+    elif isinstance(model, dict):  # a config dict, e.g. from a checkpoint's hyper-parameters
         model = AutoConfig.for_model(**model)
     if isinstance(model, PretrainedConfig):
         # a copy: the model keeps the config object it is given, and setting our attention implementation
         # on a config shared with another model would switch that model too
         return AutoModelForCausalLM.from_config(copy.deepcopy(model))
     if isinstance(model, str):
+        if torch.get_default_device().type == "meta":  # sizing only (the memory estimate): the config, no weights
+            config = AutoConfig.from_pretrained(model, **_config_kwargs(from_pretrained_kwargs))
+            return AutoModelForCausalLM.from_config(config)
         return AutoModelForCausalLM.from_pretrained(model, **from_pretrained_kwargs)
     raise TypeError(
         f"HFCausalLM: model must be a transformers PreTrainedModel, a PretrainedConfig, a config dict with"
         f" 'model_type', or a name/local path for from_pretrained; got {type(model).__name__}."
     )
+
+
+def _config_kwargs(from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The ``from_pretrained`` arguments that also apply to reading the config alone."""
+    keep = ("local_files_only", "revision", "trust_remote_code", "cache_dir", "token", "subfolder")
+    return {k: v for k, v in from_pretrained_kwargs.items() if k in keep}

@@ -1,0 +1,171 @@
+"""The long-context memory stack applied to a transformers decoder from outside: tiled MLPs and
+checkpointed decoder layers.
+
+Both replace ``forward`` on the module instance with a callable object, so the classes, the parameter
+names and ``save_pretrained`` stay transformers' own, and a deep copy of the model carries its own
+forwards (the object is copied with the module it belongs to):
+
+- each decoder layer's ``mlp`` runs in sequence tiles, each recomputed in backward
+  (:func:`lightning_fpdt.mlp.tiled_call`): no ``[tokens, intermediate]`` tensor is kept for backward,
+  whatever the MLP (SwiGLU, GeLU, fused gate-up);
+- each decoder layer, when the bound context asks for activation checkpointing, keeps only its input
+  hidden states for backward (in the context's checkpoint store: host memory with
+  ``offload_checkpoints``) and is recomputed there (:func:`lightning_fpdt.checkpointing.checkpointed_call`).
+  The context arrives as the ``fpdt_context`` forward keyword, which the base model passes to every
+  decoder layer, as it does to every attention layer; nothing is stored on the modules.
+
+A decoder layer is a transformers ``GradientCheckpointingLayer`` (the base class of every decoder layer
+in transformers 5) that holds an attention layer. Recomputation must see the same computation twice,
+so dropout inside the recomputed modules is refused (:func:`check_recomputable`), as are mixture-of-experts
+layers (:func:`check_dense`), whose router loss the project's token-weighted loss does not include.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from lightning_fpdt.block import SequenceParallelContext
+from lightning_fpdt.checkpointing import checkpointed_call
+from lightning_fpdt.mlp import TiledMLP, tiled_call
+from lightning_fpdt.models.hf_attention import attention_layers
+
+_MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_MOE_CLASS_WORDS = ("moe", "expert", "router")
+
+
+def decoder_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
+    """``(name, layer)`` of every decoder layer of ``model`` (a ``GradientCheckpointingLayer`` holding an
+    attention layer), in module order."""
+    attention = {id(m) for _, m in attention_layers(model)}
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, GradientCheckpointingLayer) and any(id(c) in attention for c in m.modules())]
+
+
+def check_dense(model: PreTrainedModel) -> None:
+    """Refuse mixture-of-experts models, naming the layer.
+
+    Raises:
+        NotImplementedError: a decoder layer with experts or a router (Mixtral, Qwen3-MoE, GPT-OSS, ...).
+    """
+    config = model.config.get_text_config()
+    experts = {name: getattr(config, name) for name in _MOE_CONFIG_FIELDS if getattr(config, name, None)}
+    for name, layer in decoder_layers(model):
+        moe = [f"{sub}: {type(m).__name__}" for sub, m in layer.named_modules()
+               if any(word in type(m).__name__.lower() for word in _MOE_CLASS_WORDS)]
+        if moe or experts:
+            what = moe[0] if moe else ", ".join(f"{k}={v}" for k, v in experts.items())
+            raise NotImplementedError(
+                f"HFCausalLM: layer model.{name} ({type(layer).__name__}) is a mixture-of-experts layer ({what})."
+                " Mixture-of-experts models are not supported: their router's auxiliary (load-balancing) loss is"
+                " computed by transformers from every token's router logits in one process, and the token-weighted"
+                " loss under sequence parallelism does not include it, so training would silently drop it. Use a"
+                " dense model."
+            )
+
+
+def check_recomputable(model: PreTrainedModel, mlp_tiled: bool, checkpointing: bool) -> None:
+    """Refuse dropout inside what is recomputed in backward: the MLPs when tiled, whole decoder layers when
+    checkpointed. A recomputation would draw another dropout mask than the forward did, and the gradients
+    would silently belong to neither.
+
+    Raises:
+        NotImplementedError: an ``nn.Dropout`` with ``p > 0`` in a recomputed module, naming it.
+    """
+    for name, layer in decoder_layers(model):
+        scopes = [("", layer)] if checkpointing else ([("mlp.", layer.mlp)] if mlp_tiled and hasattr(layer, "mlp")
+                                                       else [])
+        for prefix, scope in scopes:
+            for sub, m in scope.named_modules(prefix=prefix.rstrip(".")):
+                if isinstance(m, nn.Dropout) and m.p > 0:
+                    why = "activation_checkpointing recomputes each decoder layer" if checkpointing else (
+                        "the tiled MLP recomputes each tile")
+                    raise NotImplementedError(
+                        f"HFCausalLM: model.{name}.{sub} is a dropout with p={m.p}; {why} in backward, which would"
+                        " draw another dropout mask than the forward did. Set the config's dropout to 0 (e.g."
+                        " hidden_dropout=0.0), or train with mlp_tiles=1 and activation_checkpointing=False."
+                    )
+
+
+class TiledForward:
+    """An MLP instance's ``forward``: its class's forward over sequence tiles of ``[batch, seq, hidden]``.
+
+    Args:
+        mlp: the transformers MLP (position-wise).
+        num_tiles: tiles per call; ``None``: :meth:`TiledMLP.auto_tiles` of the sequence; ``1``: off (the
+            class's forward as is, intermediates kept by autograd).
+    """
+
+    def __init__(self, mlp: nn.Module, num_tiles: int | None) -> None:
+        self.mlp, self.num_tiles = mlp, num_tiles
+
+    def __call__(self, x: Tensor) -> Tensor:
+        run = partial(type(self.mlp).forward, self.mlp)
+        if self.num_tiles == 1:
+            return run(x)
+        tiles = self.num_tiles if self.num_tiles is not None else TiledMLP.auto_tiles(x.shape[1], x.shape[-1])
+        return tiled_call(self.mlp, x, tiles, run)
+
+
+class CheckpointedForward:
+    """A decoder layer instance's ``forward``: its class's forward, checkpointed when the ``fpdt_context``
+    keyword asks for it and a backward will follow."""
+
+    def __init__(self, layer: nn.Module, name: str) -> None:
+        self.layer, self.name = layer, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run = partial(type(self.layer).forward, self.layer)
+        context: SequenceParallelContext | None = kwargs.get("fpdt_context")
+        if context is None or not context.activation_checkpointing:
+            return run(*args, **kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        args = args[1:]
+        if not torch.is_grad_enabled() or not (
+                hidden.requires_grad or any(p.requires_grad for p in self.layer.parameters())):
+            return run(hidden, *args, **kwargs)
+        for key, value in [*enumerate(args), *kwargs.items()]:
+            tensors = value if isinstance(value, (tuple, list)) else (value,)
+            if any(isinstance(t, Tensor) and t.requires_grad for t in tensors):
+                raise NotImplementedError(
+                    f"HFCausalLM: decoder layer model.{self.name} receives argument {key!r} with a gradient;"
+                    " activation checkpointing keeps only the layer's hidden states, so that gradient would be"
+                    " lost. Train this model with activation_checkpointing=False."
+                )
+
+        def layer_forward(x: Tensor) -> Tensor:
+            out = run(x, *args, **kwargs)
+            if not isinstance(out, Tensor):
+                raise NotImplementedError(
+                    f"HFCausalLM: decoder layer model.{self.name} ({type(self.layer).__name__}) returns"
+                    f" {type(out).__name__}, not one hidden-states tensor; activation checkpointing supports"
+                    " layers that return their hidden states only. Use activation_checkpointing=False."
+                )
+            return out
+
+        return checkpointed_call(self.layer, layer_forward, hidden, context.checkpoint_store)
+
+
+def install_memory_stack(model: PreTrainedModel, mlp_tiles: int | None) -> None:
+    """Give every decoder layer of ``model`` its :class:`CheckpointedForward` and its MLP a
+    :class:`TiledForward` (``mlp_tiles``: see :class:`TiledForward`).
+
+    Raises:
+        ValueError: a decoder layer without an ``mlp`` module to tile (when ``mlp_tiles != 1``).
+    """
+    for name, layer in decoder_layers(model):
+        layer.forward = CheckpointedForward(layer, name)
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            if mlp_tiles != 1:
+                raise ValueError(
+                    f"HFCausalLM: decoder layer model.{name} ({type(layer).__name__}) has no 'mlp' module to tile;"
+                    " use mlp_tiles=1."
+                )
+            continue
+        mlp.forward = TiledForward(mlp, mlp_tiles)
