@@ -96,7 +96,8 @@ class FPDTOptions:
     CUDA; ``"emulate"`` runs the same schedule on any device (on CPU: a background worker copying between
     host buffers)."""
     activation_checkpointing: bool = False
-    """Keep only each FPDT block's input for backward and recompute the block (attention chunks included)."""
+    """Keep only each decoder layer's input for backward (an FPDT block, or a transformers decoder layer of
+    ``HFCausalLM``) and recompute the layer (attention chunks included)."""
     offload_checkpoints: Offload = "off"
     """With ``activation_checkpointing``: keep those block inputs in host memory and prefetch the previous
     block's input during backward. ``True`` needs CUDA; ``"emulate"`` runs anywhere."""
@@ -105,7 +106,7 @@ class FPDTOptions:
     pad_token_id: int = 0
     """Id used to pad ``input_ids`` to the layout's multiple (padded positions are never trained on)."""
     shard_parameters: bool = False
-    """Shard parameters, gradients and optimizer state over all ranks (FSDP2 ``fully_shard`` per FPDT block
+    """Shard parameters, gradients and optimizer state over all ranks (FSDP2 ``fully_shard`` per decoder layer
     and on the LightningModule, over the flattened data x sequence mesh) instead of replicating them (DDP).
     Checkpoints are then torch distributed checkpoints (directories); they load into any layout."""
     offload_optimizer: bool = False
@@ -341,4 +342,4 @@ def check_model(model: torch.nn.Module | None, sequence_parallel_size: int) -> N
         try:
             check_heads(n_heads, n_kv_heads, sequence_parallel_size)
         except ValueError as err:
-            raise ValueError(f"{PREFIX}{err} (FPDTBlock '{name}' of {type(model).__name__})") from None
+            raise ValueError(f"{PREFIX}{err} (attention layer '{name}' of {type(model).__name__})") from None

@@ -230,3 +230,25 @@ def test_a_corrupt_checkpoint_names_the_file_and_never_advises_unsafe_loading(tm
     assert code != 0
     assert f"the checkpoint {bad} is truncated or corrupt" in err, err[-3000:]
     assert "weights_only=False" not in err and "weights_only set to False" not in err
+
+
+def test_cli_trains_a_hugging_face_checkpoint_from_a_local_path(tmp_path: Path, monkeypatch, capfd) -> None:
+    """``fpdt-train fit --config hf_tiny_cpu.yaml --model.model PATH``: a transformers checkpoint on disk (saved
+    here, as a download would be) trains under FPDT with checkpointed decoder layers, in this process (fork)."""
+    import transformers  # the optional extra, only for this test
+
+    checkpoint = tmp_path / "tiny-llama"
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = fpdt_train_here(
+        monkeypatch, capfd, "fit", "--config", str(ROOT / "examples" / "configs" / "hf_tiny_cpu.yaml"),
+        "--model.model", str(checkpoint), "--trainer.max_steps=5", "--trainer.limit_val_batches=0",
+        "--data.init_args.seq_len=256", "--trainer.strategy.init_args.start_method=fork",
+        "--trainer.strategy.init_args.offload_checkpoints=emulate",
+    )
+    assert code == 0, (out + err)[-4000:]
+    losses = [float(line.split("loss")[1].split()[0]) for line in (out + err).splitlines() if "loss" in line
+              and line.strip().startswith("step")]
+    assert len(losses) >= 1 and all(math.isfinite(v) for v in losses), out + err

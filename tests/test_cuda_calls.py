@@ -22,6 +22,7 @@ import importlib.abc
 import importlib.machinery
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -309,10 +310,13 @@ class _NotInstalled(importlib.abc.MetaPathFinder):
 
 
 @pytest.fixture
-def no_flash_attn_imported(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+def no_flash_attn_imported(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """A fresh look for flash-attn (the kernels remember the first one per process) in a patched world."""
     for name in ("flash_attn", "flash_attn.flash_attn_interface"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    return monkeypatch
+    kernels.load_flash_attn.cache_clear()
+    yield monkeypatch
+    kernels.load_flash_attn.cache_clear()  # the next test sees this machine's flash-attn, not the patched one
 
 
 def _install_fake_flash_attn(monkeypatch: pytest.MonkeyPatch, version: str) -> ModuleType:

@@ -9,18 +9,26 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 import yaml
 from torch import Tensor, nn
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.block import FPDTAttention, FPDTBlock, RotaryEmbedding, SequenceParallelContext, fpdt_blocks
+from lightning_fpdt.block import (
+    FPDTAttention,
+    FPDTBlock,
+    RotaryEmbedding,
+    SequenceParallelContext,
+    bind_blocks,
+    fpdt_blocks,
+)
 from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import cross_entropy_sum, token_weighted_loss
 from lightning_fpdt.memory import ModelShape, auto_chunk_size, estimate
 from lightning_fpdt.memory.__main__ import main
 from lightning_fpdt.memtrack import TensorMemoryTracker, peak_step_bytes
 from lightning_fpdt.mlp import TiledMLP
-from lightning_fpdt.models import GPT, GPTConfig, Llama, LlamaConfig, LlamaLM
+from lightning_fpdt.models import GPT, GPTConfig, HFCausalLM, Llama, LlamaConfig, LlamaLM
 from lightning_fpdt.models.llama import init_weights
 from tests.distributed import run_distributed
 from tests.helpers import TokenDataset, dataloader
@@ -199,23 +207,29 @@ def test_auto_chunk_size_fits_the_budget_or_refuses() -> None:
         auto_chunk_size(SHAPE, seq, int(0.1 * 2**30), sequence_parallel_size=2, **options)
 
 
-def _measured_and_estimated(rank: int, world: int, seq: int, full: bool, own: bool = False) -> tuple[int, int]:
-    """One training step of a small Llama (or, with ``own``, an :class:`OwnLM`, whose loss is never tiled) at
-    sp=``world``: measured peak of live tensors (parameters, gradients, AdamW state and activations) and the
-    estimator's device peak, for the shape and tiling :meth:`ModelShape.from_module` reads."""
+def _measured_and_estimated(rank: int, world: int, seq: int, full: bool, model: str = "llama") -> tuple[int, int]:
+    """One training step of a small Llama (``model="own_model"``: an :class:`OwnLM`, whose loss is never tiled;
+    ``"hf"``: ``HFCausalLM`` around a transformers Llama of the same shape) at sp=``world``: measured peak of
+    live tensors (parameters, gradients, AdamW state and activations) and the estimator's device peak, for the
+    shape and tiling :meth:`ModelShape.from_module` reads."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, mlp_tiles=None if full else 1,
                          loss_tiles=None if full else 1)
-    module: Any = OwnLM(vocab=1024, hidden=128, heads=4, kv_heads=2, head_dim=48, inner=352, tiled=full) if own \
-        else LlamaLM(config)
+    if model == "own_model":
+        module: Any = OwnLM(vocab=1024, hidden=128, heads=4, kv_heads=2, head_dim=48, inner=352, tiled=full)
+    elif model == "hf":
+        module = HFCausalLM(transformers.LlamaConfig(
+            vocab_size=config.vocab_size, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2), mlp_tiles=config.mlp_tiles, loss_tiles=config.loss_tiles)
+    else:
+        module = LlamaLM(config)
     shape, tiling = ModelShape.from_module(module)
-    assert tiling == {"mlp_tiled": full, "loss_tiled": full and not own}
+    assert tiling == {"mlp_tiled": full, "loss_tiled": full and model != "own_model"}
     chunk = seq // 4 if full else None
     context = SequenceParallelContext(group=dist.group.WORLD, chunk_size=chunk, attention_backend="sdpa",
                                       activation_checkpointing=full)
-    for index, (_, block) in enumerate(fpdt_blocks(module)):
-        block.bind(context, layer_index=index)
+    bind_blocks(module, context)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     ids = torch.randint(0, shape.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
     batch = shard_batch({"input_ids": ids}, world, rank, chunk)
@@ -236,11 +250,11 @@ def _measured_and_estimated(rank: int, world: int, seq: int, full: bool, own: bo
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("own", [False, True], ids=["llama", "own_model"])
+@pytest.mark.parametrize("model", ["llama", "own_model", "hf"])
 @pytest.mark.parametrize("full", [False, True], ids=["ulysses", "chunked_tiled_checkpointed"])
-def test_estimate_matches_a_measured_step_at_two_lengths(full: bool, own: bool) -> None:
+def test_estimate_matches_a_measured_step_at_two_lengths(full: bool, model: str) -> None:
     for seq in (1024, 4096):
-        measured, estimated = run_distributed(_measured_and_estimated, 2, seq, full, own)[0]
+        measured, estimated = run_distributed(_measured_and_estimated, 2, seq, full, model)[0]
         assert abs(estimated / measured - 1) <= 0.15, (seq, measured / 2**20, estimated / 2**20)
 
 
@@ -363,3 +377,27 @@ def test_memory_cli_builds_the_yaml_model_on_the_meta_device(tmp_path, capsys) -
     assert "offload=False" in out and "mlp_tiled=True, loss_tiled=False" in out
     assert f"chunk_size='auto' with a budget of {budget} GiB per rank picks {chunk}" in out
     assert estimate(shape, 4096, chunk_size=chunk, **options).table() in out
+
+
+def test_memory_cli_sizes_a_hugging_face_checkpoint_from_its_config(tmp_path, capsys) -> None:
+    """The HF GPU example (Llama-3-8B at 1M tokens, the whole memory stack) is sized from the checkpoint's
+    config.json alone (no weights are read), like the own LlamaLM of the same shape in llama3_8b_1m.yaml."""
+    checkpoint = tmp_path / "Meta-Llama-3-8B"
+    transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                             num_attention_heads=32, num_key_value_heads=8).save_pretrained(checkpoint)
+    assert [p.name for p in checkpoint.iterdir()] == ["config.json"]
+    config = yaml.safe_load(open("examples/configs/hf_llama_gpu.yaml"))
+    config["model"]["init_args"]["model"] = str(checkpoint)
+    (tmp_path / "hf.yaml").write_text(yaml.safe_dump(config))
+    main(["--config", str(tmp_path / "hf.yaml")])
+    hf = capsys.readouterr().out
+    main(["--config", "examples/configs/llama3_8b_1m.yaml"])
+    own = capsys.readouterr().out
+    assert "memory estimate per rank: 8030.3M parameters, seq_len 1048576" in hf, hf
+    assert "chunk_size=65536" in hf and "mlp_tiled=True, loss_tiled=True" in hf and "offload_checkpoints=True" in hf
+
+    def peak(out: str) -> float:
+        return float(next(line for line in out.splitlines() if line.startswith("device peak")).split()[2])
+
+    # the same run but q/k/v projected whole per layer (transformers) instead of chunk by chunk
+    assert 1.0 < peak(hf) / peak(own) < 1.3, (hf, own)

@@ -160,7 +160,7 @@ CASES = [
               "setup"),
     ErrorCase("heads-not-divisible", dict(sequence_parallel_size=2),
               r"n_heads=3 is not divisible by sequence_parallel_size=2.*\[1, 3\]\."
-              r" \(FPDTBlock 'model\.layers\.0' of LlamaLM\)",
+              r" \(attention layer 'model\.layers\.0' of LlamaLM\)",
               "setup", model=lambda: _llama(heads=3, kv=3, hidden=24)),
     ErrorCase("kv-heads-not-shardable", dict(sequence_parallel_size=2),
               r"n_kv_heads=3 and sequence_parallel_size=2: KV heads must either divide evenly", "setup",
@@ -320,7 +320,7 @@ def test_model_checks() -> None:
     own = torch.nn.Sequential(FPDTBlock(FPDTAttention(48, n_heads=8, n_kv_heads=3, head_dim=6), torch.nn.Identity(),
                                         torch.nn.Identity(), torch.nn.Identity()))
     with pytest.raises(
-        ValueError, match=r"FPDTStrategy: n_heads=8 is not a multiple of n_kv_heads=3\. \(FPDTBlock '0'"
+        ValueError, match=r"FPDTStrategy: n_heads=8 is not a multiple of n_kv_heads=3\. \(attention layer '0'"
     ):
         check_model(own, 1)
 

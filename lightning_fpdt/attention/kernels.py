@@ -20,6 +20,7 @@ Each fused CUDA backward op gets what its forward op returned, as torch's autogr
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import re
@@ -294,7 +295,7 @@ class FlashAttnKernel:
 
     def __init__(self, interface: ModuleType | None = None) -> None:
         if interface is None:
-            interface, problem = _load_flash_attn()
+            interface, problem = load_flash_attn()
             if interface is None:
                 raise ValueError(f"attention_backend='flash_attn' but {problem};{_FLASH_ATTN_FIX}")
         self._fa = interface
@@ -325,8 +326,10 @@ class FlashAttnKernel:
         return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
-def _load_flash_attn() -> tuple[ModuleType | None, str]:
-    """``(flash_attn.flash_attn_interface, "")``, or ``(None, why it cannot be used)``."""
+@functools.cache
+def load_flash_attn() -> tuple[ModuleType | None, str]:
+    """``(flash_attn.flash_attn_interface, "")``, or ``(None, why it cannot be used)``; looked up once per
+    process (a failed import searches the whole path, and ``auto`` asks at every attention call)."""
     try:
         # Importing, not just finding, the package: its CUDA extension can be present but unloadable.
         interface = importlib.import_module("flash_attn.flash_attn_interface")
@@ -347,7 +350,7 @@ def _load_flash_attn() -> tuple[ModuleType | None, str]:
 
 def flash_attn_unavailable_reason() -> str | None:
     """Why the ``flash_attn`` backend cannot be used here (not installed, does not import, wrong version), or None."""
-    return _load_flash_attn()[1] or None
+    return load_flash_attn()[1] or None
 
 
 def flash_attn_available() -> bool:

@@ -43,7 +43,7 @@ class HFCausalLM(CausalLM):
             name or local path (``AutoModelForCausalLM.from_pretrained``), a ``PretrainedConfig``
             (``AutoModelForCausalLM.from_config``, random weights), or a config dict with ``model_type``.
         loss_tiles: token tiles of the loss (``None``: tiles of 1024 tokens), so no full
-            ``[tokens, vocab]`` logits tensor exists; ``1``: one tile.
+            ``[tokens, vocab]`` logits tensor exists; ``1``: off (full logits, kept for backward).
         mlp_tiles: sequence tiles of every decoder layer's MLP, each recomputed in backward (``None``: tiles
             of ``max(hidden, 1024)`` tokens; ``1``: off, the MLP's intermediates kept for backward).
         from_pretrained_kwargs: extra arguments of ``from_pretrained`` (e.g. ``{"dtype": "bfloat16"}``).
@@ -144,8 +144,11 @@ class HFCausalLM(CausalLM):
 
     def loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(loss_sum, num_tokens)`` of this rank's part of the batch, on pre-shifted targets."""
+        batch = self.prepared(batch)  # once: hidden_states and targets then find it prepared
         hidden = self.hidden_states(batch) if hidden is None else hidden
         targets = self.targets(batch)
+        if self.loss_tiles == 1:  # no tiling: full logits, kept for backward by autograd
+            return cross_entropy_sum(self.logits(hidden), targets)
         head = self.model.get_output_embeddings()
         cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
         if isinstance(head, nn.Linear) and head.bias is None and cap is None:

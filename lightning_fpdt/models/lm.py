@@ -95,6 +95,7 @@ class CausalLM(pl.LightningModule):
 
     def loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(loss_sum, num_tokens)`` of this rank's part of the batch."""
+        batch = self.prepared(batch)  # once: hidden_states and targets then find it prepared
         hidden = self.hidden_states(batch) if hidden is None else hidden
         tiles = getattr(getattr(self.model, "config", None), "loss_tiles", None)
         if tiles == 1:  # no tiling: full logits, kept for backward by autograd
@@ -121,6 +122,7 @@ class CausalLM(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        batch = self.prepared(batch)
         hidden = self.hidden_states(batch)
         _, mean = token_weighted_loss(*self.loss_terms(batch, hidden))
         # identical on every rank already; sync_dist only averages equal values
