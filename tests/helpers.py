@@ -3,6 +3,16 @@
 from __future__ import annotations
 
 import copy
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +120,63 @@ def assert_same_step(
         for name, g in ref_grads.items():
             err = ((res["grads"][name] - g).abs().max() / max(g.abs().max().item(), floor)).item()
             assert err <= tol, f"{label} rank {rank}: grad of {name} rel. error {err:.2e}"
+
+
+def run_in_fork(target: Callable[[], Any], args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``target()`` in a forked child of this process, as if ``args`` ran as a script in a fresh interpreter,
+    without paying the interpreter's imports again (about 9 s of torch, Lightning and transformers each).
+
+    The child starts its own session, so it may SIGKILL its whole process group (its own forked ranks
+    included) without touching pytest. Its output (file descriptors 1 and 2, ``sys.stdout``/``sys.stderr``
+    and every logging stream handler) goes to files returned as ``stdout``/``stderr``. The return code is
+    the exit status, ``-signal`` when killed, 1 for an uncaught exception (its traceback in ``stderr``).
+
+    Raises:
+        subprocess.TimeoutExpired: the child ran past ``timeout`` seconds (its process group is killed).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                os.setsid()
+                out, err = open(out_path, "w", buffering=1), open(err_path, "w", buffering=1)
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout, sys.stderr = out, err
+                for logger in [logging.getLogger(), *map(logging.getLogger, list(logging.root.manager.loggerDict))]:
+                    for handler in logger.handlers:
+                        if type(handler) is logging.StreamHandler:
+                            handler.setStream(err)
+                warnings.showwarning = _print_warning  # pytest records warnings; a script prints them
+                try:
+                    target()
+                    code = 0
+                except SystemExit as exit_:
+                    code = exit_.code if isinstance(exit_.code, int) else 1
+                    if exit_.code is not None and not isinstance(exit_.code, int):
+                        print(exit_.code, file=sys.stderr)  # as the interpreter reports sys.exit("message")
+                except BaseException:
+                    traceback.print_exc()
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(args, timeout, output=out_path.read_text(), stderr=err_path.read_text())
+            time.sleep(0.05)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        return subprocess.CompletedProcess(args, code, stdout=out_path.read_text(), stderr=err_path.read_text())
+
+
+def _print_warning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                   line: str | None = None) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))

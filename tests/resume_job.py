@@ -100,7 +100,7 @@ def crash_inside_saves(step: int) -> None:
     dcp.save = dcp_save
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--dp", type=int, default=1)
@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--die-at-step", type=int, default=None)
     parser.add_argument("--die-in-save-at-step", type=int, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)

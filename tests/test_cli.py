@@ -5,14 +5,19 @@ from __future__ import annotations
 import glob
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_fpdt.cli import main as cli_main
 from lightning_fpdt.cli import own_message
+from tests.helpers import run_in_fork
 
 pytestmark = pytest.mark.distributed  # every test here starts several processes
 
@@ -21,9 +26,23 @@ TINY = ROOT / "examples" / "configs" / "tiny_cpu.yaml"
 
 
 def fpdt_train(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``fpdt-train ARGS`` as a fresh interpreter (the console entry point, popen launcher and all)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "lightning_fpdt.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def fpdt_train_forked(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``fpdt-train ARGS`` in a child forked from this process (no interpreter start, its output captured),
+    for runs whose strategy uses the fork launcher or that end before any launch: the popen launcher would
+    re-run this process's own command line (pytest)."""
+
+    def run() -> None:
+        os.chdir(cwd)
+        sys.argv = ["fpdt-train", *args]
+        cli_main()
+
+    return run_in_fork(run, ["fpdt-train", *args], timeout)
 
 
 def _scalars(log_dir: str) -> dict[str, list[float]]:
@@ -109,7 +128,7 @@ def test_print_config(monkeypatch, capsys) -> None:
 
 
 def test_fit_prints_the_memory_estimate_and_resolves_auto_chunks(tmp_path: Path) -> None:
-    proc = fpdt_train(
+    proc = fpdt_train_forked(
         "fit", "--config", str(TINY), "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
         "--trainer.logger=false",
         "--trainer.strategy.init_args.chunk_size=auto", "--trainer.strategy.init_args.memory_budget=1.0",
@@ -134,7 +153,7 @@ def test_fit_prints_the_memory_estimate_and_resolves_auto_chunks(tmp_path: Path)
     ids=["strategy-argument", "model-config"],
 )
 def test_constructor_errors_are_the_last_line(tmp_path: Path, args: list[str], message: str) -> None:
-    proc = fpdt_train("fit", "--config", str(TINY), *args, cwd=tmp_path, timeout=120)
+    proc = fpdt_train_forked("fit", "--config", str(TINY), *args, cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(message), proc.stderr[-3000:]
@@ -179,8 +198,6 @@ data:
 
 def _final_weights(path: Path) -> dict:
     """The model weights of a checkpoint file, or of a sharded checkpoint directory (converted with DCP)."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     if path.is_dir():
         converted = path.parent / f"{path.name}.pt"
@@ -200,25 +217,19 @@ def test_cli_resumes_its_own_checkpoint(tmp_path: Path, shard: bool) -> None:
     extra = ["--trainer.strategy.init_args.shard_parameters=true"] if shard else []
     straight = tmp_path / "straight.yaml"
     straight.write_text(RESUME_CONFIG.format(dirpath=tmp_path / "straight"))
-    proc = fpdt_train("fit", "--config", str(TINY), "--config", str(straight), *extra, cwd=tmp_path)
+    proc = fpdt_train_forked("fit", "--config", str(TINY), "--config", str(straight), *extra, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "given both args and sys.argv" not in proc.stderr  # the console script passes no duplicate args
     resumed = tmp_path / "resumed.yaml"
     resumed.write_text(RESUME_CONFIG.format(dirpath=tmp_path / "resumed"))
-    proc = fpdt_train("fit", "--config", str(TINY), "--config", str(resumed), *extra,
+    proc = fpdt_train_forked("fit", "--config", str(TINY), "--config", str(resumed), *extra,
                       "--ckpt_path", str(tmp_path / "straight" / "step=2.ckpt"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
     a, b = _final_weights(tmp_path / "straight" / "step=4.ckpt"), _final_weights(tmp_path / "resumed" / "step=4.ckpt")
     assert a.keys() == b.keys()
     for name in a:
-        assert torch_equal(a[name], b[name]), name
-
-
-def torch_equal(a, b) -> bool:
-    import torch
-
-    return torch.equal(a, b)
+        assert torch.equal(a[name], b[name]), name
 
 
 def test_a_corrupt_checkpoint_names_the_file_and_never_advises_unsafe_loading(tmp_path: Path, monkeypatch,
@@ -232,23 +243,21 @@ def test_a_corrupt_checkpoint_names_the_file_and_never_advises_unsafe_loading(tm
     assert "weights_only=False" not in err and "weights_only set to False" not in err
 
 
-def test_cli_trains_a_hugging_face_checkpoint_from_a_local_path(tmp_path: Path, monkeypatch, capfd) -> None:
+def test_cli_trains_a_hugging_face_checkpoint_from_a_local_path(tmp_path: Path) -> None:
     """``fpdt-train fit --config hf_tiny_cpu.yaml --model.model PATH``: a transformers checkpoint on disk (saved
-    here, as a download would be) trains under FPDT with checkpointed decoder layers, in this process (fork)."""
-    import transformers  # the optional extra, only for this test
-
+    here, as a download would be) trains under FPDT with its decoder layers checkpointed (offload emulated)."""
     checkpoint = tmp_path / "tiny-llama"
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
-    monkeypatch.chdir(tmp_path)
-    code, out, err = fpdt_train_here(
-        monkeypatch, capfd, "fit", "--config", str(ROOT / "examples" / "configs" / "hf_tiny_cpu.yaml"),
-        "--model.model", str(checkpoint), "--trainer.max_steps=5", "--trainer.limit_val_batches=0",
-        "--data.init_args.seq_len=256", "--trainer.strategy.init_args.start_method=fork",
-        "--trainer.strategy.init_args.offload_checkpoints=emulate",
+    proc = fpdt_train_forked(
+        "fit", "--config", str(ROOT / "examples" / "configs" / "hf_tiny_cpu.yaml"), "--model.model", str(checkpoint),
+        "--trainer.max_steps=5", "--trainer.limit_val_batches=0", "--data.init_args.seq_len=256",
+        "--trainer.strategy.init_args.start_method=fork", "--trainer.strategy.init_args.offload_checkpoints=emulate",
+        cwd=tmp_path,
     )
-    assert code == 0, (out + err)[-4000:]
-    losses = [float(line.split("loss")[1].split()[0]) for line in (out + err).splitlines() if "loss" in line
-              and line.strip().startswith("step")]
-    assert len(losses) >= 1 and all(math.isfinite(v) for v in losses), out + err
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "bound 2 attention layer(s) to the sequence-parallel group (activation_checkpointing=True," in out, out
+    losses = {int(m[1]): float(m[2]) for m in re.finditer(r"step +(\d+) +loss ([-\w.]+)", out)}
+    assert set(losses) == {1, 5} and all(math.isfinite(v) for v in losses.values()), out[-4000:]

@@ -272,7 +272,7 @@ class Packed(Dataset):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["qwen3", "gpt_neox"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_packed_fit_step_equals_each_document_alone(family: str, tmp_path, fresh_seed: int) -> None:
     torch.manual_seed(fresh_seed)
     case = Case(family, sp=2, chunk_size=8, kv_heads=_kv(family, 2))

@@ -282,7 +282,11 @@ AUTO_OPTIONS = {"batch_size": 2, "sequence_parallel_size": 2, "activation_checkp
                 "loss_tiled": True, "precision": "64-true", "attention_backend": "sdpa"}
 # the same for a user's own model, with wider heads (head_dim 32, not 64 / 4)
 AUTO_MODELS = {"llama": lambda: LlamaLM(AUTO_CONFIG),
-               "own_model": lambda: OwnLM(vocab=64, hidden=64, heads=4, kv_heads=4, head_dim=32, inner=32)}
+               "own_model": lambda: OwnLM(vocab=64, hidden=64, heads=4, kv_heads=4, head_dim=32, inner=32),
+               # a transformers Llama of AUTO_CONFIG's shape (sized from its decoder layers)
+               "hf": lambda: HFCausalLM(transformers.LlamaConfig(
+                   vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4))}
 
 
 def _fit_auto(budget_gib: float, tmp_path, module: L.LightningModule | None = None) -> dict:
@@ -304,7 +308,7 @@ def _fit_auto(budget_gib: float, tmp_path, module: L.LightningModule | None = No
 def test_auto_chunk_size_in_training_fits_the_budget(model: str, tmp_path) -> None:
     module = AUTO_MODELS[model]()
     shape, tiling = ModelShape.from_module(module)
-    assert tiling == {"mlp_tiled": True, "loss_tiled": model == "llama"}  # the own model's loss is not tiled
+    assert tiling == {"mlp_tiled": True, "loss_tiled": model != "own_model"}  # the own model's loss is not tiled
     peak = {c: estimate(shape, 256, chunk_size=c, **{**AUTO_OPTIONS, **tiling}).device_peak for c in (128, 64)}
     budget = (peak[128] + peak[64]) / 2  # 128-token chunks do not fit, 64-token chunks do
     result = _fit_auto(budget / 2**30, tmp_path, module)

@@ -1,6 +1,7 @@
 """Checkpoints survive crashes and layout changes: SIGKILLed runs resume to the same weights, bitwise.
 
-Each run is ``tests/resume_job.py`` in its own process group (2 or 4 CPU processes, float64, a
+Each run is ``tests/resume_job.py`` in its own process group, forked from the test process (2 or 4 CPU
+processes, float64, a
 shuffled loader of 8 batches per epoch that the 12-step runs cross, a warm-up + cosine LR schedule,
 AdamW).
 """
@@ -8,22 +9,24 @@ AdamW).
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_fpdt.checkpoint import is_complete, latest_checkpoint
+from tests import resume_job
+from tests.helpers import run_in_fork
 
 pytestmark = pytest.mark.distributed  # every test here starts several processes
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def job(out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tests" / "resume_job.py"), "--out", str(out), *args],
-                          capture_output=True, text=True, start_new_session=True, timeout=240, cwd=ROOT)
+    """``python tests/resume_job.py --out OUT ARGS`` in its own session (it may SIGKILL its process group),
+    forked from this process rather than started anew: the same run without the interpreter's imports."""
+    argv = ["--out", str(out), *args]
+    return run_in_fork(lambda: resume_job.main(argv), ["tests/resume_job.py", *argv], timeout=240)
 
 
 def losses(out: Path) -> dict[int, float]:
