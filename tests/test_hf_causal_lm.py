@@ -390,6 +390,12 @@ def test_dropout_in_recomputed_layers_is_refused() -> None:
                                                   r" dropout with p=0\.1; activation_checkpointing recomputes"):
         module.bind_sequence_parallel(SequenceParallelContext(activation_checkpointing=True))
     module.bind_sequence_parallel(SequenceParallelContext(chunk_size=8))  # without checkpointing: accepted
+    model = AutoModelForCausalLM.from_config(_config("llama"))
+    model.model.layers[1].mlp.dropout = torch.nn.Dropout(0.2)  # a dropout inside the MLP: refused when tiled
+    with pytest.raises(NotImplementedError, match=r"model\.model\.layers\.1\.mlp\.dropout is a dropout with p=0\.2;"
+                                                  r" the tiled MLP recomputes each tile"):
+        HFCausalLM(model)
+    HFCausalLM(model, mlp_tiles=1)  # untiled: accepted
 
 
 def test_bad_tile_counts_raise() -> None:

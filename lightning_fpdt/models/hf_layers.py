@@ -78,18 +78,19 @@ def check_recomputable(model: PreTrainedModel, mlp_tiled: bool, checkpointing: b
         NotImplementedError: an ``nn.Dropout`` with ``p > 0`` in a recomputed module, naming it.
     """
     for name, layer in decoder_layers(model):
-        scopes = [("", layer)] if checkpointing else ([("mlp.", layer.mlp)] if mlp_tiled and hasattr(layer, "mlp")
-                                                       else [])
-        for prefix, scope in scopes:
-            for sub, m in scope.named_modules(prefix=prefix.rstrip(".")):
-                if isinstance(m, nn.Dropout) and m.p > 0:
-                    why = "activation_checkpointing recomputes each decoder layer" if checkpointing else (
-                        "the tiled MLP recomputes each tile")
-                    raise NotImplementedError(
-                        f"HFCausalLM: model.{name}.{sub} is a dropout with p={m.p}; {why} in backward, which would"
-                        " draw another dropout mask than the forward did. Set the config's dropout to 0 (e.g."
-                        " hidden_dropout=0.0), or train with mlp_tiles=1 and activation_checkpointing=False."
-                    )
+        if checkpointing:
+            scope, prefix, why = layer, "", "activation_checkpointing recomputes each decoder layer"
+        elif mlp_tiled and isinstance(getattr(layer, "mlp", None), nn.Module):
+            scope, prefix, why = layer.mlp, "mlp", "the tiled MLP recomputes each tile"
+        else:
+            continue
+        for sub, m in scope.named_modules(prefix=prefix):
+            if isinstance(m, nn.Dropout) and m.p > 0:
+                raise NotImplementedError(
+                    f"HFCausalLM: model.{name}.{sub} is a dropout with p={m.p}; {why} in backward, which would"
+                    " draw another dropout mask than the forward did. Set the config's dropout to 0 (e.g."
+                    " hidden_dropout=0.0), or train with mlp_tiles=1 and activation_checkpointing=False."
+                )
 
 
 class TiledForward:
