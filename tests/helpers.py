@@ -154,7 +154,7 @@ def run_in_fork(target: Callable[[], Any], args: list[str], timeout: float) -> s
                     target()
                     code = 0
                 except SystemExit as exit_:
-                    code = exit_.code if isinstance(exit_.code, int) else 1
+                    code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
                     if exit_.code is not None and not isinstance(exit_.code, int):
                         print(exit_.code, file=sys.stderr)  # as the interpreter reports sys.exit("message")
                 except BaseException:
@@ -164,17 +164,32 @@ def run_in_fork(target: Callable[[], Any], args: list[str], timeout: float) -> s
             finally:
                 os._exit(code)
         deadline = time.monotonic() + timeout
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise subprocess.TimeoutExpired(args, timeout, output=out_path.read_text(), stderr=err_path.read_text())
-            time.sleep(0.05)
+        try:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(args, timeout, output=out_path.read_text(),
+                                                    stderr=err_path.read_text())
+                time.sleep(0.05)
+        except BaseException:  # a timeout here, pytest-timeout's or Ctrl-C: no run outlives its test
+            _kill_session(pid, leader_too=True)  # not reaped yet: its pid cannot have been reused
+            os.waitpid(pid, 0)
+            raise
+        _kill_session(pid)  # ranks the child left behind in its session
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         return subprocess.CompletedProcess(args, code, stdout=out_path.read_text(), stderr=err_path.read_text())
+
+
+def _kill_session(pid: int, leader_too: bool = False) -> None:
+    """SIGKILL the process group ``pid`` started; with ``leader_too`` (``pid`` not reaped yet) also ``pid``
+    itself, in case it had not called ``setsid`` yet."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        if leader_too:
+            os.kill(pid, signal.SIGKILL)
 
 
 def _print_warning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ def fpdt_train_forked(*args: str, cwd: Path, timeout: float = 240) -> subprocess
     def run() -> None:
         os.chdir(cwd)
         sys.argv = ["fpdt-train", *args]
+        warnings.simplefilter("ignore")  # as PYTHONWARNINGS=ignore does for fpdt_train
         cli_main()
 
     return run_in_fork(run, ["fpdt-train", *args], timeout)

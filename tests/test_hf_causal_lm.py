@@ -382,6 +382,17 @@ def test_mixture_of_experts_is_refused_naming_the_layer(family: str) -> None:
         HFCausalLM(MOE[family]())
 
 
+def test_experts_in_the_config_or_attention_outside_decoder_layers_are_refused() -> None:
+    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM's config has experts \(num_experts=4\)\."
+                                                  r" Mixture-of-experts models are not supported"):
+        HFCausalLM(_config("llama", num_experts=4))
+    model = AutoModelForCausalLM.from_config(_config("llama"))
+    layer = model.model.layers[1]  # a decoder layer class the memory stack would not recognise
+    layer.__class__ = type("CustomDecoderLayer", (torch.nn.Module,), {"forward": type(layer).forward})
+    with pytest.raises(NotImplementedError, match=r"has 2 attention layers but 1 decoder layers that hold them"):
+        HFCausalLM(model)
+
+
 def test_dropout_in_recomputed_layers_is_refused() -> None:
     """Checkpointing recomputes a decoder layer, tiling recomputes an MLP tile: dropout there would draw
     another mask in backward. Residual dropout outside the MLP is fine without checkpointing."""

@@ -179,7 +179,9 @@ class ModelShape:
 def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], bool]:
     """``((hidden, heads, kv_heads, head_dim, intermediate, mlp_projections, parameters, norm_extras), mlp_tiled)``."""
     hidden, mlp = layer.hidden_size, layer.mlp
-    linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)] if mlp is not None else []
+    if mlp is None:
+        raise ValueError(f"{layer.name} has no 'mlp' module, so its intermediate size cannot be read: {_EXPLICIT}.")
+    linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)]
     back = [m for m in linears if m.out_features == hidden]
     if not back:
         raise ValueError(

@@ -53,20 +53,22 @@ def check_dense(model: PreTrainedModel) -> None:
     Raises:
         NotImplementedError: a decoder layer with experts or a router (Mixtral, Qwen3-MoE, GPT-OSS, ...).
     """
-    config = model.config.get_text_config()
-    experts = {name: getattr(config, name) for name in _MOE_CONFIG_FIELDS if getattr(config, name, None)}
+    why = ("Mixture-of-experts models are not supported: their router's auxiliary (load-balancing) loss is"
+           " computed by transformers from every token's router logits in one process, and the token-weighted loss"
+           " under sequence parallelism does not include it, so training would silently drop it. Use a dense model.")
     for name, layer in decoder_layers(model):
         moe = [f"{sub}: {type(m).__name__}" for sub, m in layer.named_modules()
                if any(word in type(m).__name__.lower() for word in _MOE_CLASS_WORDS)]
-        if moe or experts:
-            what = moe[0] if moe else ", ".join(f"{k}={v}" for k, v in experts.items())
+        if moe:
             raise NotImplementedError(
-                f"HFCausalLM: layer model.{name} ({type(layer).__name__}) is a mixture-of-experts layer ({what})."
-                " Mixture-of-experts models are not supported: their router's auxiliary (load-balancing) loss is"
-                " computed by transformers from every token's router logits in one process, and the token-weighted"
-                " loss under sequence parallelism does not include it, so training would silently drop it. Use a"
-                " dense model."
+                f"HFCausalLM: layer model.{name} ({type(layer).__name__}) is a mixture-of-experts layer ({moe[0]})."
+                f" {why}"
             )
+    config = model.config.get_text_config()
+    experts = {name: getattr(config, name) for name in _MOE_CONFIG_FIELDS if getattr(config, name, None)}
+    if experts:
+        settings = ", ".join(f"{k}={v}" for k, v in experts.items())
+        raise NotImplementedError(f"HFCausalLM: {type(model).__name__}'s config has experts ({settings}). {why}")
 
 
 def check_recomputable(model: PreTrainedModel, mlp_tiled: bool, checkpointing: bool) -> None:
@@ -157,16 +159,25 @@ def install_memory_stack(model: PreTrainedModel, mlp_tiles: int | None) -> None:
     :class:`TiledForward` (``mlp_tiles``: see :class:`TiledForward`).
 
     Raises:
+        NotImplementedError: attention layers outside recognisable decoder layers (the stack would silently
+            not apply to them).
         ValueError: a decoder layer without an ``mlp`` module to tile (when ``mlp_tiles != 1``).
     """
-    for name, layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    attention = attention_layers(model)
+    if len(layers) != len(attention):
+        raise NotImplementedError(
+            f"HFCausalLM: {type(model).__name__} has {len(attention)} attention layers but {len(layers)} decoder"
+            " layers that hold them (transformers GradientCheckpointingLayer modules); activation checkpointing,"
+            " MLP tiling and per-layer sharding are applied to decoder layers, so this model cannot get them."
+        )
+    for name, layer in layers:  # everything checked before anything is changed
+        if mlp_tiles != 1 and not isinstance(getattr(layer, "mlp", None), nn.Module):
+            raise ValueError(
+                f"HFCausalLM: decoder layer model.{name} ({type(layer).__name__}) has no 'mlp' module to tile;"
+                " use mlp_tiles=1."
+            )
+    for name, layer in layers:
         layer.forward = CheckpointedForward(layer, name)
-        mlp = getattr(layer, "mlp", None)
-        if not isinstance(mlp, nn.Module):
-            if mlp_tiles != 1:
-                raise ValueError(
-                    f"HFCausalLM: decoder layer model.{name} ({type(layer).__name__}) has no 'mlp' module to tile;"
-                    " use mlp_tiles=1."
-                )
-            continue
-        mlp.forward = TiledForward(mlp, mlp_tiles)
+        if isinstance(getattr(layer, "mlp", None), nn.Module):
+            layer.mlp.forward = TiledForward(layer.mlp, mlp_tiles)
