@@ -200,11 +200,11 @@ class CaptureStack(CaptureStep):
         self._pending["checkpoint_bytes"] = 0 if store is None else store.stats.bytes_to_host
 
 
-def _fit(module: HFCausalLM, data: Dataset, case: Case, tmp_path) -> list[dict]:
+def _fit(module: HFCausalLM, data: Dataset, case: Case, tmp_path, precision: str = "64-true") -> list[dict]:
     stack = dict(activation_checkpointing=True, offload_checkpoints="emulate", shard_parameters=True) if case.stack \
         else {}
     trainer = L.Trainer(
-        accelerator="cpu", devices=case.sp, precision="64-true", max_steps=1, logger=False,
+        accelerator="cpu", devices=case.sp, precision=precision, max_steps=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[CaptureStack(str(tmp_path))],
         strategy=FPDTStrategy(sequence_parallel_size=case.sp, chunk_size=case.chunk_size, attention_backend="math",
@@ -241,6 +241,27 @@ def test_fit_step_equals_plain_transformers(case: Case, tmp_path, fresh_seed: in
             assert r["checkpoint_bytes"] == layers * 2 * (SEQ // case.sp) * SIZES["hidden_size"] * 8
         else:
             assert r["sharded_layers"] == [False] * layers and r["checkpoint_bytes"] == 0
+
+
+@pytest.mark.distributed
+def test_bf16_mixed_memory_stack_is_close_to_float64(tmp_path, fresh_seed: int) -> None:
+    """The GPU recipe's precision on CPU: bf16 autocast over float32 weights, FSDP2's mixed-precision policy
+    (its forward-input casting walks the FPDT context in every decoder layer's kwargs), checkpointed and tiled
+    layers. bf16 rounding gives up to about 5% (largest error relative to each gradient's largest element, 5
+    seeds: 3.9e-2 to 5.0e-2); a softmax scale off by 1.5x gives 1.0, a dropped gradient 1.0."""
+    torch.manual_seed(fresh_seed)
+    case = Case("llama", sp=2, chunk_size=8, kv_heads=1, offload="emulate", stack=True)
+    module = _module(case, fresh_seed)
+    ref = _plain(module)
+    data = TokenDataset(2, SEQ, VOCAB, fresh_seed)
+    results = _fit(module, data, case, tmp_path, precision="bf16-mixed")
+    ref_loss, ref_grads = _mean_ce(ref, [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))])
+    results = [{**r, "loss": r["loss"].double(), "grads": {n: g.double() for n, g in r["grads"].items()}}
+               for r in results]
+    error = _max_error(results, ref_loss, ref_grads)
+    print(f"bf16-mixed {case.name}: max rel. error {error:.2e}")
+    assert all(r["sharded_layers"] == [True, True] for r in results)
+    assert error < 0.2, f"bf16-mixed stack vs float64: max rel. error {error:.2e} (seed={fresh_seed})"
 
 
 PACKING = [[1, 12, 19], [20, 12]]  # one-token document; documents across chunk (8) and rank (16) boundaries
