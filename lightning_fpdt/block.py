@@ -33,6 +33,7 @@ __all__ = [
     "DecoderLayer",
     "SequenceParallelAttention",
     "attention_heads",
+    "attention_records",
     "bind_blocks",
     "decoder_layers",
     "FPDTAttention",
@@ -84,6 +85,12 @@ class BlockRecord:
     seq_len_local: int = 0
     chunks: int = 0
     sink: list[OffloadStats] = field(default_factory=list)
+
+    @classmethod
+    def for_call(cls, seq_len_local: int, context: SequenceParallelContext) -> BlockRecord:
+        """A fresh record of one attention call over ``seq_len_local`` tokens of this rank under ``context``."""
+        chunks = 1 if context.chunk_size is None else -(-seq_len_local * context.size // context.chunk_size)
+        return cls(seq_len_local=seq_len_local, chunks=chunks)
 
     @property
     def stats(self) -> OffloadStats:
@@ -142,9 +149,7 @@ class FPDTAttention(nn.Module):
         """
         b, s_local, _ = x.shape  # s_local = S // sp
         ctx = self.context
-        self.record = BlockRecord(
-            seq_len_local=s_local, chunks=1 if ctx.chunk_size is None else -(-s_local * ctx.size // ctx.chunk_size)
-        )
+        self.record = BlockRecord.for_call(s_local, ctx)
         if ctx.chunk_size is not None or documents is not None:
             out = projected_fpdt_attention(self, x, position_ids, documents)
             return self.o_proj(out.reshape(b, s_local, self.n_heads * self.head_dim))
@@ -291,6 +296,10 @@ class SequenceParallelAttention(Protocol):
         """Its decoder layers, in forward order."""
         ...
 
+    def attention_records(self) -> list[BlockRecord]:
+        """What each attention layer did in its latest call (for ``FPDTMonitor``)."""
+        ...
+
 
 def sequence_parallel_attention(module: nn.Module) -> list[tuple[str, SequenceParallelAttention]]:
     """``(name, module)`` of every :class:`SequenceParallelAttention` in ``module`` (itself included)."""
@@ -313,6 +322,14 @@ def decoder_layers(module: nn.Module) -> list[DecoderLayer]:
     for _, m in sequence_parallel_attention(module):
         layers += m.decoder_layers()
     return layers
+
+
+def attention_records(module: nn.Module) -> list[BlockRecord]:
+    """The latest :class:`BlockRecord` of every attention layer the strategy binds in ``module``."""
+    records = [block.record for _, block in fpdt_blocks(module)]
+    for _, m in sequence_parallel_attention(module):
+        records += m.attention_records()
+    return records
 
 
 def attention_heads(module: nn.Module) -> list[tuple[str, int, int]]:

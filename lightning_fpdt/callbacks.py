@@ -10,12 +10,13 @@ import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_fpdt.block import FPDTBlock
+from lightning_fpdt.block import attention_records
 from lightning_fpdt.offload import OffloadStats
 
 
 class FPDTMonitor(pl.Callback):
-    """Logs what the FPDT pipeline did each training step, summed over the model's FPDT blocks.
+    """Logs what the FPDT pipeline did each training step, summed over the model's attention layers (its FPDT
+    blocks, or the transformers attention layers of an ``HFCausalLM``).
 
     Scalars (under ``fpdt/``): ``seq_len`` (global tokens per sample), ``chunks`` (per block),
     ``offload_bytes_to_host``, ``offload_bytes_to_device``, ``offload_gbps`` (bytes moved per second
@@ -44,17 +45,17 @@ class FPDTMonitor(pl.Callback):
     ) -> None:
         if trainer.global_step % self.log_every_n_steps != 0:
             return
-        blocks = [m for m in pl_module.modules() if isinstance(m, FPDTBlock)]
-        if not blocks:
+        records = attention_records(pl_module)
+        if not records:
             return
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         total = OffloadStats()
-        for block in blocks:
-            total.merge(block.record.stats)
+        for record in records:
+            total.merge(record.stats)
         sp = getattr(trainer.strategy, "sequence_parallel_size", 1)
         metrics = {
-            "fpdt/seq_len": float(blocks[0].record.seq_len_local * sp),
-            "fpdt/chunks": float(blocks[0].record.chunks),
+            "fpdt/seq_len": float(records[0].seq_len_local * sp),
+            "fpdt/chunks": float(records[0].chunks),
             "fpdt/offload_bytes_to_host": float(total.bytes_to_host),
             "fpdt/offload_bytes_to_device": float(total.bytes_to_device),
             "fpdt/offload_gbps": (total.bytes_to_host + total.bytes_to_device) / elapsed / 1e9,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -42,7 +43,8 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.block import SequenceParallelContext
+from lightning_fpdt.block import SequenceParallelContext, attention_records
+from lightning_fpdt.callbacks import FPDTMonitor
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.models.hf_attention import ATTN_IMPLEMENTATION
 from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader
@@ -322,6 +324,37 @@ def test_unbound_one_process_loss_and_grads_equal_plain_transformers(chunk_size:
     result = {"loss": (loss_sum / count).detach(), "grads": {n: p.grad for n, p in module.named_parameters()}}
     ref_loss, ref_grads = _mean_ce(ref, [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))])
     assert_same_step([result], ref_loss, ref_grads, tol=1e-10, label=f"one process C{chunk_size} seed={fresh_seed}")
+
+
+class MonitorToFile(FPDTMonitor):
+    """FPDTMonitor, then this rank's fpdt/* scalars and attention records saved for the test process."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("fpdt/")}
+        records = [(r.seq_len_local, r.chunks, r.stats.bytes_to_host) for r in attention_records(pl_module)]
+        torch.save({"metrics": metrics, "records": records}, Path(self.out_dir) / f"monitor{trainer.global_rank}.pt")
+
+
+@pytest.mark.distributed
+def test_fpdt_monitor_reports_the_hf_attention_layers(tmp_path, fresh_seed: int) -> None:
+    """FPDTMonitor's fpdt/* scalars come from each transformers attention layer's latest call too."""
+    torch.manual_seed(fresh_seed)
+    module = _module(Case("llama", sp=2, chunk_size=8), fresh_seed)
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[MonitorToFile(str(tmp_path))],
+                        strategy=FPDTStrategy(sequence_parallel_size=2, chunk_size=8, offload="emulate",
+                                              attention_backend="math", start_method="fork"))
+    trainer.fit(module, dataloader(TokenDataset(2, SEQ, VOCAB, fresh_seed), 2))
+    saved = torch.load(tmp_path / "monitor0.pt")
+    assert [(s, c) for s, c, _ in saved["records"]] == [(SEQ // 2, 4), (SEQ // 2, 4)]  # layers 0 and 1
+    assert saved["metrics"]["fpdt/seq_len"] == SEQ and saved["metrics"]["fpdt/chunks"] == 4
+    moved = sum(b for _, _, b in saved["records"])
+    assert moved > 0 and saved["metrics"]["fpdt/offload_bytes_to_host"] == moved
 
 
 def test_other_models_in_the_process_keep_their_attention(fresh_seed: int) -> None:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.block import DecoderLayer, SequenceParallelContext
+from lightning_fpdt.block import BlockRecord, DecoderLayer, SequenceParallelContext
 from lightning_fpdt.layout import IGNORE_INDEX
 from lightning_fpdt.loss import auto_loss_tiles, cross_entropy_sum, tiled_cross_entropy_sum
 from lightning_fpdt.mlp import tile_bounds
@@ -78,6 +78,7 @@ class HFCausalLM(CausalLM):
         install_memory_stack(self.model, mlp_tiles)
         self.loss_tiles, self.mlp_tiles = loss_tiles, mlp_tiles
         self.context = SequenceParallelContext()
+        self.records: dict[int, BlockRecord] = {}  # layer_idx -> its attention's latest call
         saved = model if isinstance(model, str) else self.model.config.to_dict()  # a module is not a hyper-parameter
         self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, "mlp_tiles": mlp_tiles, **kwargs})
 
@@ -100,6 +101,10 @@ class HFCausalLM(CausalLM):
         n_heads = config.num_attention_heads
         n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
         return [(f"model.{name}", n_heads, n_kv_heads) for name, _ in attention_layers(self.model)]
+
+    def attention_records(self) -> list[BlockRecord]:
+        """What each attention layer did in its latest call (chunks, offload statistics), in layer order."""
+        return [self.records[index] for index in sorted(self.records)]
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """The transformers decoder layers, as the strategy shards them and the memory model reads them."""
@@ -131,7 +136,7 @@ class HFCausalLM(CausalLM):
         out = self.model.base_model(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
             # read by fpdt_attention_forward: transformers passes these kwargs down to every attention layer
-            fpdt_context=self.context, documents=batch["documents"],
+            fpdt_context=self.context, documents=batch["documents"], fpdt_records=self.records,
         )
         return out.last_hidden_state
 
