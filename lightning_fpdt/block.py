@@ -20,7 +20,7 @@ from lightning_fpdt.attention.kernels import get_kernel
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import ProjectionEnds, projection_params
 from lightning_fpdt.autocast_state import AutocastState
-from lightning_fpdt.checkpointing import checkpointed_forward, new_checkpoint_store
+from lightning_fpdt.checkpointing import checkpointed_forward, needs_backward, new_checkpoint_store
 from lightning_fpdt.comm import check_heads, group_size
 from lightning_fpdt.layout import DocumentLayout
 from lightning_fpdt.mlp import TiledMLP
@@ -207,13 +207,9 @@ class FPDTBlock(nn.Module):
     def forward(self, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None = None) -> Tensor:
         """``x`` ``[batch, s_local, hidden]`` (this rank's shard), ``position_ids`` ``[batch, s_local]``,
         ``documents`` the batch's packed documents (``None``: one per sample)."""
-        if self.context.activation_checkpointing and _needs_backward(x, self):
+        if self.context.activation_checkpointing and needs_backward(x, self):
             return checkpointed_forward(self, x, position_ids, documents)
         return self.block_forward(x, position_ids, documents)
-
-
-def _needs_backward(x: Tensor, module: nn.Module) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
 
 
 def projected_fpdt_attention(

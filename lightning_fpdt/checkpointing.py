@@ -71,6 +71,12 @@ def checkpointed_call(
     return _Checkpointed.apply(x, module, run, store, *params)
 
 
+def needs_backward(x: Tensor, module: nn.Module) -> bool:
+    """Whether a backward can follow ``module`` applied to ``x`` (grad mode, and ``x`` or a parameter needs
+    a gradient): only then is checkpointing worth its recomputation."""
+    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
+
+
 def _previous_checkpoint(store: ChunkStore, key: Key) -> Key | None:
     """The live checkpoint put most recently before ``key``: its backward runs next (module docstring)."""
     earlier = [k for k in store if k[0] == CHECKPOINT_KIND and k[1] < key[1]]

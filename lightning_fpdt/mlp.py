@@ -74,14 +74,23 @@ class _TiledFunction(torch.autograd.Function):
         return (dx if x.requires_grad else None, None, None, None, *(by_param.get(id(p)) for p in all_params))
 
 
-def tiled_call(module: nn.Module, x: Tensor, num_tiles: int, run: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-    """``run(x)`` (default ``module(x)``) over ``x`` ``[batch, seq, ...]`` in ``num_tiles`` sequence tiles,
-    keeping only ``x`` for backward, where each tile is recomputed; ``module`` owns the parameters ``run``
-    uses. Without grad mode the tiles run and nothing is saved."""
+def tiled_call(
+    module: nn.Module, x: Tensor, num_tiles: int | None, run: Callable[[Tensor], Tensor] | None = None
+) -> Tensor:
+    """``run(x)`` (default ``module(x)``) over ``x`` ``[batch, seq, hidden]`` in sequence tiles, keeping only
+    ``x`` for backward, where each tile is recomputed; ``module`` owns the parameters ``run`` uses.
+
+    ``num_tiles``: ``1`` runs ``run(x)`` as is (tiling off: intermediates kept by autograd); ``None`` picks
+    :meth:`TiledMLP.auto_tiles` from the sequence and hidden sizes (and recomputes in backward even when that
+    is one tile). Without grad mode the tiles run and nothing is saved.
+    """
     run = module if run is None else run
+    if num_tiles == 1:
+        return run(x)
+    tiles = num_tiles if num_tiles is not None else TiledMLP.auto_tiles(x.shape[1], x.shape[-1])
     if not torch.is_grad_enabled():
-        return _TiledFunction.forward(_NoCtx(), x, module, run, num_tiles)  # inference: tiles, nothing saved
-    return _TiledFunction.apply(x, module, run, num_tiles, *module.parameters())
+        return _TiledFunction.forward(_NoCtx(), x, module, run, tiles)  # inference: tiles, nothing saved
+    return _TiledFunction.apply(x, module, run, tiles, *module.parameters())
 
 
 class TiledMLP(nn.Module):
@@ -108,11 +117,7 @@ class TiledMLP(nn.Module):
         return max(1, -(-seq_len // max(hidden_size, MIN_TILE_TOKENS)))
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.num_tiles == 1:  # tiling off: the module as is, its intermediates kept by autograd
-            return self.mlp(x)
-        # automatic tiling may pick one tile for a short shard: still recomputed, nothing kept
-        tiles = self.num_tiles if self.num_tiles is not None else self.auto_tiles(x.shape[1], x.shape[-1])
-        return tiled_call(self.mlp, x, tiles)
+        return tiled_call(self.mlp, x, self.num_tiles)
 
 
 class _NoCtx:

@@ -97,10 +97,13 @@ class HFCausalLM(CausalLM):
 
     def attention_heads(self) -> list[tuple[str, int, int]]:
         """``(layer name, n_heads, n_kv_heads)`` of every attention layer, from the model's config."""
-        config = self.model.config.get_text_config()
-        n_heads = config.num_attention_heads
-        n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+        n_heads, n_kv_heads = self._head_counts()
         return [(f"model.{name}", n_heads, n_kv_heads) for name, _ in attention_layers(self.model)]
+
+    def _head_counts(self) -> tuple[int, int]:
+        """``(n_heads, n_kv_heads)`` of every attention layer, from the model's config."""
+        config = self.model.config.get_text_config()
+        return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
     def attention_records(self) -> list[BlockRecord]:
         """What each attention layer did in its latest call (chunks, offload statistics), in layer order."""
@@ -109,8 +112,7 @@ class HFCausalLM(CausalLM):
     def decoder_layers(self) -> list[DecoderLayer]:
         """The transformers decoder layers, as the strategy shards them and the memory model reads them."""
         config = self.model.config.get_text_config()
-        n_heads = config.num_attention_heads
-        n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+        n_heads, n_kv_heads = self._head_counts()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
         layers = []
         for name, layer in hf_decoder_layers(self.model):
@@ -144,8 +146,11 @@ class HFCausalLM(CausalLM):
         """``hidden`` ``[..., hidden]`` through the output embedding, with final-logit softcapping
         (``cap * tanh(logits / cap)``, Gemma-2) where the config sets it: ``[..., vocab]``."""
         logits = self.model.get_output_embeddings()(hidden)
-        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        cap = self._final_logit_cap()
         return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def _final_logit_cap(self) -> float | None:
+        return getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
 
     def loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(loss_sum, num_tokens)`` of this rank's part of the batch, on pre-shifted targets."""
@@ -155,7 +160,7 @@ class HFCausalLM(CausalLM):
         if self.loss_tiles == 1:  # no tiling: full logits, kept for backward by autograd
             return cross_entropy_sum(self.logits(hidden), targets)
         head = self.model.get_output_embeddings()
-        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        cap = self._final_logit_cap()
         if isinstance(head, nn.Linear) and head.bias is None and cap is None:
             return tiled_cross_entropy_sum(hidden, head.weight, targets, self.loss_tiles)
         # a head with a bias or softcapping: token tiles, each recomputed in backward (checkpoint), so only

@@ -25,14 +25,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lightning_fpdt.block import SequenceParallelContext
-from lightning_fpdt.checkpointing import checkpointed_call
-from lightning_fpdt.mlp import TiledMLP, tiled_call
+from lightning_fpdt.checkpointing import checkpointed_call, needs_backward
+from lightning_fpdt.mlp import tiled_call
 from lightning_fpdt.models.hf_attention import attention_layers
 
 _MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -100,19 +99,15 @@ class TiledForward:
 
     Args:
         mlp: the transformers MLP (position-wise).
-        num_tiles: tiles per call; ``None``: :meth:`TiledMLP.auto_tiles` of the sequence; ``1``: off (the
-            class's forward as is, intermediates kept by autograd).
+        num_tiles: tiles per call, read as :func:`~lightning_fpdt.mlp.tiled_call` reads it (``None``:
+            automatic; ``1``: off, the class's forward as is).
     """
 
     def __init__(self, mlp: nn.Module, num_tiles: int | None) -> None:
         self.mlp, self.num_tiles = mlp, num_tiles
 
     def __call__(self, x: Tensor) -> Tensor:
-        run = partial(type(self.mlp).forward, self.mlp)
-        if self.num_tiles == 1:
-            return run(x)
-        tiles = self.num_tiles if self.num_tiles is not None else TiledMLP.auto_tiles(x.shape[1], x.shape[-1])
-        return tiled_call(self.mlp, x, tiles, run)
+        return tiled_call(self.mlp, x, self.num_tiles, partial(type(self.mlp).forward, self.mlp))
 
 
 class CheckpointedForward:
@@ -129,8 +124,7 @@ class CheckpointedForward:
             return run(*args, **kwargs)
         hidden = args[0] if args else kwargs.pop("hidden_states")
         args = args[1:]
-        if not torch.is_grad_enabled() or not (
-                hidden.requires_grad or any(p.requires_grad for p in self.layer.parameters())):
+        if not needs_backward(hidden, self.layer):
             return run(hidden, *args, **kwargs)
         for key, value in [*enumerate(args), *kwargs.items()]:
             tensors = value if isinstance(value, (tuple, list)) else (value,)
