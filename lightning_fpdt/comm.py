@@ -51,25 +51,34 @@ def _head_to_seq_send(x: Tensor, p: int) -> tuple[Tensor, Callable[[Tensor], Ten
     return send, lambda recv: recv.permute(1, 2, 0, 3, 4).reshape(b, s // p, p * h_local, d)
 
 
+Layout = Callable[[Tensor, int], tuple[Tensor, Callable[[Tensor], Tensor]]]
+
+
+def _all_to_all(
+    x: Tensor, layout: Layout, group: ProcessGroup | None, async_op: bool = False
+) -> tuple[Any, Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """Start the all-to-all of ``x`` in ``layout`` (``_seq_to_head_send`` or ``_head_to_seq_send``), along
+    dim 0 of its send buffer, one equal block per rank: ``(work, recv, send, finish)``, where ``work`` is
+    ``None`` unless ``async_op`` and ``finish(recv)`` is the result once the collective is complete."""
+    send, finish = layout(x, group_size(group))
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    return work, recv, send, finish
+
+
 def seq_to_head(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """``[b, s_local, h, d]`` sequence-sharded -> ``[b, s_local * P, h / P, d]`` head-sharded."""
-    p = group_size(group)
-    if p == 1:
+    if group_size(group) == 1:
         return x
-    send, finish = _seq_to_head_send(x, p)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # along dim 0, one equal block per rank
+    _, recv, _, finish = _all_to_all(x, _seq_to_head_send, group)
     return finish(recv)
 
 
 def head_to_seq(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """``[b, s_local * P, h_local, d]`` head-sharded -> ``[b, s_local, h_local * P, d]`` sequence-sharded."""
-    p = group_size(group)
-    if p == 1:
+    if group_size(group) == 1:
         return x
-    send, finish = _head_to_seq_send(x, p)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    _, recv, _, finish = _all_to_all(x, _head_to_seq_send, group)
     return finish(recv)
 
 
@@ -134,16 +143,13 @@ class Exchange:
         """Start ``[b, s_local * P, h_local, d]`` -> ``[b, s_local, h_local * P, d]`` (see :func:`head_to_seq`)."""
         return self._issue(x, _head_to_seq_send, what)
 
-    def _issue(self, x: Tensor, layout: Callable[[Tensor, int], tuple[Tensor, Callable[[Tensor], Tensor]]],
-               what: str) -> PendingAllToAll:
+    def _issue(self, x: Tensor, layout: Layout, what: str) -> PendingAllToAll:
         if self._closed:
             raise RuntimeError(f"Exchange: {what} issued after close(); make a new Exchange for the next pass.")
         if self._p == 1:
             pending = PendingAllToAll(self, what, result=x)
         else:
-            send, finish = layout(x, self._p)
-            recv = torch.empty_like(send)
-            work = dist.all_to_all_single(recv, send, group=self.group, async_op=self.overlap)
+            work, recv, send, finish = _all_to_all(x, layout, self.group, self.overlap)
             pending = PendingAllToAll(self, what, work=work, recv=recv, send=send, finish=finish)
         pending.serial = next(self._serials)
         self._in_flight[pending.serial] = what

@@ -315,7 +315,8 @@ def pipeline_backward(
                 hand_over()
         homebound.clear()
 
-    dout_ahead: PendingAllToAll | None = issue_dout(dout_order[0])  # in the order of first visits
+    douts = iter(dout_order)  # first visits come in this order
+    dout_ahead: PendingAllToAll | None = issue_dout(next(douts))
     prefetch(0)  # nothing to overlap the first step's copies with
     for t, (j, i) in enumerate(steps):
         nxt = steps[t + 1] if t + 1 < len(steps) else None
@@ -326,8 +327,8 @@ def pipeline_backward(
             assert dout_ahead is not None
             with record("fpdt/all_to_all"):
                 store.put(("do", i), dout_ahead.wait(), keep_on_device=True)
-            later = dout_order.index(i) + 1
-            dout_ahead = issue_dout(dout_order[later]) if later < len(dout_order) else None
+            following = next(douts, None)
+            dout_ahead = issue_dout(following) if following is not None else None
         if nxt is not None:
             prefetch(t + 1)
         q_i, o_i, lse_i, do_i = (store.get((kind, i)) for kind in ("q", "o", "lse", "do"))
