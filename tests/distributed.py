@@ -12,6 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import Tensor
+
+from lightning_fpdt.attention import fpdt_attention
+from lightning_fpdt.layout import shard_sequence, unshard_sequence
+
+ATTENTION_STEP = ("out", "lse", "dq", "dk", "dv")  # what sharded_attention_step returns, in order
 
 
 def free_port() -> int:
@@ -57,3 +63,22 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 raise RuntimeError(f"rank {r} failed:\n{res['error']}")
             results.append(res["ok"])
         return results
+
+
+def sharded_attention_step(
+    rank: int, world: int, chunk: int | None, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, **options: Any
+) -> list[Tensor]:
+    """One ``fpdt_attention`` forward and backward (``math`` kernel) on this rank's shard of whole ``q``, ``k``,
+    ``v`` and ``dout`` ``[batch, seq, heads, head_dim]`` in the FPDT layout of ``chunk``; ``options`` go to
+    ``fpdt_attention`` (``causal``, ``offload``, ``documents``, ...). Returns this rank's
+    :data:`ATTENTION_STEP`, detached."""
+    group = dist.group.WORLD if world > 1 else None
+    shards = [shard_sequence(x, world, rank, chunk).requires_grad_() for x in (q, k, v)]
+    out, lse = fpdt_attention(*shards, group=group, chunk_size=chunk, backend="math", return_lse=True, **options)
+    out.backward(shard_sequence(dout, world, rank, chunk))
+    return [t.detach() for t in (out, lse, *(x.grad for x in shards))]
+
+
+def unsharded_attention_step(per_rank: list[list[Tensor]], chunk: int | None) -> list[Tensor]:
+    """The whole-sequence :data:`ATTENTION_STEP` from every rank's :func:`sharded_attention_step`."""
+    return [unshard_sequence([r[t] for r in per_rank], chunk) for t in range(len(ATTENTION_STEP))]

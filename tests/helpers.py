@@ -12,7 +12,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,17 +109,27 @@ def reference_step(
 def assert_same_step(
     results: list[dict], ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor], tol: float, label: str
 ) -> None:
-    # Some gradients are exactly zero in exact arithmetic (a key bias shifts every logit of a row
-    # equally, and softmax ignores that), so both sides are rounding noise. Errors are relative to
-    # the parameter's own gradient or 1e-3 of the largest gradient in the model, whichever is larger.
+    for res in results:
+        assert res["grads"].keys() == ref_grads.keys()
+    for rank, what, err in step_errors(results, ref_loss, ref_grads):
+        assert err <= tol, f"{label} rank {rank}: {what} rel. error {err:.2e}"
+
+
+def step_errors(
+    results: list[dict], ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor]
+) -> Iterator[tuple[int, str, float]]:
+    """``(rank, what, relative error)`` of each rank's loss and every gradient against the reference.
+
+    Some gradients are exactly zero in exact arithmetic (a key bias shifts every logit of a row equally,
+    and softmax ignores that), so both sides are rounding noise. Errors are relative to the parameter's
+    own gradient or 1e-3 of the largest gradient in the model, whichever is larger.
+    """
     floor = 1e-3 * max(g.abs().max().item() for g in ref_grads.values())
     for rank, res in enumerate(results):
-        err = rel_error(res["loss"], ref_loss)
-        assert err <= tol, f"{label} rank {rank}: loss {res['loss'].item()} vs {ref_loss.item()} (rel. {err:.2e})"
-        assert res["grads"].keys() == ref_grads.keys()
+        yield rank, f"loss {res['loss'].item()} vs {ref_loss.item()}:", rel_error(res["loss"], ref_loss)
         for name, g in ref_grads.items():
-            err = ((res["grads"][name] - g).abs().max() / max(g.abs().max().item(), floor)).item()
-            assert err <= tol, f"{label} rank {rank}: grad of {name} rel. error {err:.2e}"
+            err = (res["grads"][name] - g).abs().max() / max(g.abs().max().item(), floor)
+            yield rank, f"grad of {name}", err.item()
 
 
 def run_in_fork(target: Callable[[], Any], args: list[str], timeout: float) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.layout import shard_sequence, unshard_sequence
-from tests.distributed import run_distributed
+from tests.distributed import ATTENTION_STEP, run_distributed, sharded_attention_step, unsharded_attention_step
 from tests.reference import naive_attention, rel_error
 
 HEADS, HEAD_DIM, BATCH = 4, 8, 2
@@ -34,16 +34,11 @@ def _inputs(seed: int, seq: int, kv_heads: int, dtype=torch.float64, std: float 
 
 
 def _run_cases(rank: int, world: int, seed: int, offload: bool, copy_delay: float) -> dict:
-    group = dist.group.WORLD if world > 1 else None
     results = {}
     for case_id, (n, causal, kv) in enumerate(_cases(world)):
         seq, chunk = CHUNKINGS[n]
-        q, k, v, dout = _inputs(seed + case_id, seq, kv)
-        shards = [shard_sequence(x, world, rank, chunk).requires_grad_() for x in (q, k, v)]
-        out, lse = fpdt_attention(*shards, group=group, chunk_size=chunk, causal=causal, backend="math",
-                                  offload=offload, copy_delay=copy_delay, return_lse=True)
-        out.backward(shard_sequence(dout, world, rank, chunk))
-        results[(n, causal, kv)] = [t.detach() for t in (out, lse, *(x.grad for x in shards))]
+        results[(n, causal, kv)] = sharded_attention_step(rank, world, chunk, *_inputs(seed + case_id, seq, kv),
+                                                          causal=causal, offload=offload, copy_delay=copy_delay)
     return results
 
 
@@ -55,8 +50,8 @@ def _check(per_rank: list[dict], seed: int, world: int) -> None:
         ref_out, ref_lse = naive_attention(q, k, v, causal)
         ref_out.backward(dout)
         expected = [ref_out, ref_lse, q.grad, k.grad, v.grad]
-        got = [unshard_sequence([r[(n, causal, kv)][t] for r in per_rank], chunk) for t in range(5)]
-        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected):
+        got = unsharded_attention_step([r[(n, causal, kv)] for r in per_rank], chunk)
+        for name, a, b in zip(ATTENTION_STEP, got, expected):
             err = rel_error(a, b.detach())
             assert err <= 1e-10, f"sp={world} chunks={n} causal={causal} kv_heads={kv}: {name} rel. error {err:.2e}"
 

@@ -12,12 +12,10 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.data import PackedTokenDataset
-from lightning_fpdt.layout import DocumentLayout, find_documents, shard_batch, shard_sequence, unshard_sequence
-from tests.distributed import run_distributed
+from lightning_fpdt.layout import DocumentLayout, find_documents, shard_batch
+from tests.distributed import ATTENTION_STEP, run_distributed, sharded_attention_step, unsharded_attention_step
 from tests.reference import naive_attention, rel_error
 
 HEADS, HEAD_DIM = 4, 8
@@ -71,17 +69,10 @@ def _cases(sp: int) -> list[tuple[int | None, bool, int]]:
 
 
 def _run(rank: int, world: int, seed: int, offload: bool) -> dict:
-    group = dist.group.WORLD if world > 1 else None
     layout = _layout(DOCS)
-    results = {}
-    for case_id, (chunk, causal, kv) in enumerate(_cases(world)):
-        q, k, v, dout = _inputs(seed + case_id, kv, len(DOCS))
-        shards = [shard_sequence(x, world, rank, chunk).requires_grad_() for x in (q, k, v)]
-        out, lse = fpdt_attention(*shards, group=group, chunk_size=chunk, causal=causal, backend="math",
-                                  offload=offload, return_lse=True, documents=layout)
-        out.backward(shard_sequence(dout, world, rank, chunk))
-        results[(chunk, causal, kv)] = [t.detach() for t in (out, lse, *(x.grad for x in shards))]
-    return results
+    return {(chunk, causal, kv): sharded_attention_step(rank, world, chunk, *_inputs(seed + case_id, kv, len(DOCS)),
+                                                        causal=causal, offload=offload, documents=layout)
+            for case_id, (chunk, causal, kv) in enumerate(_cases(world))}
 
 
 @pytest.mark.distributed
@@ -91,8 +82,8 @@ def test_packed_attention_equals_each_document_alone(sp: int, offload: bool, fre
     per_rank = run_distributed(_run, sp, fresh_seed, offload) if sp > 1 else [_run(0, 1, fresh_seed, offload)]
     for case_id, (chunk, causal, kv) in enumerate(_cases(sp)):
         expected = _reference(DOCS, *_inputs(fresh_seed + case_id, kv, len(DOCS)), causal)
-        got = [unshard_sequence([r[(chunk, causal, kv)][t] for r in per_rank], chunk) for t in range(5)]
-        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected):
+        got = unsharded_attention_step([r[(chunk, causal, kv)] for r in per_rank], chunk)
+        for name, a, b in zip(ATTENTION_STEP, got, expected):
             err = rel_error(a, b)
             assert err <= 1e-10, f"sp={sp} chunk={chunk} causal={causal} kv_heads={kv}: {name} rel. error {err:.2e}"
 

@@ -47,7 +47,7 @@ from lightning_fpdt.block import SequenceParallelContext, attention_records
 from lightning_fpdt.callbacks import FPDTMonitor
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.models.hf_attention import ATTN_IMPLEMENTATION
-from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader
+from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader, step_errors
 from tests.reference import naive_attention
 
 VOCAB, SEQ, HEADS = 64, 32, 4
@@ -217,12 +217,8 @@ def _fit(module: HFCausalLM, data: Dataset, case: Case, tmp_path, precision: str
 
 
 def _max_error(results: list[dict], loss: torch.Tensor, grads: dict) -> float:
-    """The largest relative error (loss, every gradient) with the floor ``assert_same_step`` uses."""
-    floor = 1e-3 * max(g.abs().max().item() for g in grads.values())
-    errors = [((r["loss"] - loss).abs() / loss.abs()).item() for r in results]
-    errors += [((r["grads"][n] - g).abs().max() / max(g.abs().max().item(), floor)).item()
-               for r in results for n, g in grads.items()]
-    return max(errors)
+    """The largest relative error (loss, every gradient), as ``assert_same_step`` measures them."""
+    return max(err for _, _, err in step_errors(results, loss, grads))
 
 
 @pytest.mark.distributed
