@@ -78,3 +78,26 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (CUDA); nothing to wait for on CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(device: torch.device | str, dtype: torch.dtype, n: int, reps: int) -> float:
+    """Measured FLOP/s of ``[n, n] @ [n, n]`` in ``dtype`` on ``device`` (one warm-up, then ``reps`` timed)."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    a @ b
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    synchronize(device)
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def is_oom(err: BaseException) -> bool:
+    """Whether ``err`` is an out-of-memory error (device, pinned host or library allocations)."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()

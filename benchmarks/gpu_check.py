@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table
+from common import is_oom, matmul_rate, print_table, synchronize
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import MathKernel, get_kernel
@@ -68,18 +68,9 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     a, b = a.double(), b.double()
     return ((a - b).abs().max() / max(b.abs().max().item(), floor, 1e-300)).item()
-
-
-def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
 def _batch(ids: torch.Tensor, chunk: int | None, device: torch.device) -> dict[str, Any]:
@@ -263,13 +254,13 @@ def _attention_step(device: torch.device, seq: int, args: argparse.Namespace, of
         return stats[0]
 
     step()
-    _sync(device)
+    synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         start = time.perf_counter()
         stats = step()
-        _sync(device)
+        synchronize(device)
         seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated(device) - base
     else:
@@ -296,7 +287,7 @@ def offload_table(device: torch.device, args: argparse.Namespace, link: dict[str
             try:
                 results[offload] = _attention_step(device, seq, args, offload)
             except (torch.OutOfMemoryError, RuntimeError) as err:
-                if not _is_oom(err):
+                if not is_oom(err):
                     raise
                 results[offload] = None
             _free(device)
@@ -328,19 +319,6 @@ def offload_table(device: torch.device, args: argparse.Namespace, link: dict[str
 # ---- 4. MFU ----------------------------------------------------------------------------------------
 
 
-def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
-    n = 8192 if device.type == "cuda" else 512
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    a @ b
-    _sync(device)
-    reps = 20 if device.type == "cuda" else 5
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    _sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - start)
-
-
 def nominal_peak(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
@@ -369,12 +347,12 @@ def _llama_step(device: torch.device, config: LlamaConfig, seq: int, chunk: int,
 
     try:
         step()
-        _sync(device)
+        synchronize(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         step()
-        _sync(device)
+        synchronize(device)
         seconds = time.perf_counter() - start
         return seconds, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
     finally:
@@ -386,7 +364,8 @@ def mfu_table(device: torch.device, args: argparse.Namespace, deadline: float) -
     cpu = device.type != "cuda"
     config = LlamaConfig.tiny() if cpu else LlamaConfig(**LLAMA_1B)
     dtype = torch.float32 if cpu else torch.bfloat16
-    measured = matmul_rate(device, dtype)
+    cuda = device.type == "cuda"
+    measured = matmul_rate(device, dtype, n=8192 if cuda else 512, reps=20 if cuda else 5)
     nominal = nominal_peak(device)
     with torch.device("meta"):  # only counts parameters
         flops_per_token = LlamaLM(config).model.flops_per_token
@@ -400,7 +379,7 @@ def mfu_table(device: torch.device, args: argparse.Namespace, deadline: float) -
         try:
             seconds, peak = _llama_step(device, config, seq, args.chunk_size, args.backend, autocast=not cpu)
         except (torch.OutOfMemoryError, RuntimeError) as err:
-            if not _is_oom(err):
+            if not is_oom(err):
                 raise
             _free(device)
             rows.append([seq, "OOM", "-", "-", "-", "-", ""])

@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, run_on_ranks
+from common import is_oom, matmul_rate, print_table, run_on_ranks, synchronize
 
 from lightning_fpdt.block import SequenceParallelContext, bind_blocks
 from lightning_fpdt.checkpointing import new_checkpoint_store
@@ -130,24 +130,9 @@ def _rss_bytes() -> int:
 def matmul_flops(threads: int, n: int = 1024, device: str = "cpu") -> float:
     """Measured matmul FLOP/s of this process: float32 on CPU, bf16 on CUDA."""
     if device == "cuda":
-        n, dtype = 8192, torch.bfloat16
-    else:
-        torch.set_num_threads(threads)
-        dtype = torch.float32
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
-    _sync(device)
-    start = time.perf_counter()
-    reps = 10 if device == "cpu" else 50
-    for _ in range(reps):
-        a @ b
-    _sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - start)
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+        return matmul_rate(device, torch.bfloat16, n=8192, reps=50)
+    torch.set_num_threads(threads)
+    return matmul_rate(device, torch.float32, n=n, reps=10)
 
 
 def _setup(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace, config: LlamaConfig | None = None,
@@ -212,16 +197,12 @@ def _run(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace
     start = time.perf_counter()
     for _ in range(args.repeats):
         step()
-    _sync(args.device)
+    synchronize(args.device)
     if world > 1:
         dist.barrier()
     seconds = (time.perf_counter() - start) / args.repeats
     flops = flops_per_token(model_config(variant, args), seq) * seq / world / seconds  # per process
     return {"rss": rss_peak, "tensors": tensor_peak, "seconds": seconds, "flops": flops}
-
-
-def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
 def _probe(rank: int, world: int, variant: str, seq: int, args: argparse.Namespace) -> float:
@@ -235,13 +216,13 @@ def _probe(rank: int, world: int, variant: str, seq: int, args: argparse.Namespa
     try:
         _, _, step = _setup(rank, world, variant, seq, args)
         step()  # warm-up: optimizer state, pinned buffers, kernels
-        _sync(args.device)
+        synchronize(args.device)
         began = time.perf_counter()
         step()
-        _sync(args.device)
+        synchronize(args.device)
         return time.perf_counter() - began
     except (torch.OutOfMemoryError, RuntimeError) as err:
-        if not _is_oom(err):
+        if not is_oom(err):
             raise
         print(f"rank {rank}: out of memory at {seq} tokens ({variant})", file=sys.stderr, flush=True)
         os._exit(OOM_EXIT)
