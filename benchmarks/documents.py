@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, run_on_ranks, timed
 
 from lightning_fpdt.attention import fpdt_attention
-from lightning_fpdt.layout import DocumentLayout, shard_sequence
+from lightning_fpdt.layout import PackedDocuments, shard_sequence
 
 HEADS, HEAD_DIM = 8, 64
 
@@ -36,12 +36,12 @@ def _measure(rank: int, world: int, seq: int, chunks: int, docs: int, repeats: i
     q, k, v, dout = (torch.randn(1, seq, HEADS, HEAD_DIM, generator=g) for _ in range(4))
     q, k, v, dout = (shard_sequence(x, world, rank, chunk) for x in (q, k, v, dout))
     length = seq // docs
-    packed = DocumentLayout.from_position_ids(torch.arange(seq).remainder(length).unsqueeze(0))
+    packed = PackedDocuments.from_position_ids(torch.arange(seq).remainder(length).unsqueeze(0))
     rows = []
     for name, documents in (("one document", None), (f"{docs} documents of {length}", packed)):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
 
-        def step(leaves: list = leaves, documents: DocumentLayout | None = documents) -> None:
+        def step(leaves: list = leaves, documents: PackedDocuments | None = documents) -> None:
             out = fpdt_attention(*leaves, group=group, chunk_size=chunk, backend="sdpa", documents=documents)
             out.backward(dout)
 

@@ -55,8 +55,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import is_oom, matmul_rate, print_table, run_on_ranks, synchronize
 
+from lightning_fpdt.activation_checkpoint import new_checkpoint_store
 from lightning_fpdt.block import SequenceParallelContext, bind_blocks
-from lightning_fpdt.checkpointing import new_checkpoint_store
 from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.memory import ModelShape, estimate

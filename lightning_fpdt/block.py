@@ -15,17 +15,17 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_fpdt.activation_checkpoint import checkpointed_forward, needs_backward, new_checkpoint_store
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import get_kernel
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import ProjectionEnds, projection_params
 from lightning_fpdt.autocast_state import AutocastState
-from lightning_fpdt.checkpointing import checkpointed_forward, needs_backward, new_checkpoint_store
+from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
 from lightning_fpdt.comm import check_heads, group_size
-from lightning_fpdt.layout import DocumentLayout
-from lightning_fpdt.mlp import TiledMLP
-from lightning_fpdt.offload import ChunkStore, OffloadStats
+from lightning_fpdt.layout import PackedDocuments
 from lightning_fpdt.rope import RotaryEmbedding, rotate_half
+from lightning_fpdt.tiling import TiledMLP
 
 # re-exported: the strategy, the benchmarks and the models import these from here
 __all__ = [
@@ -59,7 +59,7 @@ class SequenceParallelContext:
         activation_checkpointing: keep only each block's input for backward and recompute the block.
         checkpoint_store: where checkpointed block inputs live (``None``: in the autograd graph); a
             store with ``offload=True`` keeps them in host memory, and each block's backward prefetches
-            the input of the backward that runs next (``lightning_fpdt.checkpointing``).
+            the input of the backward that runs next (``lightning_fpdt.activation_checkpoint``).
     """
 
     group: ProcessGroup | None = None
@@ -140,7 +140,7 @@ class FPDTAttention(nn.Module):
         check_heads(self.n_heads, self.n_kv_heads, context.size)
         self.context = context
 
-    def forward(self, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None = None) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None) -> Tensor:
         """``x`` ``[batch, s_local, hidden]`` (this rank's shard), ``position_ids`` ``[batch, s_local]``,
         ``documents`` the packed documents of the batch (``None``: one per sample).
 
@@ -190,7 +190,7 @@ class FPDTBlock(nn.Module):
         """Attach the sequence-parallel group and options (called by ``FPDTStrategy``).
 
         ``layer_index`` is the block's position in the model, for the reader of a record; the
-        checkpoint prefetch follows the order the forward passes ran in (``lightning_fpdt.checkpointing``).
+        checkpoint prefetch follows the order the forward passes ran in (``lightning_fpdt.activation_checkpoint``).
         """
         self.attention.bind(context)
         self.context, self.layer_index = context, layer_index
@@ -199,12 +199,12 @@ class FPDTBlock(nn.Module):
     def record(self) -> BlockRecord:
         return self.attention.record
 
-    def block_forward(self, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None = None) -> Tensor:
+    def block_forward(self, x: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None) -> Tensor:
         """The block itself: ``[batch, s_local, hidden] -> [batch, s_local, hidden]``."""
         x = x + self.attention(self.attention_norm(x), position_ids, documents)
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward(self, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None = None) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None) -> Tensor:
         """``x`` ``[batch, s_local, hidden]`` (this rank's shard), ``position_ids`` ``[batch, s_local]``,
         ``documents`` the batch's packed documents (``None``: one per sample)."""
         if self.context.activation_checkpointing and needs_backward(x, self):
@@ -213,7 +213,7 @@ class FPDTBlock(nn.Module):
 
 
 def projected_fpdt_attention(
-    attn: FPDTAttention, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None = None
+    attn: FPDTAttention, x: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None
 ) -> Tensor:
     """``attn``'s q/k/v projection, RoPE and FPDT attention in one pipeline, chunk by chunk, each token
     attending within its document.

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_fpdt.block import attention_records
-from lightning_fpdt.offload import OffloadStats
+from lightning_fpdt.chunk_store import OffloadStats
 
 
 class FPDTMonitor(pl.Callback):

@@ -23,7 +23,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_fpdt  # noqa: F401  (registers the "fpdt" strategy names)
-from lightning_fpdt import FPDTStrategy, checkpoint
+from lightning_fpdt import FPDTStrategy, checkpoint_files
 from lightning_fpdt.data import PasskeyDataModule
 from lightning_fpdt.memory import ModelShape, report
 from lightning_fpdt.models import CausalLM, LlamaLM
@@ -38,12 +38,12 @@ class FPDTCLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         """LightningCLI reads the hyperparameters of ``--ckpt_path`` with ``torch.load``; a file it cannot
-        read is reported by :func:`lightning_fpdt.checkpoint.read` (naming the file and what is wrong)."""
+        read is reported by :func:`lightning_fpdt.checkpoint_files.read` (naming the file and what is wrong)."""
         try:
             super()._parse_ckpt_path()
         except (RuntimeError, EOFError, OSError, pickle.UnpicklingError):
             ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
-            checkpoint.read(Path(ckpt_path))  # raises CheckpointError with the reason
+            checkpoint_files.read(Path(ckpt_path))  # raises CheckpointError with the reason
             raise
 
     def before_fit(self) -> None:

@@ -141,7 +141,7 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class DocumentLayout:
+class PackedDocuments:
     """Document starts per sample, as global token offsets of a padded sequence of ``length`` tokens.
 
     Attributes:
@@ -153,7 +153,7 @@ class DocumentLayout:
     length: int
 
     @classmethod
-    def from_position_ids(cls, position_ids: Tensor) -> DocumentLayout | None:
+    def from_position_ids(cls, position_ids: Tensor) -> PackedDocuments | None:
         """Documents start where the global ``position_ids`` ``[batch, S]`` restart at 0 (and at 0);
         ``None`` when every sample is a single document (the plain path, with no segmentation)."""
         if position_ids.dim() != 2:
@@ -166,12 +166,12 @@ class DocumentLayout:
             starts.append((0, *(int(t) + 1 for t in row.nonzero().flatten().tolist())))
         return cls(tuple(starts), position_ids.shape[1])
 
-    def padded(self, length: int) -> DocumentLayout:
+    def padded(self, length: int) -> PackedDocuments:
         """The same documents in a sequence padded to ``length``: the padding is one more document, so no
         real token attends to it, even without causality."""
         if length == self.length:
             return self
-        return DocumentLayout(tuple((*s, self.length) for s in self.starts), length)
+        return PackedDocuments(tuple((*s, self.length) for s in self.starts), length)
 
     def document_starts(self, device: torch.device | None = None) -> Tensor:
         """``[batch, S]`` bool: True where a document starts."""
@@ -222,7 +222,7 @@ class DocumentLayout:
 
 def find_documents(
     position_ids: Tensor, attention_mask: Tensor | None, owner: str = "shard_batch"
-) -> DocumentLayout | None:
+) -> PackedDocuments | None:
     """The documents of a batch of whole sequences: starts where ``position_ids`` ``[batch, seq]`` restart
     at 0, and, with a right-padded 2-D ``attention_mask`` (1 = token, 0 = padding), the padding as one
     more document. ``None`` for plain sequences (one document each, no padding).
@@ -230,7 +230,7 @@ def find_documents(
     Raises:
         ValueError: an ``attention_mask`` that is not ``[batch, seq]`` (4-D masks) or is not right-padded.
     """
-    documents = DocumentLayout.from_position_ids(position_ids)
+    documents = PackedDocuments.from_position_ids(position_ids)
     if attention_mask is None:
         return documents
     if attention_mask.dim() != 2 or attention_mask.shape != position_ids.shape:
@@ -258,7 +258,7 @@ def find_documents(
         tuple(sorted({*(x for x in doc if x < n), *([n] if 0 < n < s else [])})) or (0,)
         for doc, n in zip(base, lengths.tolist())
     )
-    return DocumentLayout(starts, s)
+    return PackedDocuments(starts, s)
 
 
 def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
@@ -274,7 +274,7 @@ def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
 
 
 def mask_targets(
-    shift_labels: Tensor, documents: DocumentLayout | None, loss_mask: Tensor | None, attention_mask: Tensor | None
+    shift_labels: Tensor, documents: PackedDocuments | None, loss_mask: Tensor | None, attention_mask: Tensor | None
 ) -> Tensor:
     """Pre-shifted targets with ``IGNORE_INDEX`` wherever the target token (``t + 1``) is not trained on:
     it starts another document (the last token of a document never predicts the next one), it is
@@ -328,7 +328,7 @@ def shard_batch(
     sequence key to a multiple of ``sp_size`` (labels with ``IGNORE_INDEX``, ``input_ids`` with
     ``pad_token_id``, others with 0); apply the FPDT layout and keep rank ``sp_rank``'s shard. Keys not
     in ``sequence_keys`` pass through untouched. ``documents`` is added: the batch's
-    :class:`DocumentLayout` over the padded length, or ``None`` for plain sequences.
+    :class:`PackedDocuments` over the padded length, or ``None`` for plain sequences.
 
     A batch that is not a mapping is returned as it is when ``sp_size == 1``.
 

@@ -11,8 +11,8 @@ from torch import Tensor
 
 from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.layout import IGNORE_INDEX
-from lightning_fpdt.mlp import MIN_TILE_TOKENS, tile_bounds
 from lightning_fpdt.profiling import record
+from lightning_fpdt.tiling import MIN_TILE_TOKENS, tile_bounds
 
 
 def cross_entropy_sum(logits: Tensor, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:

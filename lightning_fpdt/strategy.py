@@ -25,16 +25,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
-from lightning_fpdt import checkpoint as ckpt
+from lightning_fpdt import checkpoint_files as ckpt
+from lightning_fpdt.activation_checkpoint import new_checkpoint_store
 from lightning_fpdt.batches import BatchGate, input_vocab_size, target_tokens
 from lightning_fpdt.block import SequenceParallelContext, bind_blocks
-from lightning_fpdt.checkpointing import new_checkpoint_store
+from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.copy_engine import release_copy_engines
 from lightning_fpdt.launcher import ShardAwareLauncher
 from lightning_fpdt.layout import DEFAULT_SEQUENCE_KEYS, shard_batch
 from lightning_fpdt.memory import ModelShape
 from lightning_fpdt.nonfinite import StepGuard
-from lightning_fpdt.offload import ChunkStore
 from lightning_fpdt.options import PREFIX, FPDTOptions, OffloadArgument, check_has_blocks
 from lightning_fpdt.planning import ChunkPlanner, resolve_budget
 from lightning_fpdt.resume import resumable, warn_if_saved_at_epoch_end
@@ -296,7 +296,7 @@ class FPDTStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Atomic: a crash mid-save leaves the previous checkpoint at ``filepath`` usable. A file with
         replicated weights, a distributed-checkpoint directory with ``shard_parameters``."""
-        checkpoint["fpdt"] = ckpt.records(ckpt.gather_rng_states(self.world_size), self._layout())
+        checkpoint["fpdt"] = ckpt.records(ckpt.gather_rng_states(self.world_size), self._parallelism())
         target = str(self.broadcast(str(filepath)))
         own_io = isinstance(self.checkpoint_io, TorchCheckpointIO) and storage_options is None
         if self._options.shard_parameters:
@@ -331,7 +331,7 @@ class FPDTStrategy(DDPStrategy):
             ckpt.apply_states(checkpoint, target, module, optimizers, strict=module.strict_loading)
         else:
             checkpoint = ckpt.load_into(ckpt.resolve(target), module, optimizers, strict=module.strict_loading)
-        ckpt.restore_records(checkpoint, self.global_rank, self._layout())
+        ckpt.restore_records(checkpoint, self.global_rank, self._parallelism())
         if fitting:
             warn_if_saved_at_epoch_end(checkpoint)
         return checkpoint
@@ -339,8 +339,8 @@ class FPDTStrategy(DDPStrategy):
     def _on_rank_zero(self, fn: Callable[[], None], what: str) -> None:
         ckpt.on_rank_zero(fn, what, self.is_global_zero, self.broadcast)
 
-    def _layout(self) -> dict[str, Any]:
-        return ckpt.layout_record(self.data_parallel_size, self.sequence_parallel_size, self.chunk_size,
+    def _parallelism(self) -> dict[str, Any]:
+        return ckpt.parallelism_record(self.data_parallel_size, self.sequence_parallel_size, self.chunk_size,
                                   self._options.shard_parameters)
 
     @override

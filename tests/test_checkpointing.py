@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
+from lightning_fpdt.activation_checkpoint import new_checkpoint_store
 from lightning_fpdt.block import FPDTAttention, FPDTBlock, SequenceParallelContext
-from lightning_fpdt.checkpointing import new_checkpoint_store
-from lightning_fpdt.mlp import TiledMLP
+from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.models.llama import RMSNorm, SwiGLU
-from lightning_fpdt.offload import ChunkStore
 from lightning_fpdt.rope import RotaryEmbedding
+from lightning_fpdt.tiling import TiledMLP
 from tests.reference import rel_error
 
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_fpdt.data import PackedTokenDataset
-from lightning_fpdt.layout import DocumentLayout, find_documents, shard_batch
+from lightning_fpdt.layout import PackedDocuments, find_documents, shard_batch
 from tests.distributed import ATTENTION_STEP, run_distributed, sharded_attention_step, unsharded_attention_step
 from tests.reference import naive_attention, rel_error
 
@@ -30,8 +30,8 @@ def _position_ids(docs: list[list[int]]) -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in docs])
 
 
-def _layout(docs: list[list[int]]) -> DocumentLayout:
-    layout = DocumentLayout.from_position_ids(_position_ids(docs))
+def _layout(docs: list[list[int]]) -> PackedDocuments:
+    layout = PackedDocuments.from_position_ids(_position_ids(docs))
     assert layout is not None
     return layout
 
@@ -88,7 +88,7 @@ def test_packed_attention_equals_each_document_alone(sp: int, offload: bool, fre
             assert err <= 1e-10, f"sp={sp} chunk={chunk} causal={causal} kv_heads={kv}: {name} rel. error {err:.2e}"
 
 
-def _brute_segments(layout: DocumentLayout, q_range, k_range) -> set:
+def _brute_segments(layout: PackedDocuments, q_range, k_range) -> set:
     """(sample, q, k) pairs that attend: same document, both in range."""
     pairs = set()
     for b, starts in enumerate(layout.starts):
@@ -130,7 +130,7 @@ def test_segments_and_block_skipping_match_a_brute_force_mask(fresh_seed: int) -
 
 
 def test_documents_from_position_ids_and_padding_masks() -> None:
-    assert DocumentLayout.from_position_ids(torch.arange(8).expand(2, 8)) is None  # plain sequences
+    assert PackedDocuments.from_position_ids(torch.arange(8).expand(2, 8)) is None  # plain sequences
     pos = _position_ids([[3, 5], [8]])
     layout = find_documents(pos, None)
     assert layout.starts == ((0, 3), (0,)) and layout.length == 8

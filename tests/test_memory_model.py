@@ -27,9 +27,9 @@ from lightning_fpdt.loss import cross_entropy_sum, token_weighted_loss
 from lightning_fpdt.memory import ModelShape, auto_chunk_size, estimate
 from lightning_fpdt.memory.__main__ import main
 from lightning_fpdt.memtrack import TensorMemoryTracker, peak_step_bytes
-from lightning_fpdt.mlp import TiledMLP
 from lightning_fpdt.models import GPT, GPTConfig, HFCausalLM, Llama, LlamaConfig, LlamaLM
 from lightning_fpdt.models.llama import init_weights
+from lightning_fpdt.tiling import TiledMLP
 from tests.distributed import run_distributed
 from tests.helpers import TokenDataset, dataloader
 

@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.block import FPDTAttention, SequenceParallelContext
+from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
 from lightning_fpdt.layout import shard_sequence
-from lightning_fpdt.offload import ChunkStore, OffloadStats
 from lightning_fpdt.rope import RotaryEmbedding
 from tests.distributed import run_distributed
 

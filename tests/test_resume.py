@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fpdt.checkpoint import is_complete, latest_checkpoint
+from lightning_fpdt.checkpoint_files import is_complete, latest_checkpoint
 from tests import resume_job
 from tests.helpers import run_in_fork
 

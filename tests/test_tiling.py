@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_fpdt.activation_checkpoint import new_checkpoint_store
 from lightning_fpdt.block import FPDTAttention, FPDTBlock, SequenceParallelContext
-from lightning_fpdt.checkpointing import new_checkpoint_store
 from lightning_fpdt.loss import tiled_cross_entropy_sum
-from lightning_fpdt.mlp import TiledMLP, tile_bounds
 from lightning_fpdt.models.gpt import GeLUMLP
 from lightning_fpdt.models.llama import RMSNorm, SwiGLU
 from lightning_fpdt.rope import RotaryEmbedding
+from lightning_fpdt.tiling import TiledMLP, tile_bounds
 from tests.reference import rel_error
 
 

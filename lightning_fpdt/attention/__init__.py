@@ -13,9 +13,9 @@ from lightning_fpdt.attention.merge import update_out_and_lse
 from lightning_fpdt.attention.pipeline import PipelineOptions, chunk_bounds, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds
 from lightning_fpdt.attention.ulysses import ulysses_attention
+from lightning_fpdt.chunk_store import OffloadStats
 from lightning_fpdt.comm import check_heads, expand_kv_heads, group_size, head_to_seq
-from lightning_fpdt.layout import DocumentLayout, validate_chunk_size
-from lightning_fpdt.offload import OffloadStats
+from lightning_fpdt.layout import PackedDocuments, validate_chunk_size
 
 __all__ = ["BACKENDS", "fpdt_attention", "get_kernel", "update_out_and_lse"]
 
@@ -34,7 +34,7 @@ def fpdt_attention(
     return_lse: bool = False,
     stats_sink: list[OffloadStats] | None = None,
     copy_delay: float = 0.0,
-    documents: DocumentLayout | None = None,
+    documents: PackedDocuments | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sequence-parallel attention over this rank's shards in the FPDT layout.
 

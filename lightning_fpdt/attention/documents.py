@@ -1,7 +1,7 @@
 """Attention within packed documents: a block's kernel call split into one call per shared document.
 
 A packed sample holds several documents one after another; a token attends only to tokens of its own
-document (causally, for a decoder). :class:`lightning_fpdt.layout.DocumentLayout` records where the
+document (causally, for a decoder). :class:`lightning_fpdt.layout.PackedDocuments` records where the
 documents start in each sample, in *global* token offsets of the padded sequence (the order before the
 FPDT permutation), so every rank can answer for any global chunk: after the all-to-all, local chunk
 ``i`` is global chunk ``i``, contiguous, whatever rank computes it.

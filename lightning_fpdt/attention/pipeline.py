@@ -44,9 +44,9 @@ from torch.distributed import ProcessGroup
 from lightning_fpdt.attention.documents import block_backward, block_forward
 from lightning_fpdt.attention.kernels import AttentionKernel, accumulate_dtype
 from lightning_fpdt.attention.merge import update_out_and_lse
+from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
 from lightning_fpdt.comm import Exchange, PendingAllToAll, group_size
-from lightning_fpdt.layout import DocumentLayout, Segment, chunk_lengths, validate_chunk_size
-from lightning_fpdt.offload import ChunkStore, OffloadStats
+from lightning_fpdt.layout import PackedDocuments, Segment, chunk_lengths, validate_chunk_size
 from lightning_fpdt.profiling import record
 
 KV_KINDS = {"k": "kv", "v": "kv"}
@@ -71,7 +71,7 @@ class PipelineOptions:
     copy_delay: float = 0.0
     stats_sink: list[OffloadStats] | None = None
     overlap_comm: bool = True
-    documents: DocumentLayout | None = None
+    documents: PackedDocuments | None = None
 
     def segments(self, ranges: list[tuple[int, int]], i: int, j: int) -> list[Segment] | None:
         """The document rectangles of block (query chunk ``i``, key chunk ``j``), or ``None`` for the whole

@@ -8,11 +8,11 @@ from typing import Any, Literal
 from torch import Tensor, nn
 
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
-from lightning_fpdt.layout import DocumentLayout, default_position_ids
-from lightning_fpdt.mlp import TiledMLP
+from lightning_fpdt.layout import PackedDocuments, default_position_ids
 from lightning_fpdt.models.llama import init_weights
 from lightning_fpdt.models.lm import CausalLM
 from lightning_fpdt.rope import RotaryEmbedding
+from lightning_fpdt.tiling import TiledMLP
 
 
 @dataclass
@@ -108,7 +108,7 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
 
     def hidden_states(
-        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: DocumentLayout | None = None
+        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: PackedDocuments | None = None
     ) -> Tensor:
         """Final normed hidden states ``[batch, seq, n_embd]`` (``seq`` is this rank's shard under SP)."""
         if position_ids is None:
@@ -128,7 +128,7 @@ class GPT(nn.Module):
         return self.ln_f(x)
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: DocumentLayout | None = None
+        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: PackedDocuments | None = None
     ) -> Tensor:
         return self.lm_head(self.hidden_states(input_ids, position_ids, documents))
 
@@ -140,13 +140,13 @@ class GPT(nn.Module):
     @classmethod
     def from_hf(cls, model: Any, **overrides: Any) -> GPT:
         """A :class:`GPT` with the weights of a ``transformers`` ``GPT2LMHeadModel`` (or a path to one)."""
-        from lightning_fpdt.models.hf import load_gpt2  # hf imports this module: a cycle at import time
+        from lightning_fpdt.models.convert import load_gpt2  # hf imports this module: a cycle at import time
 
         return load_gpt2(cls, model, overrides)
 
     def to_hf(self) -> Any:
         """A ``transformers`` ``GPT2LMHeadModel`` with this model's weights (learned positions only)."""
-        from lightning_fpdt.models.hf import export_gpt2  # hf imports this module: a cycle at import time
+        from lightning_fpdt.models.convert import export_gpt2  # hf imports this module: a cycle at import time
 
         return export_gpt2(self)
 

@@ -25,7 +25,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.block import BlockRecord, SequenceParallelContext
-from lightning_fpdt.layout import DocumentLayout
+from lightning_fpdt.layout import PackedDocuments
 
 ATTN_IMPLEMENTATION = "lightning_fpdt"
 
@@ -41,7 +41,7 @@ def fpdt_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     fpdt_context: SequenceParallelContext | None = None,
-    documents: DocumentLayout | None = None,
+    documents: PackedDocuments | None = None,
     fpdt_records: dict[int, BlockRecord] | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:

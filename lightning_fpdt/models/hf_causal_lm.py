@@ -28,11 +28,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from lightning_fpdt.block import BlockRecord, DecoderLayer, SequenceParallelContext
 from lightning_fpdt.layout import IGNORE_INDEX
 from lightning_fpdt.loss import auto_loss_tiles, cross_entropy_sum, tiled_cross_entropy_sum
-from lightning_fpdt.mlp import tile_bounds
 from lightning_fpdt.models.hf_attention import attention_layers, check_supported, install
 from lightning_fpdt.models.hf_layers import check_dense, check_recomputable, install_memory_stack
 from lightning_fpdt.models.hf_layers import decoder_layers as hf_decoder_layers
 from lightning_fpdt.models.lm import CausalLM
+from lightning_fpdt.tiling import tile_bounds
 
 
 class HFCausalLM(CausalLM):

@@ -6,11 +6,11 @@ names and ``save_pretrained`` stay transformers' own, and a deep copy of the mod
 forwards (the object is copied with the module it belongs to):
 
 - each decoder layer's ``mlp`` runs in sequence tiles, each recomputed in backward
-  (:func:`lightning_fpdt.mlp.tiled_call`): no ``[tokens, intermediate]`` tensor is kept for backward,
+  (:func:`lightning_fpdt.tiling.tiled_call`): no ``[tokens, intermediate]`` tensor is kept for backward,
   whatever the MLP (SwiGLU, GeLU, fused gate-up);
 - each decoder layer, when the bound context asks for activation checkpointing, keeps only its input
   hidden states for backward (in the context's checkpoint store: host memory with
-  ``offload_checkpoints``) and is recomputed there (:func:`lightning_fpdt.checkpointing.checkpointed_call`).
+  ``offload_checkpoints``) and is recomputed there (:func:`lightning_fpdt.activation_checkpoint.checkpointed_call`).
   The context arrives as the ``fpdt_context`` forward keyword, which the base model passes to every
   decoder layer, as it does to every attention layer; nothing is stored on the modules.
 
@@ -29,10 +29,10 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from lightning_fpdt.activation_checkpoint import checkpointed_call, needs_backward
 from lightning_fpdt.block import SequenceParallelContext
-from lightning_fpdt.checkpointing import checkpointed_call, needs_backward
-from lightning_fpdt.mlp import tiled_call
 from lightning_fpdt.models.hf_attention import attention_layers
+from lightning_fpdt.tiling import tiled_call
 
 _MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _MOE_CLASS_WORDS = ("moe", "expert", "router")
@@ -99,7 +99,7 @@ class TiledForward:
 
     Args:
         mlp: the transformers MLP (position-wise).
-        num_tiles: tiles per call, read as :func:`~lightning_fpdt.mlp.tiled_call` reads it (``None``:
+        num_tiles: tiles per call, read as :func:`~lightning_fpdt.tiling.tiled_call` reads it (``None``:
             automatic; ``1``: off, the class's forward as is).
     """
 

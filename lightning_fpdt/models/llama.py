@@ -15,10 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
-from lightning_fpdt.layout import DocumentLayout, default_position_ids
-from lightning_fpdt.mlp import TiledMLP
+from lightning_fpdt.layout import PackedDocuments, default_position_ids
 from lightning_fpdt.models.lm import CausalLM
 from lightning_fpdt.rope import RotaryEmbedding
+from lightning_fpdt.tiling import TiledMLP
 
 
 @dataclass
@@ -166,7 +166,7 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def hidden_states(
-        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: DocumentLayout | None = None
+        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: PackedDocuments | None = None
     ) -> Tensor:
         """Final normed hidden states ``[batch, seq, hidden]`` (``seq`` is this rank's shard under SP)."""
         if position_ids is None:
@@ -177,7 +177,7 @@ class Llama(nn.Module):
         return self.norm(x)
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: DocumentLayout | None = None
+        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: PackedDocuments | None = None
     ) -> Tensor:
         return self.lm_head(self.hidden_states(input_ids, position_ids, documents))
 
@@ -199,13 +199,13 @@ class Llama(nn.Module):
         schedules such as Llama 3's), exactly as ``transformers`` does. ``overrides`` set
         :class:`LlamaConfig` fields that have no Hugging Face counterpart (``mlp_tiles``, ...).
         """
-        from lightning_fpdt.models.hf import load_llama  # hf imports this module: a cycle at import time
+        from lightning_fpdt.models.convert import load_llama  # hf imports this module: a cycle at import time
 
         return load_llama(cls, model, overrides)
 
     def to_hf(self) -> Any:
         """A ``transformers`` ``LlamaForCausalLM`` with this model's weights."""
-        from lightning_fpdt.models.hf import export_llama  # hf imports this module: a cycle at import time
+        from lightning_fpdt.models.convert import export_llama  # hf imports this module: a cycle at import time
 
         return export_llama(self)
 

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.autocast_state import AutocastState
-from lightning_fpdt.layout import DocumentLayout
-from lightning_fpdt.offload import ChunkStore, Key
+from lightning_fpdt.chunk_store import ChunkStore, Key
+from lightning_fpdt.layout import PackedDocuments
 
 if TYPE_CHECKING:  # block.py imports this module to run its checkpointed forward: a runtime import would be a cycle
     from lightning_fpdt.block import FPDTBlock
@@ -45,7 +45,7 @@ def new_checkpoint_store(device: torch.device, copy_delay: float = 0.0) -> Chunk
 
 
 def checkpointed_forward(
-    block: FPDTBlock, x: Tensor, position_ids: Tensor, documents: DocumentLayout | None = None
+    block: FPDTBlock, x: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None
 ) -> Tensor:
     """``block.block_forward(x, position_ids, documents)`` keeping only ``x`` for backward, where the
     block's context says (its ``checkpoint_store``, or the autograd graph when that is ``None``).

@@ -131,7 +131,7 @@ def resolve(path: str | os.PathLike) -> Path:
     if path.is_dir():
         raise FileNotFoundError(
             f"{path} is an incomplete sharded checkpoint (no {META_FILE}: its save was interrupted); resume from"
-            " an earlier one (lightning_fpdt.checkpoint.latest_checkpoint finds the newest complete one)."
+            " an earlier one (lightning_fpdt.checkpoint_files.latest_checkpoint finds the newest complete one)."
         )
     raise FileNotFoundError(f"no checkpoint at {path}")
 
@@ -164,24 +164,24 @@ def new_token() -> str:
 # ---- saving and loading ----------------------------------------------------------------------------
 
 
-def records(rng_states: list[dict[str, Any]], layout: dict[str, Any]) -> dict[str, Any]:
-    """The ``"fpdt"`` entry of a checkpoint: every rank's RNG states and the layout it was saved with."""
-    return {"layout": layout, "rng": rng_states}
+def records(rng_states: list[dict[str, Any]], parallelism: dict[str, Any]) -> dict[str, Any]:
+    """The ``"fpdt"`` entry of a checkpoint: every rank's RNG states and the parallelism it was saved with."""
+    return {"layout": parallelism, "rng": rng_states}  # key "layout": the on-disk name of earlier releases
 
 
-def restore_records(checkpoint: dict[str, Any], rank: int, layout_now: dict[str, Any]) -> None:
-    """Restore this rank's RNG states from a checkpoint's ``"fpdt"`` entry and log the layout change.
+def restore_records(checkpoint: dict[str, Any], rank: int, parallelism_now: dict[str, Any]) -> None:
+    """Restore this rank's RNG states from a checkpoint's ``"fpdt"`` entry and log the parallelism change.
 
     A run with more ranks than the checkpoint's takes the states of ``rank % saved ranks``.
     """
     extra = checkpoint.get("fpdt", {})
     saved = extra.get("layout")
     if saved:
-        def describe(layout: dict[str, Any]) -> str:
-            return (f"data_parallel={layout['data_parallel']} x sequence_parallel={layout['sequence_parallel']}"
-                    f" (chunk_size={layout['chunk_size']!r}, shard_parameters={layout['shard_parameters']})")
+        def describe(record: dict[str, Any]) -> str:
+            return (f"data_parallel={record['data_parallel']} x sequence_parallel={record['sequence_parallel']}"
+                    f" (chunk_size={record['chunk_size']!r}, shard_parameters={record['shard_parameters']})")
 
-        rank_zero_info(f"FPDTStrategy: resuming a checkpoint saved at {describe(saved)} as {describe(layout_now)}")
+        rank_zero_info(f"FPDTStrategy: resuming a checkpoint saved at {describe(saved)} as {describe(parallelism_now)}")
     rngs = extra.get("rng")
     if rngs:
         set_rng_state(rngs[rank % len(rngs)])
@@ -196,10 +196,11 @@ def gather_rng_states(world_size: int) -> list[dict[str, Any]]:
     return states
 
 
-def layout_record(
+def parallelism_record(
     data_parallel: int, sequence_parallel: int, chunk_size: Any, shard_parameters: bool
 ) -> dict[str, Any]:
-    """What a checkpoint records of the layout it was saved with (plain types: loads with ``weights_only``)."""
+    """What a checkpoint records of the data x sequence parallelism it was saved with (plain types: loads with
+    ``weights_only``)."""
     return {"data_parallel": data_parallel, "sequence_parallel": sequence_parallel, "chunk_size": chunk_size,
             "shard_parameters": shard_parameters}
 
@@ -284,7 +285,7 @@ def read(path: Path) -> dict[str, Any]:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(
             f"FPDTStrategy: the checkpoint {path} is truncated or corrupt ({reason}). Resume from an earlier"
-            " checkpoint (lightning_fpdt.checkpoint.latest_checkpoint(dir) finds the newest complete one)."
+            " checkpoint (lightning_fpdt.checkpoint_files.latest_checkpoint(dir) finds the newest complete one)."
         ) from None
     if not isinstance(checkpoint, dict) or ("state_dict" not in checkpoint and path.name != META_FILE):
         kind = (
