@@ -310,6 +310,22 @@ def default_position_ids(batch_size: int, seq_len: int, device: torch.device | N
     return torch.arange(seq_len, device=device).unsqueeze(0).expand(batch_size, seq_len)
 
 
+def _check_sequence_keys(batch: Mapping[str, Any], sequence_keys: Sequence[str], b: int, s: int, owner: str) -> None:
+    """Refuse a per-token key whose leading dims are not ``[b, s]`` like ``input_ids``', and a ``loss_mask``
+    (one entry per target token) that is not exactly ``[b, s]``. ``attention_mask``: see :func:`find_documents`."""
+    for key in dict.fromkeys((*sequence_keys, "loss_mask")):
+        x = batch.get(key)
+        exact = key == "loss_mask"
+        if x is None or key == "attention_mask" or isinstance(x, Tensor) and x.shape[:2 + exact] == (b, s):
+            continue
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        expected = f"[{b}, {s}]" if exact else f"[{b}, {s}, ...]"
+        fix = ("it marks each target token to train on (1) or ignore (0): give it the length and padding of"
+               " 'input_ids'" if exact else "remove it from `sequence_keys` if it is not per token")
+        raise ValueError(f"{owner}: sequence key {key!r} has shape {shape}, expected {expected} like 'input_ids';"
+                         f" {fix}.")
+
+
 def shard_batch(
     batch: Mapping[str, Any] | Any,
     sp_size: int,
@@ -335,7 +351,8 @@ def shard_batch(
     Raises:
         TypeError: a batch that is not a mapping, with ``sp_size > 1`` (nothing says what to shard).
         ValueError: no ``input_ids``, ``input_ids`` not ``[batch, seq]``, a sequence shorter than
-            ``sp_size``, or a sequence key whose leading dims differ from ``input_ids``'.
+            ``sp_size``, a sequence key whose leading dims differ from ``input_ids``', or a ``loss_mask``
+            that is not ``[batch, seq]``.
     """
     if not isinstance(batch, Mapping):
         if sp_size == 1:
@@ -362,6 +379,7 @@ def shard_batch(
             f" the sequence-parallel group needs at least one token of each sample. Use samples of at least"
             f" {sp_size} tokens (pad or drop shorter ones), or a smaller sequence_parallel_size{smaller}."
         )
+    _check_sequence_keys(out, sequence_keys, b, s, owner)  # before any key is read: no raw reshape errors
     if "shift_labels" not in out:
         labels = out.pop("labels", None)
         out["shift_labels"] = shift_labels(ids if labels is None else labels, IGNORE_INDEX)
@@ -375,12 +393,6 @@ def shard_batch(
         x = out.get(key)
         if x is None:
             continue
-        if not isinstance(x, Tensor) or x.shape[:2] != (b, s):
-            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(
-                f"{owner}: sequence key {key!r} has shape {shape}, expected [{b}, {s}, ...] like 'input_ids'."
-                " Remove it from `sequence_keys` if it is not per token."
-            )
         pad = pad_token_id if key == "input_ids" else _PAD_VALUES.get(key, 0)
         x = pad_sequence(x, length, pad)
         out[key] = shard_sequence(x, sp_size, sp_rank, chunk_size) if sp_size > 1 else x

@@ -159,8 +159,8 @@ class FPDTOptions:
             return
         if not _positive_int(chunk):
             raise ValueError(f"{PREFIX}chunk_size must be a positive int, None or 'auto', got {chunk!r}.")
-        if self.sequence_parallel_size != "auto":  # with "auto" it is checked once the size is known
-            self.check_chunk_size(self.sequence_parallel_size)
+        # chunk_size against sequence_parallel_size is checked in check_run, after the world layout: a size
+        # that does not divide the devices must be reported as that, not as a chunk size to change
 
     # ---- how each setting is read -------------------------------------------------------------
 

@@ -56,7 +56,8 @@ def _check(per_rank: list[dict], seed: int, world: int) -> None:
             assert err <= 1e-10, f"sp={world} chunks={n} causal={causal} kv_heads={kv}: {name} rel. error {err:.2e}"
 
 
-@pytest.mark.parametrize("sp", [1, 2, 4])
+@pytest.mark.parametrize("sp", [1, pytest.param(2, marks=pytest.mark.distributed),
+                                pytest.param(4, marks=pytest.mark.distributed)])
 def test_pipeline_matches_single_device_float64(sp: int, fresh_seed: int) -> None:
     seed = fresh_seed  # fresh inputs every run
     per_rank = run_distributed(_run_cases, sp, seed, False, 0.0) if sp > 1 else [_run_cases(0, 1, seed, False, 0.0)]
@@ -77,6 +78,7 @@ def _bf16_errors(rank: int, world: int, seed: int) -> dict:
     return errors
 
 
+@pytest.mark.distributed
 def test_bf16_error_does_not_grow_with_world_size_or_chunks(fresh_seed: int) -> None:
     """A bf16 run against its float64 twin: its error may not grow with world size or chunk count beyond
     the error of single-device bf16 attention on the whole sequence."""

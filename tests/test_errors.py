@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import lightning as L
 import pytest
 import torch
@@ -9,7 +11,9 @@ import torch
 import lightning_fpdt
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.comm import check_heads
+from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.options import FPDTOptions
 from tests.helpers import TokenDataset, dataloader
 
 
@@ -55,9 +59,15 @@ def test_misconfiguration_fails_on_every_rank(sp, devices, heads, kv, data, matc
         _fit(FPDTStrategy(sequence_parallel_size=sp, start_method="fork"), devices, config, data_loader)
 
 
+def _check_run(options: FPDTOptions, world_size: int, sequence_parallel_size: int) -> None:
+    options.check_run(world_size=world_size, num_nodes=1, num_processes=world_size,
+                      sequence_parallel_size=sequence_parallel_size, precision="32-true", device_type="cpu")
+
+
 def test_bad_arguments_are_refused_at_construction() -> None:
+    # chunk_size against sequence_parallel_size needs the world first (below), so it is checked at setup
     with pytest.raises(ValueError, match=r"chunk_size=10 is not divisible by sequence_parallel_size=4.*e.g. 8 or 12"):
-        FPDTStrategy(sequence_parallel_size=4, chunk_size=10)
+        _check_run(FPDTStrategy(sequence_parallel_size=4, chunk_size=10).options, 4, 4)
     with pytest.raises(ValueError, match="sequence_parallel_size must be a positive int or 'auto', got 0"):
         FPDTStrategy(sequence_parallel_size=0)
     with pytest.raises(ValueError, match="attention_backend='cudnn' is not one of"):
@@ -77,3 +87,23 @@ def test_non_dict_batch_under_sequence_parallelism() -> None:
     strategy = FPDTStrategy(sequence_parallel_size=2)
     with pytest.raises(TypeError, match="needs dict batches with 'input_ids'.*got a tuple"):
         strategy.shard_batch((torch.zeros(2, 8),))
+
+
+def test_a_sequence_parallel_size_that_does_not_divide_the_devices_is_reported_before_the_chunk_size() -> None:
+    # tiny_cpu.yaml's chunk_size=128 with sequence_parallel_size=3 on 2 devices: the size is the problem
+    options = FPDTStrategy(sequence_parallel_size=3, chunk_size=128).options
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=3 does not divide the world size 2.*one of \[1, 2\]"):
+        _check_run(options, 2, 3)
+    with pytest.raises(ValueError, match=r"chunk_size=128 is not divisible by sequence_parallel_size=3.*126 or 129"):
+        _check_run(options, 3, 3)
+
+
+@pytest.mark.parametrize("shape", [(2, 29), (2, 32, 2), (32,)], ids=["short", "extra-dim", "no-batch-dim"])
+def test_a_loss_mask_of_the_wrong_shape_names_the_key_and_the_shape(shape: tuple[int, ...]) -> None:
+    batch = {"input_ids": torch.zeros(2, 32, dtype=torch.long), "loss_mask": torch.ones(shape, dtype=torch.long)}
+    expected = rf"FPDTStrategy: sequence key 'loss_mask' has shape {re.escape(str(shape))}, expected \[2, 32\] like"
+    for sp in (1, 2):  # before, a raw "shape '[2, 32]' is invalid for input of size 58" from mask_targets
+        with pytest.raises(ValueError, match=expected + r" 'input_ids'; it marks each target token"):
+            shard_batch(batch, sp, 0, owner="FPDTStrategy")
+    with pytest.raises(ValueError, match=r"LlamaLM: sequence key 'loss_mask' has shape"):
+        LlamaLM(LlamaConfig.tiny(vocab_size=64)).training_step(batch, 0)

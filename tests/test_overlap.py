@@ -117,7 +117,7 @@ def _traced_run(rank: int, world: int, seed: int, n: int, causal: bool) -> tuple
         monkeypatch.undo()
 
 
-@pytest.mark.parametrize("sp", [1, 2])
+@pytest.mark.parametrize("sp", [1, pytest.param(2, marks=pytest.mark.distributed)])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_every_chunk_after_the_first_is_prefetched_one_compute_ahead(sp: int, causal: bool, n: int,
@@ -242,6 +242,7 @@ def _exchange_run(rank: int, world: int, seed: int) -> list[torch.Tensor]:
     return results
 
 
+@pytest.mark.distributed
 def test_async_exchange_equals_the_blocking_all_to_all(fresh_seed: int) -> None:
     for rank_results in run_distributed(_exchange_run, 2, fresh_seed):
         assert all(rank_results)
@@ -260,6 +261,7 @@ def test_exchange_misuse_is_an_error() -> None:
         exchange.seq_to_head(torch.ones(1, 2, 2, 1))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_overlap_off_gives_the_same_bits(causal: bool, fresh_seed: int) -> None:
     per_rank = run_distributed(_overlap_pair, 2, fresh_seed, causal)
