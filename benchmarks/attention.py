@@ -32,13 +32,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, run_on_ranks, timed
+from common import RANKS, print_table, timed
 
 from lightning_fpdt.attention.kernels import AttentionKernel, get_kernel
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds
 from lightning_fpdt.attention.ulysses import ulysses_attention
 from lightning_fpdt.memtrack import TensorMemoryTracker
+from lightning_fpdt.testing import run_on_ranks
 
 
 class TimedKernel:
@@ -127,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"FPDT attention, {args.world} CPU processes (gloo), hidden {args.hidden}, {args.heads} heads, "
           f"{args.dtype}, backend {args.backend}, causal; forward+backward per rank", flush=True)
-    rows = run_on_ranks(_measure, args.world, args)
+    rows = run_on_ranks(_measure, args.world, args, **RANKS)[0]
     print_table(["tokens", "variant", "chunks", "ms fwd+bwd (best)", "median ms", "x ulysses", "x ulysses, rounds",
                  "kernel ms", "other ms", "peak MiB / rank"], rows)
 

@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, run_on_ranks, timed
+from common import RANKS, print_table, timed
 
 from lightning_fpdt.batches import BatchGate
 from lightning_fpdt.block import SequenceParallelContext, bind_blocks
 from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.testing import run_on_ranks
 
 
 def _measure(rank: int, world: int, seq_lens: list[int], chunks: int, repeats: int) -> list[list]:
@@ -72,7 +73,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    rows = run_on_ranks(_measure, args.world, args.seq, args.chunks, args.repeats)
+    rows = run_on_ranks(_measure, args.world, args.seq, args.chunks, args.repeats, **RANKS)[0]
     print_table(["tokens", "chunks", "gate ms", "step ms", "gate % of step"], rows)
 
 

@@ -1,50 +1,20 @@
-"""Shared pieces of the benchmark scripts: process launch, timing, tables."""
+"""Shared pieces of the benchmark scripts: how ranks are launched, timing, tables.
+
+Ranks run through the launcher the tests use, :func:`lightning_fpdt.testing.run_on_ranks`, with ``**RANKS``.
+"""
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any, backend: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        if rank == 0:
-            queue.put(result)
-        dist.barrier()  # no rank tears gloo down while another still talks to it
-    finally:
-        dist.destroy_process_group()
-
-
-def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> Any:
-    """``fn(rank, world, *args)`` on ``world`` fresh processes (gloo on CPU, or ``backend="nccl"``: one GPU
-    per rank); returns rank 0's result.
-
-    CPU ranks are forked (no re-import of torch and lightning: seconds per launch); CUDA ranks are spawned,
-    since a CUDA context does not survive a fork.
-    """
-    method = "spawn" if backend == "nccl" else "fork"
-    queue = mp.get_context(method).SimpleQueue()
-    mp.start_processes(_entry, args=(world, _free_port(), fn, args, queue, backend), nprocs=world, start_method=method)
-    return queue.get()
+# how every benchmark runs its ranks: the CPU cores shared evenly between them, and no time limit (a long
+# GPU run is not a hang); CPU ranks are forked (no re-import: seconds per launch), CUDA ranks spawned
+RANKS: dict[str, Any] = {"threads": None, "timeout": None}
 
 
 def timed(fn: Callable[[], Any], repeats: int, group: Any = None) -> float:

@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, run_on_ranks, timed
+from common import RANKS, print_table, timed
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.layout import PackedDocuments, shard_sequence
+from lightning_fpdt.testing import run_on_ranks
 
 HEADS, HEAD_DIM = 8, 64
 
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    rows = run_on_ranks(_measure, args.world, args.seq, args.chunks, args.docs, args.repeats)
+    rows = run_on_ranks(_measure, args.world, args.seq, args.chunks, args.docs, args.repeats, **RANKS)[0]
     print_table(["tokens", "chunks", "layout", "s fwd+bwd", "x one document"], rows)
 
 

@@ -50,10 +50,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import is_oom, matmul_rate, print_table, run_on_ranks, synchronize
+from common import RANKS, is_oom, matmul_rate, print_table, synchronize
 
 from lightning_fpdt.activation_checkpoint import new_checkpoint_store
 from lightning_fpdt.block import SequenceParallelContext, bind_blocks
@@ -62,6 +61,7 @@ from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.memory import ModelShape, estimate
 from lightning_fpdt.memtrack import peak_step_bytes
 from lightning_fpdt.models import CausalLM, Llama, LlamaConfig, LlamaLM
+from lightning_fpdt.testing import RankFailed, run_on_ranks
 
 VARIANTS = ("single", "ulysses", "fpdt", "fpdt_full")
 MODELS = ("llama", "hf")
@@ -231,8 +231,8 @@ def _probe(rank: int, world: int, variant: str, seq: int, args: argparse.Namespa
 def _fits(world: int, variant: str, seq: int, args: argparse.Namespace, comm: str) -> float | None:
     """:func:`_probe` in fresh processes: its seconds, or ``None`` if a rank ran out of memory."""
     try:
-        return run_on_ranks(_probe, world, variant, seq, args, backend=comm)
-    except mp.ProcessExitedException as err:  # the launcher has ended the other ranks
+        return run_on_ranks(_probe, world, variant, seq, args, backend=comm, **RANKS)[0]
+    except RankFailed as err:  # the launcher has ended the other ranks
         if err.exit_code == OOM_EXIT:
             return None
         raise
@@ -307,17 +307,17 @@ def main() -> None:
     comm = "nccl" if cuda else "gloo"
     find_longest = cuda if args.find_longest is None else args.find_longest
 
-    def threads(world: int) -> int:  # what benchmarks/common.py gives each process
+    def threads(world: int) -> int:  # what run_on_ranks(threads=None) gives each process
         return max(1, (os.cpu_count() or 1) // world)
 
     # the matmul rate a process reaches: the "peak" of MFU
     # measured in a child process like the runs (the parent keeps no CUDA context on the GPU)
-    peak_flops = {w: run_on_ranks(_matmul_rate, w, args, backend=comm) for w in {1, args.world}}
+    peak_flops = {w: run_on_ranks(_matmul_rate, w, args, backend=comm, **RANKS)[0] for w in {1, args.world}}
     kind = "bf16 matmul (one GPU)" if cuda else "float32 matmul"
     print(f"Llama-style hidden {args.hidden}, {args.heads} heads, {args.layers} layers, vocab {args.vocab}; "
           + "; ".join(f"{w} process(es) x {threads(w)} thread(s): {kind} {f / 1e9:.1f} GFLOP/s per process"
                       for w, f in sorted(peak_flops.items())), flush=True)
-    errors = run_on_ranks(_check_exact, args.world, args, backend=comm)
+    errors = run_on_ranks(_check_exact, args.world, args, backend=comm, **RANKS)[0]
     where = "CUDA" if cuda else "CPU"
     print(f"correctness on {where}: FPDT (4 chunks, tiling, checkpointing{', offload' if cuda else ''}) vs plain"
           " model, one step, float32: " + ", ".join(f"{b}: loss rel. difference {loss:.2e}, worst gradient {grad:.2e}"
@@ -329,7 +329,8 @@ def main() -> None:
     for model, variant in runs:
         world = 1 if variant == "single" else args.world
         for seq in args.seq:
-            results[(model, variant, seq)] = r = run_on_ranks(_run, world, variant, seq, args, model, backend=comm)
+            r = run_on_ranks(_run, world, variant, seq, args, model, backend=comm, **RANKS)[0]
+            results[(model, variant, seq)] = r
             print(f"  {model} {variant} S={seq}: {r['seconds']:.2f} s/step, rss +{r['rss'] / 2**20:.0f} MiB",
                   flush=True)
     rows = []

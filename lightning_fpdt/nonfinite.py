@@ -24,20 +24,16 @@ from typing import Literal
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.tensor import DTensor
 
+from lightning_fpdt.dtensors import local_tensor
 from lightning_fpdt.options import PREFIX
 
 Policy = Literal["raise", "skip"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every element of every tensor (this rank's shard of a DTensor) is finite."""
-    flags = [torch.isfinite(_local(t)).all() for t in tensors if _local(t).numel()]
+    flags = [torch.isfinite(local_tensor(t)).all() for t in tensors if local_tensor(t).numel()]
     return bool(torch.stack(flags).all()) if flags else True
 
 

@@ -3,16 +3,7 @@
 from __future__ import annotations
 
 import copy
-import logging
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-import traceback
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +11,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_fpdt.dtensors import full_tensor, local_tensor
 from lightning_fpdt.loss import token_weighted_loss
 from tests.reference import rel_error
 
@@ -68,8 +60,8 @@ class CaptureStep(L.Callback):
         self.seq_keys = {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        grads = {n: _full(p.grad).detach().clone() for n, p in pl_module.named_parameters()}
-        local = sum(_local(p).numel() for p in pl_module.parameters())  # elements this rank holds
+        grads = {n: full_tensor(p.grad).detach().clone() for n, p in pl_module.named_parameters()}
+        local = sum(local_tensor(p).numel() for p in pl_module.parameters())  # elements this rank holds
         self._pending = {"grads": grads, "indices": self.indices, "shapes": self.seq_keys, "local_numel": local,
                          "numel": sum(g.numel() for g in grads.values())}
 
@@ -77,19 +69,6 @@ class CaptureStep(L.Callback):
         if batch_idx == 0:
             self._pending["loss"] = trainer.callback_metrics["train/loss"].detach().clone()
             torch.save(self._pending, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a sharded (DTensor) parameter or gradient; other tensors as they are."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def dataloader(ds: Dataset, batch_size: int) -> DataLoader:
@@ -130,78 +109,3 @@ def step_errors(
         for name, g in ref_grads.items():
             err = (res["grads"][name] - g).abs().max() / max(g.abs().max().item(), floor)
             yield rank, f"grad of {name}", err.item()
-
-
-def run_in_fork(target: Callable[[], Any], args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """``target()`` in a forked child of this process, as if ``args`` ran as a script in a fresh interpreter,
-    without paying the interpreter's imports again (about 9 s of torch, Lightning and transformers each).
-
-    The child starts its own session, so it may SIGKILL its whole process group (its own forked ranks
-    included) without touching pytest. Its output (file descriptors 1 and 2, ``sys.stdout``/``sys.stderr``
-    and every logging stream handler) goes to files returned as ``stdout``/``stderr``. The return code is
-    the exit status, ``-signal`` when killed, 1 for an uncaught exception (its traceback in ``stderr``).
-
-    Raises:
-        subprocess.TimeoutExpired: the child ran past ``timeout`` seconds (its process group is killed).
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            code = 1
-            try:
-                os.setsid()
-                out, err = open(out_path, "w", buffering=1), open(err_path, "w", buffering=1)
-                os.dup2(out.fileno(), 1)
-                os.dup2(err.fileno(), 2)
-                sys.stdout, sys.stderr = out, err
-                for logger in [logging.getLogger(), *map(logging.getLogger, list(logging.root.manager.loggerDict))]:
-                    for handler in logger.handlers:
-                        if type(handler) is logging.StreamHandler:
-                            handler.setStream(err)
-                warnings.showwarning = _print_warning  # pytest records warnings; a script prints them
-                try:
-                    target()
-                    code = 0
-                except SystemExit as exit_:
-                    code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
-                    if exit_.code is not None and not isinstance(exit_.code, int):
-                        print(exit_.code, file=sys.stderr)  # as the interpreter reports sys.exit("message")
-                except BaseException:
-                    traceback.print_exc()
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    break
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(args, timeout, output=out_path.read_text(),
-                                                    stderr=err_path.read_text())
-                time.sleep(0.05)
-        except BaseException:  # a timeout here, pytest-timeout's or Ctrl-C: no run outlives its test
-            _kill_session(pid, leader_too=True)  # not reaped yet: its pid cannot have been reused
-            os.waitpid(pid, 0)
-            raise
-        _kill_session(pid)  # ranks the child left behind in its session
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        return subprocess.CompletedProcess(args, code, stdout=out_path.read_text(), stderr=err_path.read_text())
-
-
-def _kill_session(pid: int, leader_too: bool = False) -> None:
-    """SIGKILL the process group ``pid`` started; with ``leader_too`` (``pid`` not reaped yet) also ``pid``
-    itself, in case it had not called ``setsid`` yet."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        if leader_too:
-            os.kill(pid, signal.SIGKILL)
-
-
-def _print_warning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
-                   line: str | None = None) -> None:
-    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.layout import shard_sequence, unshard_sequence
-from tests.distributed import ATTENTION_STEP, run_distributed, sharded_attention_step, unsharded_attention_step
+from lightning_fpdt.testing import run_on_ranks
+from tests.distributed import ATTENTION_STEP, sharded_attention_step, unsharded_attention_step
 from tests.reference import naive_attention, rel_error
 
 HEADS, HEAD_DIM, BATCH = 4, 8, 2
@@ -60,7 +61,7 @@ def _check(per_rank: list[dict], seed: int, world: int) -> None:
                                 pytest.param(4, marks=pytest.mark.distributed)])
 def test_pipeline_matches_single_device_float64(sp: int, fresh_seed: int) -> None:
     seed = fresh_seed  # fresh inputs every run
-    per_rank = run_distributed(_run_cases, sp, seed, False, 0.0) if sp > 1 else [_run_cases(0, 1, seed, False, 0.0)]
+    per_rank = run_on_ranks(_run_cases, sp, seed, False, 0.0) if sp > 1 else [_run_cases(0, 1, seed, False, 0.0)]
     _check(per_rank, seed, sp)
 
 
@@ -93,7 +94,7 @@ def test_bf16_error_does_not_grow_with_world_size_or_chunks(fresh_seed: int) -> 
     base = _bf16_errors(0, 1, seed)[None]
     budget = [rel_error(a, b) for a, b in zip(base, expected)]
     for world in (1, 2):
-        per_rank = run_distributed(_bf16_errors, world, seed) if world > 1 else [_bf16_errors(0, 1, seed)]
+        per_rank = run_on_ranks(_bf16_errors, world, seed) if world > 1 else [_bf16_errors(0, 1, seed)]
         for chunk in (None, 32, 16, 8):
             got = [unshard_sequence([r[chunk][t] for r in per_rank], chunk) for t in range(4)]
             for name, a, b, limit in zip(("out", "dq", "dk", "dv"), got, expected, budget):

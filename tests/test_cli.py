@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_fpdt.cli import main as cli_main
 from lightning_fpdt.cli import own_message
-from tests.helpers import run_in_fork
+from lightning_fpdt.testing import run_in_fork
 
 pytestmark = pytest.mark.distributed  # every test here starts several processes
 

@@ -15,7 +15,8 @@ import torch
 
 from lightning_fpdt.data import PackedTokenDataset
 from lightning_fpdt.layout import PackedDocuments, find_documents, shard_batch
-from tests.distributed import ATTENTION_STEP, run_distributed, sharded_attention_step, unsharded_attention_step
+from lightning_fpdt.testing import run_on_ranks
+from tests.distributed import ATTENTION_STEP, sharded_attention_step, unsharded_attention_step
 from tests.reference import naive_attention, rel_error
 
 HEADS, HEAD_DIM = 4, 8
@@ -79,7 +80,7 @@ def _run(rank: int, world: int, seed: int, offload: bool) -> dict:
 @pytest.mark.parametrize(("sp", "offload"), [(1, False), (2, False), (2, True), (4, False)],
                          ids=["sp1", "sp2", "sp2-offload-emulated", "sp4"])
 def test_packed_attention_equals_each_document_alone(sp: int, offload: bool, fresh_seed: int) -> None:
-    per_rank = run_distributed(_run, sp, fresh_seed, offload) if sp > 1 else [_run(0, 1, fresh_seed, offload)]
+    per_rank = run_on_ranks(_run, sp, fresh_seed, offload) if sp > 1 else [_run(0, 1, fresh_seed, offload)]
     for case_id, (chunk, causal, kv) in enumerate(_cases(sp)):
         expected = _reference(DOCS, *_inputs(fresh_seed + case_id, kv, len(DOCS)), causal)
         got = unsharded_attention_step([r[(chunk, causal, kv)] for r in per_rank], chunk)

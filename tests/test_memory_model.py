@@ -29,8 +29,8 @@ from lightning_fpdt.memory.__main__ import main
 from lightning_fpdt.memtrack import TensorMemoryTracker, peak_step_bytes
 from lightning_fpdt.models import GPT, GPTConfig, HFCausalLM, Llama, LlamaConfig, LlamaLM
 from lightning_fpdt.models.llama import init_weights
+from lightning_fpdt.testing import run_on_ranks
 from lightning_fpdt.tiling import TiledMLP
-from tests.distributed import run_distributed
 from tests.helpers import TokenDataset, dataloader
 
 SHAPE = ModelShape.from_config(LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -254,7 +254,7 @@ def _measured_and_estimated(rank: int, world: int, seq: int, full: bool, model: 
 @pytest.mark.parametrize("full", [False, True], ids=["ulysses", "chunked_tiled_checkpointed"])
 def test_estimate_matches_a_measured_step_at_two_lengths(full: bool, model: str) -> None:
     for seq in (1024, 4096):
-        measured, estimated = run_distributed(_measured_and_estimated, 2, seq, full, model)[0]
+        measured, estimated = run_on_ranks(_measured_and_estimated, 2, seq, full, model)[0]
         assert abs(estimated / measured - 1) <= 0.15, (seq, measured / 2**20, estimated / 2**20)
 
 

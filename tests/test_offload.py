@@ -11,7 +11,7 @@ from lightning_fpdt.block import FPDTAttention, SequenceParallelContext
 from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
 from lightning_fpdt.layout import shard_sequence
 from lightning_fpdt.rope import RotaryEmbedding
-from tests.distributed import run_distributed
+from lightning_fpdt.testing import run_on_ranks
 
 CHUNKS = range(2, 9)  # every chunk count from 2 to 8
 
@@ -68,7 +68,7 @@ def _check(per_rank: list[list[dict]]) -> None:
 @pytest.mark.parametrize("copy_delay", [0.0, 0.002], ids=["no-delay", "slow-copies"])
 def test_offload_is_bitwise_identical(sp: int, copy_delay: float, fresh_seed: int) -> None:
     seed = fresh_seed
-    per_rank = run_distributed(_run, sp, seed, copy_delay) if sp > 1 else [_run(0, 1, seed, copy_delay)]
+    per_rank = run_on_ranks(_run, sp, seed, copy_delay) if sp > 1 else [_run(0, 1, seed, copy_delay)]
     _check(per_rank)
 
 

@@ -25,7 +25,7 @@ from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
 from lightning_fpdt.comm import Exchange, head_to_seq, seq_to_head
 from lightning_fpdt.copy_engine import copy_engine, release_copy_engines
 from lightning_fpdt.layout import shard_sequence
-from tests.distributed import run_distributed
+from lightning_fpdt.testing import run_on_ranks
 
 CPU = torch.device("cpu")
 KERNEL_SECONDS = 0.05  # each attention block "computes" this long: 25x a copy
@@ -123,7 +123,7 @@ def _traced_run(rank: int, world: int, seed: int, n: int, causal: bool) -> tuple
 def test_every_chunk_after_the_first_is_prefetched_one_compute_ahead(sp: int, causal: bool, n: int,
                                                                      fresh_seed: int) -> None:
     if sp > 1:
-        per_rank = run_distributed(_traced_run, sp, fresh_seed, n, causal)
+        per_rank = run_on_ranks(_traced_run, sp, fresh_seed, n, causal)
     else:
         per_rank = [_traced_run(0, 1, fresh_seed, n, causal)]
     for rank, (trace, stats) in enumerate(per_rank):
@@ -244,7 +244,7 @@ def _exchange_run(rank: int, world: int, seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.distributed
 def test_async_exchange_equals_the_blocking_all_to_all(fresh_seed: int) -> None:
-    for rank_results in run_distributed(_exchange_run, 2, fresh_seed):
+    for rank_results in run_on_ranks(_exchange_run, 2, fresh_seed):
         assert all(rank_results)
 
 
@@ -264,7 +264,7 @@ def test_exchange_misuse_is_an_error() -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_overlap_off_gives_the_same_bits(causal: bool, fresh_seed: int) -> None:
-    per_rank = run_distributed(_overlap_pair, 2, fresh_seed, causal)
+    per_rank = run_on_ranks(_overlap_pair, 2, fresh_seed, causal)
     for on, off in per_rank:
         assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
 

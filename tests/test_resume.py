@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lightning_fpdt.checkpoint_files import is_complete, latest_checkpoint
+from lightning_fpdt.testing import run_in_fork
 from tests import resume_job
-from tests.helpers import run_in_fork
 
 pytestmark = pytest.mark.distributed  # every test here starts several processes
 

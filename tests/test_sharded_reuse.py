@@ -11,7 +11,7 @@ import torch
 
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.models import LlamaConfig, LlamaLM
-from tests.distributed import run_distributed
+from lightning_fpdt.testing import run_on_ranks
 from tests.helpers import TokenDataset, dataloader
 
 pytestmark = pytest.mark.distributed  # every test here starts several processes
@@ -37,7 +37,7 @@ def _fit_validate_fit(rank: int, world: int) -> list[float]:
 
 @pytest.mark.timeout(120)
 def test_sharded_module_can_be_validated_and_trained_again() -> None:
-    results = run_distributed(_fit_validate_fit, 2)
+    results = run_on_ranks(_fit_validate_fit, 2)
     assert results[0] == results[1]  # every rank logs the same validation loss
     first, second = results[0]
     assert first != second  # the second fit trained further
