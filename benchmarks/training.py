@@ -338,13 +338,14 @@ def main() -> None:
     for model, variant in runs:
         world = 1 if variant == "single" else args.world
         low, high = results[(model, variant, lo)], results[(model, variant, hi)]
-        slope_rss = (high["rss"] - low["rss"]) / ((hi - lo) / world)
-        slope_t = (high["tensors"] - low["tensors"]) / ((hi - lo) / world)
+        # a slope needs two lengths: with one --seq the columns say so instead of dividing by zero
+        slope_rss: float | str = (high["rss"] - low["rss"]) / ((hi - lo) / world) / 1024 if hi > lo else "-"
+        slope_t: float | str = (high["tensors"] - low["tensors"]) / ((hi - lo) / world) / 1024 if hi > lo else "-"
         for seq in args.seq:
             r = results[(model, variant, seq)]
             est = estimated_peak(variant, seq, world, args, model)
             rows.append([model, variant, seq, world, seq / r["seconds"], r["rss"] / 2**20, r["tensors"] / 2**20,
-                         est / 2**20, f"{est / r['tensors']:.2f}", slope_rss / 1024, slope_t / 1024,
+                         est / 2**20, f"{est / r['tensors']:.2f}", slope_rss, slope_t,
                          f"{100 * r['flops'] / peak_flops[world]:.1f}%"])
     print_table(["model", "variant", "seq", "procs", "tokens/s",
                  "peak reserved MiB/rank" if cuda else "peak RSS MiB/rank",

@@ -38,7 +38,16 @@ class FPDTCLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         """LightningCLI reads the hyperparameters of ``--ckpt_path`` with ``torch.load``; a file it cannot
-        read is reported by :func:`lightning_fpdt.checkpoint_files.read` (naming the file and what is wrong)."""
+        read is reported by :func:`lightning_fpdt.checkpoint_files.read` (naming the file and what is wrong), one
+        that does not exist here, before any process is launched."""
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
+        if isinstance(ckpt_path, str) and not _names_a_checkpoint_elsewhere(ckpt_path) and not Path(ckpt_path).exists():
+            raise SystemExit(
+                f"fpdt-train: --ckpt_path {ckpt_path!r} does not exist (no such file or directory). Give the path of"
+                " a saved checkpoint (a .ckpt file, or a sharded checkpoint's directory); the newest complete one in"
+                " a directory is lightning_fpdt.checkpoint_files.latest_checkpoint(dirpath). Drop --ckpt_path to"
+                " start from scratch."
+            )
         try:
             super()._parse_ckpt_path()
         except (RuntimeError, EOFError, OSError, pickle.UnpicklingError):
@@ -51,6 +60,11 @@ class FPDTCLI(LightningCLI):
         table = memory_report(self.model, self.datamodule, self.trainer)
         if table is not None:
             rank_zero_info(table)
+
+
+def _names_a_checkpoint_elsewhere(ckpt_path: str) -> bool:
+    """Lightning's names for checkpoints it finds itself ("last", "best", "hpc", "registry:...") and remote URLs."""
+    return ckpt_path in ("last", "best", "hpc", "registry") or ckpt_path.startswith("registry:") or "://" in ckpt_path
 
 
 def memory_report(model: pl.LightningModule, datamodule: Any, trainer: pl.Trainer) -> str | None:

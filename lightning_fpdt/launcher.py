@@ -1,23 +1,130 @@
-"""The spawn/fork launcher of ``FPDTStrategy``: it hands the parent process whole weights.
+"""How ``FPDTStrategy``'s processes are launched, and what a survivor says when one of them dies.
 
 Lightning's multiprocessing launcher sends rank 0's ``state_dict()`` back to the parent, which loads
-it into the user's module. With sharded parameters (FSDP2) rank 0 holds only its shards, so this
-launcher gathers the full tensors first (a collective on every rank, received on rank 0's CPU).
+it into the user's module. With sharded parameters (FSDP2) rank 0 holds only its shards, so
+:class:`ShardAwareLauncher` gathers the full tensors first (a collective on every rank, received on
+rank 0's CPU).
+
+When one rank dies (``kill -9``, the kernel's out-of-memory killer, a crash in native code) the others
+fail in their next collective with the backend's own words (gloo: ``Connection reset by peer``), which
+say neither that a process died nor which. Every rank records each rank's host and process id once at
+setup (:func:`record_peers`); :func:`explain_peer_failure` turns such an error into one that names the
+ranks whose processes are gone on this host, those still running, and where to look.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import socket
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+# what gloo, NCCL and the TCP store say when the process at the other end of a connection is gone
+_PEER_GONE = re.compile(
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|Connection refused|NCCL communicator was aborted"
+    r"|remote process exited|ncclRemoteError",
+    re.IGNORECASE,
+)
+
+_EXIT_WAIT_S = 2.0  # how long a survivor waits for a dying peer to show as dead in /proc
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One rank's process: its global ``rank``, the ``host`` it runs on and its process id."""
+
+    rank: int
+    host: str
+    pid: int
+
+
+def record_peers() -> tuple[Peer, ...]:
+    """Every rank's :class:`Peer`, gathered with one ``all_gather_object`` (call it once, on every rank,
+    right after the process group is made); empty without a process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        return ()
+    peers: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+    return tuple(Peer(rank, host, pid) for rank, (host, pid) in enumerate(peers))
+
+
+def process_state(pid: int) -> str:
+    """``"running"``, ``"gone"``, or ``"killed by SIGKILL"`` (the signal or exit status of a process that died
+    but was not yet reaped by its parent), read from ``/proc``; ``"running"`` where ``/proc`` does not say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "pid (command)"
+    except FileNotFoundError:
+        return "gone"
+    except OSError:
+        return "running"
+    if fields[0] not in "ZX":
+        return "running"
+    status = int(fields[-1]) if len(fields) >= 50 else 0  # exit_code, as waitpid reports it (Linux >= 3.5)
+    if status & 0x7F:
+        return f"killed by {signal.Signals(status & 0x7F).name}"
+    return f"exited with status {status >> 8}"
+
+
+def peer_failure_message(error: BaseException, peers: tuple[Peer, ...], rank: int) -> str | None:
+    """The message for ``error`` raised on ``rank`` when it says a peer process is gone; ``None`` otherwise."""
+    text = str(error)
+    if not peers or not _PEER_GONE.search(text):
+        return None
+    here = socket.gethostname()
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    while True:  # a killed process closes its sockets before /proc shows it dead: give it a moment
+        states = {p.rank: process_state(p.pid) for p in peers if p.host == here and p.rank != rank}
+        dead = {r: s for r, s in states.items() if s != "running"}
+        if dead or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    running = [r for r, s in states.items() if s == "running"]
+    elsewhere = [p.rank for p in peers if p.host != here]
+    if dead:
+        what = ", ".join(f"rank {r} (pid {peers[r].pid}, {s})" for r, s in dead.items())
+        head = f"the process of {what} died, so this collective cannot complete."
+    else:
+        head = "another rank's process died or closed its connection (none of the ranks on this host is gone)."
+    alive = f"Still running on {here}: rank(s) {sorted([rank, *running])}"
+    alive += f"; ranks on other hosts (not checked): {elsewhere}." if elsewhere else "."
+    return (
+        f"FPDTStrategy: rank {rank} lost a peer: {head} {alive} Look at the dead rank's own output for its error;"
+        " a process killed with no error of its own (SIGKILL) was usually stopped by the kernel's out-of-memory"
+        " killer (`dmesg | grep -i 'killed process'`) or by a scheduler (kill -9, a job time limit)."
+        f" The backend said: {text.strip()}"
+    )
+
+
+def explain_peer_failure(error: BaseException, peers: tuple[Peer, ...], rank: int) -> None:
+    """Rewrite ``error``'s message in place with :func:`peer_failure_message` when a peer process is gone
+    (the exception keeps its type and traceback, as Lightning's own ``on_exception`` messages do)."""
+    message = peer_failure_message(error, peers, rank)
+    if message is not None:
+        error.args = (message,)
+
 
 class ShardAwareLauncher(_MultiProcessingLauncher):
-    """:class:`_MultiProcessingLauncher` whose result for the parent holds full, not sharded, weights."""
+    """:class:`_MultiProcessingLauncher` whose result for the parent holds full, not sharded, weights, and
+    whose ranks name a dead peer (:func:`explain_peer_failure`) in the error they send to the parent."""
+
+    @override
+    def _wrapping_function(self, process_idx: int, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(process_idx, trainer, *args, **kwargs)
+        except BaseException as err:
+            trainer.strategy.on_exception(err)  # Lightning calls it only in the parent, which has no peers
+            raise
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:

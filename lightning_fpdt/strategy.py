@@ -31,7 +31,7 @@ from lightning_fpdt.batches import BatchGate, input_vocab_size, target_tokens
 from lightning_fpdt.block import SequenceParallelContext, bind_blocks
 from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.copy_engine import release_copy_engines
-from lightning_fpdt.launcher import ShardAwareLauncher
+from lightning_fpdt.launcher import Peer, ShardAwareLauncher, explain_peer_failure, record_peers
 from lightning_fpdt.layout import DEFAULT_SEQUENCE_KEYS, shard_batch
 from lightning_fpdt.memory import ModelShape
 from lightning_fpdt.nonfinite import StepGuard
@@ -100,6 +100,7 @@ class FPDTStrategy(DDPStrategy):
         self._checkpoint_store: ChunkStore | None = None  # offloaded block inputs: made in setup
         self._guard = StepGuard(nonfinite_loss)
         self._gate: BatchGate | None = None  # made in setup, once the model is known
+        self._peers: tuple[Peer, ...] = ()  # every rank's host and pid, to name a rank that dies
 
     # ---- properties ---------------------------------------------------------------------------
 
@@ -188,6 +189,7 @@ class FPDTStrategy(DDPStrategy):
             device_type=self.root_device.type, model=self.model,
         )
         super().setup_environment()
+        self._peers = record_peers()
         dp, sp = self.data_parallel_size, self.sequence_parallel_size
         self._device_mesh = init_device_mesh(
             self.root_device.type, (dp, sp), mesh_dim_names=("data_parallel", "sequence_parallel")
@@ -361,6 +363,11 @@ class FPDTStrategy(DDPStrategy):
                 name, cls, description=f"FPDT sequence-parallel strategy with start_method={start_method!r}",
                 start_method=start_method, override=True,
             )
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        explain_peer_failure(exception, self._peers, self.global_rank)  # which rank died, not gloo's words
 
     @override
     def teardown(self) -> None:

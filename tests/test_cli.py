@@ -245,6 +245,17 @@ def test_a_corrupt_checkpoint_names_the_file_and_never_advises_unsafe_loading(tm
     assert "weights_only=False" not in err and "weights_only set to False" not in err
 
 
+def test_a_missing_checkpoint_is_the_last_line_before_any_process_starts(tmp_path: Path, monkeypatch, capsys) -> None:
+    missing = tmp_path / "runs" / "epoch=0-step=9.ckpt"
+    code, _, err = fpdt_train_here(monkeypatch, capsys, "fit", "--config", str(TINY), "--trainer.max_steps=1",
+                                   "--trainer.logger=false", "--ckpt_path", str(missing))
+    assert code != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"fpdt-train: --ckpt_path {str(missing)!r} does not exist"), err[-3000:]
+    assert "latest_checkpoint(dirpath)" in last and "Drop --ckpt_path" in last
+    assert "Traceback" not in err and "[rank" not in err, err[-3000:]
+
+
 def test_cli_trains_a_hugging_face_checkpoint_from_a_local_path(tmp_path: Path) -> None:
     """``fpdt-train fit --config hf_tiny_cpu.yaml --model.model PATH``: a transformers checkpoint on disk (saved
     here, as a download would be) trains under FPDT with its decoder layers checkpointed (offload emulated)."""

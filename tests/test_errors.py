@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -11,10 +18,13 @@ import torch
 import lightning_fpdt
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.comm import check_heads
+from lightning_fpdt.launcher import Peer, explain_peer_failure, peer_failure_message, process_state
 from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from lightning_fpdt.options import FPDTOptions
 from tests.helpers import TokenDataset, dataloader
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_strategy_names_resolve() -> None:
@@ -107,3 +117,88 @@ def test_a_loss_mask_of_the_wrong_shape_names_the_key_and_the_shape(shape: tuple
             shard_batch(batch, sp, 0, owner="FPDTStrategy")
     with pytest.raises(ValueError, match=r"LlamaLM: sequence key 'loss_mask' has shape"):
         LlamaLM(LlamaConfig.tiny(vocab_size=64)).training_step(batch, 0)
+
+
+@pytest.mark.distributed  # the benchmark runs its steps on 2 gloo ranks
+def test_training_benchmark_with_one_length_prints_no_slope() -> None:
+    """One ``--seq``: the memory-per-token columns, which need two lengths, are "-" (before: ZeroDivisionError)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "training.py"), "--seq", "128", "--hidden", "64", "--heads", "4",
+         "--layers", "1", "--vocab", "256", "--repeats", "1", "--variants", "ulysses", "--models", "llama"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines() if line[:1] == "|"]
+    header, row = rows[0], rows[2]
+    assert row[:3] == ["llama", "ulysses", "128"], proc.stdout
+    assert row[header.index("RSS KiB/token")] == "-" and row[header.index("tensors KiB/token")] == "-", proc.stdout
+
+
+def test_a_peer_failure_names_the_dead_rank_and_the_ranks_still_running() -> None:
+    reaped = subprocess.Popen(["sleep", "60"])
+    reaped.kill()
+    reaped.wait()  # gone from the process table
+    zombie = subprocess.Popen(["sleep", "60"])
+    zombie.send_signal(signal.SIGKILL)  # dead, not yet reaped: /proc still says how it died
+    deadline = time.monotonic() + 10
+    while process_state(zombie.pid) == "running" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        host = socket.gethostname()
+        peers = (Peer(0, host, os.getpid()), Peer(1, host, zombie.pid), Peer(2, host, reaped.pid),
+                 Peer(3, "another-host", 1))
+        error = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:27303: Connection reset by peer. GLHF!")
+        explain_peer_failure(error, peers, 0)
+        message = str(error)
+        assert message.startswith(
+            f"FPDTStrategy: rank 0 lost a peer: the process of rank 1 (pid {zombie.pid}, killed by SIGKILL), rank 2"
+            f" (pid {reaped.pid}, gone) died"), message
+        assert f"Still running on {host}: rank(s) [0]; ranks on other hosts (not checked): [3]." in message
+        assert "out-of-memory killer" in message and message.endswith("Connection reset by peer. GLHF!")
+        other = ValueError("FPDTStrategy: something else")
+        explain_peer_failure(other, peers, 0)
+        assert str(other) == "FPDTStrategy: something else"  # only peer failures are rewritten
+        assert peer_failure_message(RuntimeError("Connection reset by peer"), (), 0) is None  # no peers recorded
+    finally:
+        zombie.wait()
+
+
+_KILLED_FIT = """
+import os, signal, sys
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from lightning_fpdt import FPDTStrategy
+from lightning_fpdt.models import LlamaConfig, LlamaLM
+
+class KillRankOne(L.Callback):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if batch_idx == 1 and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does: no error, no output
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    data = DataLoader([{"input_ids": torch.arange(16) % 64} for _ in range(4)], batch_size=1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FPDTStrategy(sequence_parallel_size=2), max_steps=3,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[KillRankOne()])
+    trainer.fit(LlamaLM(LlamaConfig.tiny(vocab_size=64, num_hidden_layers=1)), data)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_when_a_rank_is_killed_the_survivor_names_it(tmp_path: Path) -> None:
+    """Rank 1 of a 2-process fit (the default subprocess launcher, as fpdt-train runs) is SIGKILLed at its second
+    batch; rank 0 fails in its next collective and says which rank died, instead of gloo's words alone."""
+    script = tmp_path / "killed_fit.py"
+    script.write_text(_KILLED_FIT)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.match(r"\[rank0\]: RuntimeError: FPDTStrategy: rank 0 lost a peer: the process of rank 1 \(pid \d+,"
+                    r" killed by SIGKILL\) died, so this collective cannot complete\. Still running on .*: rank\(s\)"
+                    r" \[0\]\.", last), proc.stderr[-3000:]
+    assert "Connection reset by peer" in last  # the backend's words are kept at the end
+    assert time.monotonic() - start < 90  # the survivor exits at once, not at the process-group timeout
