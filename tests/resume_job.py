@@ -11,17 +11,20 @@ Checkpoints every 2 steps into ``DIR/ckpt`` (``step=N.ckpt``) and at every epoch
 ``--die-at-step N`` SIGKILLs the whole process group at the start of step N; ``--die-in-save-at-step N``
 does it inside the save of step N's checkpoint, after the data is (partly) written and before it is
 committed. At the end the parent writes the final weights to ``DIR/final.pt``; every step's logged loss
-goes to ``DIR/losses.txt``.
+goes to ``DIR/losses.txt``. Every rank seeds its random number generators with a seed of its own and
+writes their states when it saves a checkpoint and when it has loaded one (``DIR/rng``, :class:`RecordRNG`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,6 +59,32 @@ class RecordLoss(L.Callback):
         if trainer.is_global_zero:
             with open(self.path, "a") as f:
                 f.write(f"{trainer.global_step} {trainer.callback_metrics['train/loss'].item()!r}\n")
+
+
+class RecordRNG(L.Callback):
+    """Seeds every rank's generators (Python, torch, numpy) differently, before any checkpoint is loaded, and
+    writes each rank's states when it saves a checkpoint (``saved-step{N}-rank{r}.pt``) and right after it has
+    loaded one (``restored-step{N}-rank{r}.pt``): a resumed rank must hold the states it saved, not another's."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        seed = 1000 * (trainer.global_rank + 1)
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _write(self, name: str, trainer) -> None:
+        self.out.mkdir(exist_ok=True)
+        states = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
+        torch.save(states, self.out / f"{name}-rank{trainer.global_rank}.pt")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._write(f"saved-step{trainer.global_step}", trainer)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._write(f"restored-step{checkpoint['global_step']}", trainer)
 
 
 class Stream(torch.utils.data.IterableDataset):
@@ -155,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                    # and one at the end of every epoch (saved in on_train_epoch_end)
                    ModelCheckpoint(dirpath=out / "epoch_ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1,
                                    save_on_train_epoch_end=True),
-                   Crash(args.die_at_step), RecordLoss(out / "losses.txt")],
+                   Crash(args.die_at_step), RecordLoss(out / "losses.txt"), RecordRNG(out / "rng")],
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     resume = args.resume

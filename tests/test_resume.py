@@ -1,9 +1,9 @@
-"""Checkpoints survive crashes and layout changes: SIGKILLed runs resume to the same weights, bitwise.
+"""Checkpoints survive crashes and layout changes: SIGKILLed runs resume to the same weights, bitwise, every
+rank with the random number generator states it saved.
 
 Each run is ``tests/resume_job.py`` in its own process group, forked from the test process (2 or 4 CPU
-processes, float64, a
-shuffled loader of 8 batches per epoch that the 12-step runs cross, a warm-up + cosine LR schedule,
-AdamW).
+processes, each seeded differently, float64, a shuffled loader of 8 batches per epoch that the 12-step runs
+cross, a warm-up + cosine LR schedule, AdamW).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,6 +37,27 @@ def losses(out: Path) -> dict[int, float]:
         step, value = line.split()
         result[int(step)] = float(value)
     return result
+
+
+def _rng(out: Path, name: str, rank: int) -> dict:
+    return torch.load(out / "rng" / f"{name}-rank{rank}.pt", weights_only=False)
+
+
+def assert_rng_restored(reference: Path, resumed: Path, step: int) -> None:
+    """Right after loading the step-``step`` checkpoint, each rank ``r`` of the resumed run holds the random
+    number generator states rank ``r % saved ranks`` had when the reference run saved that step. Every rank
+    was seeded differently (``resume_job.RecordRNG``), so one rank's states restored on every rank fail here."""
+    saved_ranks = len(list((reference / "rng").glob(f"saved-step{step}-rank*.pt")))
+    resumed_ranks = len(list((resumed / "rng").glob(f"restored-step{step}-rank*.pt")))
+    assert saved_ranks >= 2 and resumed_ranks >= 1, (saved_ranks, resumed_ranks)
+    saved = [_rng(reference, f"saved-step{step}", r) for r in range(saved_ranks)]
+    assert saved[0]["python"] != saved[1]["python"], "the ranks were meant to be seeded differently"
+    for rank in range(resumed_ranks):
+        got, expected = _rng(resumed, f"restored-step{step}", rank), saved[rank % saved_ranks]
+        assert got["python"] == expected["python"], f"rank {rank}: Python's random state"
+        assert torch.equal(got["torch"], expected["torch"]), f"rank {rank}: torch's CPU generator"
+        for a, b in zip(got["numpy"], expected["numpy"], strict=True):
+            assert np.array_equal(a, b), f"rank {rank}: numpy's random state"
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -76,6 +98,7 @@ def test_killed_run_resumes_to_the_same_weights(uninterrupted, tmp_path: Path, s
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_same_weights(uninterrupted[shard], tmp_path)
     assert losses(tmp_path) == losses(uninterrupted[shard])  # every step's loss, bitwise, data order included
+    assert_rng_restored(uninterrupted[shard], tmp_path, 4)
 
 
 @pytest.mark.timeout(300)
@@ -93,6 +116,7 @@ def test_streaming_loader_trains_and_resumes(tmp_path: Path) -> None:
     assert "resuming a streaming training loader" in proc.stdout + proc.stderr
     assert_same_weights(reference, crashed)
     assert losses(crashed) == losses(reference)
+    assert_rng_restored(reference, crashed, 4)
 
 
 @pytest.mark.timeout(300)
@@ -127,6 +151,7 @@ def test_checkpoint_resumes_in_another_layout(uninterrupted, tmp_path: Path) -> 
     for step in (5, 6):
         assert abs(resumed[step] - reference[step]) <= 1e-12 * abs(reference[step]), (
             step, resumed[step], reference[step])
+    assert_rng_restored(uninterrupted[False], out, 4)  # ranks 2 and 3 take the states of ranks 0 and 1
 
     # a replicated file checkpoint into sharded parameters (same layout, so the same data)
     out = tmp_path / "sharded-from-file"
@@ -172,6 +197,7 @@ def test_hf_model_resumes_bitwise_and_in_another_layout(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_same_weights(reference, killed)
     assert losses(killed) == losses(reference)
+    assert_rng_restored(reference, killed, 4)
 
     other = tmp_path / "sp4"
     proc = job(other, "--model", "hf", "--sp", "4", "--chunk-size", "8", "--max-steps", "6", "--resume",
