@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RANKS, print_table, timed
 
 from lightning_fpdt.batches import BatchGate
-from lightning_fpdt.block import SequenceParallelContext, bind_blocks
+from lightning_fpdt.binding import SequenceParallelContext, bind
 from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.models import LlamaConfig, LlamaLM
@@ -42,7 +42,7 @@ def _measure(rank: int, world: int, seq_lens: list[int], chunks: int, repeats: i
     rows = []
     for seq in seq_lens:
         chunk = seq // chunks
-        bind_blocks(module, SequenceParallelContext(group=group, chunk_size=chunk, attention_backend="sdpa"))
+        bind(module, SequenceParallelContext(group=group, chunk_size=chunk, attention_backend="sdpa"))
         batch = {"input_ids": torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1))}
 
         def shard(b: dict, chunk: int = chunk) -> dict:

@@ -52,7 +52,7 @@ from common import is_oom, matmul_rate, print_table, synchronize
 from lightning_fpdt.activation_checkpoint import new_checkpoint_store
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import MathKernel, get_kernel
-from lightning_fpdt.block import SequenceParallelContext, bind_blocks
+from lightning_fpdt.binding import SequenceParallelContext, bind
 from lightning_fpdt.chunk_store import OffloadStats
 from lightning_fpdt.copy_engine import copy_engine, release_copy_engines
 from lightning_fpdt.layout import shard_batch
@@ -183,7 +183,7 @@ def check_model(device: torch.device, cpu: bool) -> tuple[list[list], bool]:
             p.grad = None
         context = SequenceParallelContext(chunk_size=chunk, attention_backend=backend, offload=True,
                                           activation_checkpointing=True, checkpoint_store=new_checkpoint_store(device))
-        bind_blocks(module, context)
+        bind(module, context)
         loss, _ = token_weighted_loss(*module.loss_terms(batch))
         loss.backward()
         context.checkpoint_store.close()
@@ -334,7 +334,7 @@ def _llama_step(device: torch.device, config: LlamaConfig, seq: int, chunk: int,
         module = LlamaLM(config)
     context = SequenceParallelContext(chunk_size=chunk, attention_backend=backend, offload=True,
                                       activation_checkpointing=True, checkpoint_store=new_checkpoint_store(device))
-    bind_blocks(module, context)
+    bind(module, context)
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
     batch = _batch(ids, chunk, device)
 

@@ -55,10 +55,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RANKS, is_oom, matmul_rate, print_table, synchronize
 
 from lightning_fpdt.activation_checkpoint import new_checkpoint_store
-from lightning_fpdt.block import SequenceParallelContext, bind_blocks
+from lightning_fpdt.binding import SequenceParallelContext, bind
 from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import token_weighted_loss
-from lightning_fpdt.memory import ModelShape, estimate
+from lightning_fpdt.memory import EstimateOptions, ModelShape, estimate
 from lightning_fpdt.memtrack import peak_step_bytes
 from lightning_fpdt.models import CausalLM, Llama, LlamaConfig, LlamaLM
 from lightning_fpdt.testing import RankFailed, run_on_ranks
@@ -114,12 +114,13 @@ def estimated_peak(variant: str, seq: int, world: int, args: argparse.Namespace,
     tiled, cuda = variant == "fpdt_full", args.device == "cuda"
     with torch.device("meta"):
         shape, _ = ModelShape.from_module(build(model, model_config(variant, args)))
-    return estimate(shape, seq, sequence_parallel_size=world,
-                    chunk_size=chunk_size(variant, seq, world, args), mlp_tiled=tiled, loss_tiled=tiled,
-                    activation_checkpointing=tiled, offload=offloads(variant, args),
-                    offload_checkpoints=offloads(variant, args) and tiled,
-                    precision="bf16-mixed" if cuda else "32-true",
-                    attention_backend=args.backend).device_peak
+    options = EstimateOptions(
+        sequence_parallel_size=world, chunk_size=chunk_size(variant, seq, world, args), mlp_tiled=tiled,
+        loss_tiled=tiled, activation_checkpointing=tiled, offload=offloads(variant, args),
+        offload_checkpoints=offloads(variant, args) and tiled, precision="bf16-mixed" if cuda else "32-true",
+        attention_backend=args.backend,
+    )
+    return estimate(shape, seq, options).device_peak
 
 
 def _rss_bytes() -> int:
@@ -152,7 +153,7 @@ def _setup(rank: int, world: int, variant: str, seq: int, args: argparse.Namespa
         offload=offloads(variant, args),
         checkpoint_store=new_checkpoint_store(device) if offloads(variant, args) and full else None,
     )
-    bind_blocks(module, context)
+    bind(module, context)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(seq)
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=g)

@@ -18,20 +18,32 @@ context is freed.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.autocast_state import AutocastState
+from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.chunk_store import ChunkStore, Key
 from lightning_fpdt.layout import PackedDocuments
 
-if TYPE_CHECKING:  # block.py imports this module to run its checkpointed forward: a runtime import would be a cycle
-    from lightning_fpdt.block import FPDTBlock
-
 CHECKPOINT_KIND = "ckpt"
+
+
+class CheckpointedBlock(Protocol):
+    """What :func:`checkpointed_forward` reads of a block (``lightning_fpdt.block.FPDTBlock``, an ``nn.Module``)."""
+
+    context: SequenceParallelContext
+
+    def block_forward(self, x: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None) -> Tensor:
+        """The block's computation, ``[batch, s_local, hidden] -> [batch, s_local, hidden]``."""
+        ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """Every parameter ``block_forward`` uses."""
+        ...
 
 
 def new_checkpoint_store(device: torch.device, copy_delay: float = 0.0) -> ChunkStore:
@@ -45,7 +57,7 @@ def new_checkpoint_store(device: torch.device, copy_delay: float = 0.0) -> Chunk
 
 
 def checkpointed_forward(
-    block: FPDTBlock, x: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None
+    block: CheckpointedBlock, x: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None
 ) -> Tensor:
     """``block.block_forward(x, position_ids, documents)`` keeping only ``x`` for backward, where the
     block's context says (its ``checkpoint_store``, or the autograd graph when that is ``None``).

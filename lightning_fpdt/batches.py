@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import PREFIX
 from lightning_fpdt.layout import IGNORE_INDEX
-from lightning_fpdt.options import PREFIX
 
 _NOT_A_TENSOR = -1  # summary entry when 'input_ids' is missing or not a tensor
 _MIX = 0x9E3779B1  # odd multiplier: the fingerprint weighs each position differently

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_fpdt.block import attention_records
+from lightning_fpdt.binding import attention_records
 from lightning_fpdt.chunk_store import OffloadStats
 
 

@@ -80,12 +80,10 @@ def memory_report(model: pl.LightningModule, datamodule: Any, trainer: pl.Traine
     except ValueError:
         return None
     strategy = trainer.strategy
-    options = strategy.options.memory_options(strategy.sequence_parallel_size, strategy.data_parallel_size)
-    options.setdefault("chunk_size", "auto")
-    budget = strategy.options.memory_budget
+    options = strategy.estimate_options.replace(batch_size=getattr(datamodule, "batch_size", 1),
+                                                precision=str(trainer.precision), **tiling)
     try:
-        return report(shape, seq_len, budget_gib=budget, batch_size=getattr(datamodule, "batch_size", 1),
-                      precision=str(trainer.precision), **options, **tiling)
+        return report(shape, seq_len, options, budget_gib=strategy.options.memory_budget)
     except ValueError as err:  # nothing fits the budget: the strategy raises the same at the first batch
         return f"memory estimate: {err}"
 

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_fpdt.dtensors import local_tensor
-from lightning_fpdt.options import PREFIX
+from lightning_fpdt.errors import PREFIX
 
 Policy = Literal["raise", "skip"]
 

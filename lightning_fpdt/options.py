@@ -11,7 +11,7 @@ some ranks waiting in a collective. Each message names the numbers and the fix.
 Each rule is written once: the chunk-size rule in :func:`lightning_fpdt.layout.validate_chunk_size`
 (a chunk is cut into one equal sub-chunk per rank), the head-count rule in
 :func:`lightning_fpdt.comm.check_heads` (heads are scattered over the group by the all-to-all), the
-backend's device and package rules in :func:`lightning_fpdt.attention.kernels.resolve_backend`.
+backend's device and package rules in :func:`lightning_fpdt.backends.resolve_backend`.
 The one check that needs data, a sequence shorter than the sequence-parallel group, is made per
 batch in :func:`lightning_fpdt.layout.shard_batch`.
 
@@ -33,10 +33,10 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
-from lightning_fpdt.attention import kernels
-from lightning_fpdt.attention.kernels import BACKENDS
-from lightning_fpdt.block import SequenceParallelContext, attention_heads
+from lightning_fpdt.backends import BACKENDS, resolve_backend
+from lightning_fpdt.binding import SequenceParallelContext, attention_heads
 from lightning_fpdt.comm import check_heads
+from lightning_fpdt.errors import PREFIX
 from lightning_fpdt.layout import DEFAULT_SEQUENCE_KEYS, validate_chunk_size
 
 Offload = Literal["off", "on", "emulate"]
@@ -44,8 +44,6 @@ OffloadArgument = bool | Literal["emulate"]
 
 # Lightning precision strings whose attention inputs are float16/bfloat16
 HALF_PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true")
-
-PREFIX = "FPDTStrategy: "
 
 
 def offload_mode(name: str, value: Any) -> Offload:
@@ -174,30 +172,23 @@ class FPDTOptions:
         """Whether checkpointed block inputs go through the offloading store (``"on"`` and ``"emulate"``)."""
         return self.activation_checkpointing and self.offload_checkpoints != "off"
 
+    def mesh_shape(self, num_nodes: int, processes_per_node: int) -> tuple[int, int]:
+        """``(data_parallel_size, sequence_parallel_size)`` of a run of ``num_nodes`` x ``processes_per_node``
+        processes: ``sequence_parallel_size="auto"`` is all processes of a node, and the data-parallel size is
+        the number of sequence-parallel groups (at least 1; a size that does not divide the world is refused
+        by :meth:`check_run`)."""
+        sp = self.sequence_parallel_size
+        sp = max(1, processes_per_node) if sp == "auto" else sp
+        return max(1, num_nodes * processes_per_node // sp), sp
+
     def context(self, group: Any, chunk_size: int | None, checkpoint_store: Any) -> SequenceParallelContext:
-        """The :class:`~lightning_fpdt.block.SequenceParallelContext` the strategy binds to the blocks:
-        ``"on"`` and ``"emulate"`` both run the offload schedule."""
+        """The :class:`~lightning_fpdt.binding.SequenceParallelContext` the strategy binds to the attention
+        layers: ``"on"`` and ``"emulate"`` both run the offload schedule."""
         return SequenceParallelContext(
             group=group, chunk_size=chunk_size, attention_backend=self.attention_backend,
             offload=self.offload_attention, activation_checkpointing=self.activation_checkpointing,
             checkpoint_store=checkpoint_store,
         )
-
-    def memory_options(self, sequence_parallel_size: int, data_parallel_size: int) -> dict[str, Any]:
-        """Keyword arguments of :func:`lightning_fpdt.memory.estimate` for these options.
-
-        Only ``"on"`` frees device memory: under ``"emulate"`` everything stays in the same memory.
-        ``chunk_size`` is left out while it is ``"auto"`` (the planner fills it in).
-        """
-        options: dict[str, Any] = dict(
-            sequence_parallel_size=sequence_parallel_size, data_parallel_size=data_parallel_size,
-            offload=self.offload == "on", activation_checkpointing=self.activation_checkpointing,
-            offload_checkpoints=self.offload_checkpoints == "on", attention_backend=self.attention_backend,
-            shard_parameters=self.shard_parameters, offload_optimizer=self.offload_optimizer,
-        )
-        if self.chunk_size != "auto":
-            options["chunk_size"] = self.chunk_size
-        return options
 
     # ---- checks that need the run ----------------------------------------------------------------
 
@@ -286,7 +277,7 @@ def check_attention_backend(attention_backend: str, device_type: str, precision:
     """Raise if the attention backend cannot run on this device type at this precision.
 
     The device and package rules are the kernel selection's own
-    (:func:`~lightning_fpdt.attention.kernels.resolve_backend`); the precision rule is said here in
+    (:func:`~lightning_fpdt.backends.resolve_backend`); the precision rule is said here in
     Lightning's terms.
     """
     dtype = attention_dtype(precision)
@@ -297,7 +288,7 @@ def check_attention_backend(attention_backend: str, device_type: str, precision:
             " or attention_backend='sdpa' or 'auto'."
         )
     try:
-        kernels.resolve_backend(attention_backend, device_type, dtype)
+        resolve_backend(attention_backend, device_type, dtype)
     except ValueError as err:
         raise ValueError(f"{PREFIX}{err}") from None
 

@@ -18,8 +18,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_fpdt.memory import GIB, ModelShape, auto_chunk_size, estimate, format_bytes
-from lightning_fpdt.options import PREFIX
+from lightning_fpdt.errors import PREFIX
+from lightning_fpdt.memory import GIB, EstimateOptions, ModelShape, auto_chunk_size, estimate, format_bytes
 
 BUDGET_FRACTION = 0.9  # of the free memory: the rest is the allocator's fragmentation and the CUDA context
 
@@ -62,13 +62,13 @@ class ChunkPlanner:
 
     Args:
         budget_bytes: the per-rank budget (:func:`resolve_budget`).
-        memory_options: the strategy's arguments to :func:`lightning_fpdt.memory.estimate`
-            (:meth:`lightning_fpdt.options.FPDTOptions.memory_options`), without ``chunk_size``.
+        options: the strategy's estimate options (:meth:`EstimateOptions.from_strategy`); the batch size,
+            precision, optimizer and tiling are filled in per batch shape from the module and its trainer.
     """
 
-    def __init__(self, budget_bytes: int, memory_options: dict[str, Any]) -> None:
+    def __init__(self, budget_bytes: int, options: EstimateOptions) -> None:
         self.budget_bytes = budget_bytes
-        self._memory_options = memory_options
+        self._options = options
         self._chosen: dict[tuple[int, int], int | None] = {}
 
     @property
@@ -88,15 +88,15 @@ class ChunkPlanner:
         shape, tiling = ModelShape.from_module(module)
         trainer = module._trainer
         optimizers = trainer.optimizers if trainer is not None else []
-        options = dict(
+        options = self._options.replace(
             batch_size=batch_size, precision=str(trainer.precision) if trainer is not None else "32-true",
-            optimizer=optimizer_kind(optimizers[0]) if optimizers else "none", **self._memory_options, **tiling,
+            optimizer=optimizer_kind(optimizers[0]) if optimizers else "none", **tiling,
         )
         try:
-            chunk = auto_chunk_size(shape, seq_len, self.budget_bytes, **options)
+            chunk = auto_chunk_size(shape, seq_len, self.budget_bytes, options)
         except ValueError as err:
             raise ValueError(f"{PREFIX}{err}") from None
-        peak = estimate(shape, seq_len, chunk_size=chunk, **options).device_peak
+        peak = estimate(shape, seq_len, options.replace(chunk_size=chunk)).device_peak
         self._chosen[key] = chunk
         rank_zero_info(
             f"{PREFIX}chunk_size='auto' picked {chunk} for batches of {batch_size} x {seq_len} tokens"

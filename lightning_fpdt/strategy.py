@@ -28,14 +28,15 @@ from typing_extensions import override
 from lightning_fpdt import checkpoint_files as ckpt
 from lightning_fpdt.activation_checkpoint import new_checkpoint_store
 from lightning_fpdt.batches import BatchGate, input_vocab_size, target_tokens
-from lightning_fpdt.block import SequenceParallelContext, bind_blocks
+from lightning_fpdt.binding import SequenceParallelContext, bind
 from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.copy_engine import release_copy_engines
+from lightning_fpdt.errors import PREFIX
 from lightning_fpdt.launcher import Peer, ShardAwareLauncher, explain_peer_failure, record_peers
 from lightning_fpdt.layout import DEFAULT_SEQUENCE_KEYS, shard_batch
-from lightning_fpdt.memory import ModelShape
+from lightning_fpdt.memory import EstimateOptions, ModelShape
 from lightning_fpdt.nonfinite import StepGuard
-from lightning_fpdt.options import PREFIX, FPDTOptions, OffloadArgument, check_has_blocks
+from lightning_fpdt.options import FPDTOptions, OffloadArgument, check_has_blocks
 from lightning_fpdt.planning import ChunkPlanner, resolve_budget
 from lightning_fpdt.resume import resumable, warn_if_saved_at_epoch_end
 from lightning_fpdt.sharding import setup_sharded
@@ -116,12 +117,18 @@ class FPDTStrategy(DDPStrategy):
     @property
     def sequence_parallel_size(self) -> int:
         """Ranks per sequence-parallel group (``"auto"`` resolved to the processes per node)."""
-        size = self._options.sequence_parallel_size
-        return max(1, self.num_processes) if size == "auto" else size
+        return self._options.mesh_shape(self.num_nodes, self.num_processes)[1]
 
     @property
     def data_parallel_size(self) -> int:
-        return max(1, self.world_size // self.sequence_parallel_size)
+        """Sequence-parallel groups in the world."""
+        return self._options.mesh_shape(self.num_nodes, self.num_processes)[0]
+
+    @property
+    def estimate_options(self) -> EstimateOptions:
+        """What the memory model needs of this strategy (the batch size, precision, optimizer and tiling
+        are the module's and the trainer's)."""
+        return EstimateOptions.from_strategy(self._options, self.num_nodes, self.num_processes)
 
     @property
     def sequence_parallel_rank(self) -> int:
@@ -159,7 +166,8 @@ class FPDTStrategy(DDPStrategy):
 
     @property
     def sequence_parallel_context(self) -> SequenceParallelContext:
-        """What every FPDT block is bound to (the checkpoint store exists once ``setup`` ran)."""
+        """What every sequence-parallel attention layer is bound to (the checkpoint store exists once ``setup``
+        ran)."""
         return self._options.context(self.sequence_parallel_group, self._active_chunk_size, self._checkpoint_store)
 
     @property
@@ -198,7 +206,7 @@ class FPDTStrategy(DDPStrategy):
         self.model._device_mesh = self._device_mesh  # exposed as `LightningModule.device_mesh`
         if self._options.chunk_size == "auto":
             budget = resolve_budget(self._options.memory_budget, self.root_device, self.num_processes, self.world_size)
-            self._planner = ChunkPlanner(budget, self._options.memory_options(sp, dp))
+            self._planner = ChunkPlanner(budget, self.estimate_options)
         rank_zero_info(
             f"{PREFIX}{self.world_size} processes as data_parallel={dp} x sequence_parallel={sp};"
             f" chunk_size={self._options.chunk_size!r}, attention_backend={self._options.attention_backend!r},"
@@ -213,7 +221,7 @@ class FPDTStrategy(DDPStrategy):
         self._guard.setup(self.lightning_module.automatic_optimization, str(self.precision_plugin.precision))
         if self._options.offload_block_inputs and self._checkpoint_store is None:
             self._checkpoint_store = new_checkpoint_store(self.root_device)
-        self._bind_blocks(self.model)  # before DDP/FSDP wraps the module; raises on bad head counts
+        self._bind(self.model)  # before DDP/FSDP wraps the module; raises on bad head counts
         self._gate = BatchGate(self.world_size, self.sequence_parallel_size, self.global_rank, self.root_device,
                                input_vocab_size(self.model))
         if self._options.shard_parameters:  # DDPStrategy.setup without DDP: FSDP2 in every stage
@@ -221,8 +229,8 @@ class FPDTStrategy(DDPStrategy):
         else:
             super().setup(trainer)
 
-    def _bind_blocks(self, module: torch.nn.Module, log: bool = True) -> None:
-        count = bind_blocks(module, self.sequence_parallel_context)
+    def _bind(self, module: torch.nn.Module, log: bool = True) -> None:
+        count = bind(module, self.sequence_parallel_context)
         if log:
             check_has_blocks(module, count, self.sequence_parallel_size)  # layers made in configure_model
             rank_zero_info(f"{PREFIX}bound {count} attention layer(s) to the sequence-parallel group"
@@ -250,9 +258,9 @@ class FPDTStrategy(DDPStrategy):
         ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
         if self._planner is not None and isinstance(ids, torch.Tensor):
             chunk = self._planner.chunk_size(self.lightning_module, ids.shape[0], ids.shape[-1])
-            if chunk != self._active_chunk_size:  # the blocks follow the batch's layout
+            if chunk != self._active_chunk_size:  # the attention layers follow the batch's layout
                 self._active_chunk_size = chunk
-                self._bind_blocks(self.lightning_module, log=False)
+                self._bind(self.lightning_module, log=False)
         return shard_batch(batch, self.sequence_parallel_size, self.sequence_parallel_rank, self._active_chunk_size,
                            self._options.sequence_keys, self._options.pad_token_id, owner="FPDTStrategy")
 

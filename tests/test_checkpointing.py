@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lightning_fpdt.activation_checkpoint import new_checkpoint_store
-from lightning_fpdt.block import FPDTAttention, FPDTBlock, SequenceParallelContext
+from lightning_fpdt.binding import SequenceParallelContext
+from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.models.llama import RMSNorm, SwiGLU
 from lightning_fpdt.rope import RotaryEmbedding

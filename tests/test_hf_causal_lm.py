@@ -43,7 +43,7 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.block import SequenceParallelContext, attention_records
+from lightning_fpdt.binding import SequenceParallelContext, attention_records
 from lightning_fpdt.callbacks import FPDTMonitor
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.models.hf_attention import ATTN_IMPLEMENTATION

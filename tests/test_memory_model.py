@@ -14,26 +14,21 @@ import yaml
 from torch import Tensor, nn
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.block import (
-    FPDTAttention,
-    FPDTBlock,
-    RotaryEmbedding,
-    SequenceParallelContext,
-    bind_blocks,
-    fpdt_blocks,
-)
+from lightning_fpdt.binding import SequenceParallelContext, bind
+from lightning_fpdt.block import FPDTAttention, FPDTBlock, fpdt_blocks
 from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import cross_entropy_sum, token_weighted_loss
-from lightning_fpdt.memory import ModelShape, auto_chunk_size, estimate
-from lightning_fpdt.memory.__main__ import main
+from lightning_fpdt.memory import EstimateOptions, ModelShape, auto_chunk_size, estimate
+from lightning_fpdt.memory.__main__ import main, shape_from_config
 from lightning_fpdt.memtrack import TensorMemoryTracker, peak_step_bytes
 from lightning_fpdt.models import GPT, GPTConfig, HFCausalLM, Llama, LlamaConfig, LlamaLM
 from lightning_fpdt.models.llama import init_weights
+from lightning_fpdt.rope import RotaryEmbedding
 from lightning_fpdt.testing import run_on_ranks
 from lightning_fpdt.tiling import TiledMLP
 from tests.helpers import TokenDataset, dataloader
 
-SHAPE = ModelShape.from_config(LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+SHAPE = shape_from_config(LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                                            num_attention_heads=8, num_key_value_heads=4, vocab_size=32000))
 
 
@@ -109,20 +104,20 @@ def gpt_params(c: GPTConfig) -> int:
 ], ids=["llama", "llama_tied_bias", "gpt_tied", "gpt_untied", "gpt_rotary"])
 def test_parameter_count_matches_the_model(config: LlamaConfig | GPTConfig) -> None:
     model = (Llama if isinstance(config, LlamaConfig) else GPT)(config)
-    counted = ModelShape.from_config(config).num_params
+    counted = shape_from_config(config).num_params
     assert counted == sum(p.numel() for p in model.parameters()) == ModelShape.from_module(model)[0].num_params
     if isinstance(config, GPTConfig):  # position embeddings and the final LayerNorm's bias included
         assert counted == gpt_params(config)
 
 
 def test_shape_of_the_bundled_models() -> None:
-    llama = ModelShape.from_config(LlamaConfig.tiny(tie_word_embeddings=True))
+    llama = shape_from_config(LlamaConfig.tiny(tie_word_embeddings=True))
     assert (llama.hidden_size, llama.num_layers, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (
         64, 2, 4, 2, 16)
     assert (llama.intermediate_size, llama.mlp_intermediates, llama.vocab_size, llama.tied_embeddings) == (
         176, 4 * 176, 256, True)
     assert llama.norm_extras == 2  # RMSNorms
-    gpt = ModelShape.from_config(GPTConfig.tiny(tie_word_embeddings=False))  # n_positions 2048 > vocab 256
+    gpt = shape_from_config(GPTConfig.tiny(tie_word_embeddings=False))  # n_positions 2048 > vocab 256
     assert (gpt.num_heads, gpt.num_kv_heads, gpt.intermediate_size, gpt.mlp_intermediates) == (4, 4, 256, 2 * 256)
     assert (gpt.vocab_size, gpt.tied_embeddings) == (256, False)
 
@@ -178,33 +173,55 @@ def test_shape_of_an_own_model(tiled: bool, tied: bool) -> None:
 
 def test_each_feature_lowers_the_device_peak() -> None:
     seq = 1 << 17
-    plain = estimate(SHAPE, seq, sequence_parallel_size=4)
-    chunked = estimate(SHAPE, seq, sequence_parallel_size=4, chunk_size=1 << 14, mlp_tiled=True, loss_tiled=True)
-    ckpt = estimate(SHAPE, seq, sequence_parallel_size=4, chunk_size=1 << 14, mlp_tiled=True, loss_tiled=True,
-                    activation_checkpointing=True)
-    offloaded = estimate(SHAPE, seq, sequence_parallel_size=4, chunk_size=1 << 14, mlp_tiled=True, loss_tiled=True,
-                         activation_checkpointing=True, offload=True, offload_checkpoints=True)
+    plain = estimate(SHAPE, seq, EstimateOptions(sequence_parallel_size=4))
+    tiled = EstimateOptions(sequence_parallel_size=4, chunk_size=1 << 14, mlp_tiled=True, loss_tiled=True)
+    chunked = estimate(SHAPE, seq, tiled)
+    ckpt = estimate(SHAPE, seq, tiled.replace(activation_checkpointing=True))
+    offloaded = estimate(SHAPE, seq, tiled.replace(activation_checkpointing=True, offload=True,
+                                                   offload_checkpoints=True))
     assert plain.device_peak > chunked.device_peak > ckpt.device_peak > offloaded.device_peak
     assert offloaded.host > 0 and plain.host == 0
     # saved activations grow linearly with the sequence; parameters do not depend on it
-    double = estimate(SHAPE, 2 * seq, sequence_parallel_size=4)
+    double = estimate(SHAPE, 2 * seq, EstimateOptions(sequence_parallel_size=4))
     assert double.parameters == plain.parameters
     assert double.saved_activations == pytest.approx(2 * plain.saved_activations, rel=0.01)
 
 
 def test_auto_chunk_size_fits_the_budget_or_refuses() -> None:
     seq = 1 << 16
-    options = {"activation_checkpointing": True, "mlp_tiled": True, "loss_tiled": True}
-    whole = estimate(SHAPE, seq, sequence_parallel_size=2, **options).device_peak
-    assert auto_chunk_size(SHAPE, seq, whole + 1, sequence_parallel_size=2, **options) is None  # one chunk fits
+    options = EstimateOptions(sequence_parallel_size=2, activation_checkpointing=True, mlp_tiled=True,
+                              loss_tiled=True)
+    whole = estimate(SHAPE, seq, options).device_peak
+    assert auto_chunk_size(SHAPE, seq, whole + 1, options) is None  # one chunk fits
     budget = whole - 1
-    chunk = auto_chunk_size(SHAPE, seq, budget, sequence_parallel_size=2, **options)
+    chunk = auto_chunk_size(SHAPE, seq, budget, options)
     assert chunk is not None and chunk % 2 == 0 and chunk < seq
-    assert estimate(SHAPE, seq, sequence_parallel_size=2, chunk_size=chunk, **options).device_peak <= budget
+    assert estimate(SHAPE, seq, options.replace(chunk_size=chunk)).device_peak <= budget
     with pytest.raises(
         ValueError, match=r"chunk_size='auto': nothing fits a budget of 102.4 MiB per rank at 65536 tokens"
     ):
-        auto_chunk_size(SHAPE, seq, int(0.1 * 2**30), sequence_parallel_size=2, **options)
+        auto_chunk_size(SHAPE, seq, int(0.1 * 2**30), options)
+
+
+def test_estimate_options_follow_the_strategys_rules() -> None:
+    """A YAML's strategy section and the strategy itself give one EstimateOptions: ``"auto"`` sequence-parallel
+    size is the strategy's own rule (the processes of a node), only ``True`` offload frees device memory."""
+    init = {"chunk_size": 64, "offload": "emulate", "activation_checkpointing": True, "offload_checkpoints": True,
+            "shard_parameters": True}
+    config = {"trainer": {"devices": 4, "num_nodes": 2, "precision": "bf16-mixed",
+                          "strategy": {"class_path": "lightning_fpdt.FPDTStrategy", "init_args": init}},
+              "data": {"init_args": {"batch_size": 3}}}
+    strategy = FPDTStrategy(**init)
+    strategy.num_nodes, strategy.parallel_devices = 2, [torch.device("cpu")] * 4
+    from_yaml = EstimateOptions.from_yaml(config, mlp_tiled=True)
+    assert from_yaml == strategy.estimate_options.replace(batch_size=3, precision="bf16-mixed", mlp_tiled=True)
+    assert (strategy.sequence_parallel_size, strategy.data_parallel_size) == (4, 2)
+    assert (from_yaml.sequence_parallel_size, from_yaml.data_parallel_size, from_yaml.chunk_size) == (4, 2, 64)
+    assert (from_yaml.offload, from_yaml.offload_checkpoints, from_yaml.shard_parameters) == (False, True, True)
+    with pytest.raises(ValueError, match=r"estimate needs a chunk size: resolve chunk_size='auto'"):
+        estimate(SHAPE, 1024, EstimateOptions(chunk_size="auto"))
+    with pytest.raises(ValueError, match=r"precision='fp8' is not one of"):
+        EstimateOptions(precision="fp8")
 
 
 def _measured_and_estimated(rank: int, world: int, seq: int, full: bool, model: str = "llama") -> tuple[int, int]:
@@ -229,7 +246,7 @@ def _measured_and_estimated(rank: int, world: int, seq: int, full: bool, model: 
     chunk = seq // 4 if full else None
     context = SequenceParallelContext(group=dist.group.WORLD, chunk_size=chunk, attention_backend="sdpa",
                                       activation_checkpointing=full)
-    bind_blocks(module, context)
+    bind(module, context)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     ids = torch.randint(0, shape.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
     batch = shard_batch({"input_ids": ids}, world, rank, chunk)
@@ -244,8 +261,8 @@ def _measured_and_estimated(rank: int, world: int, seq: int, full: bool, model: 
 
     step()  # creates the optimizer state
     measured = peak_step_bytes(step, module, optimizer)
-    estimated = estimate(shape, seq, sequence_parallel_size=world, chunk_size=chunk, activation_checkpointing=full,
-                         **tiling).device_peak
+    estimated = estimate(shape, seq, EstimateOptions(sequence_parallel_size=world, chunk_size=chunk,
+                                                     activation_checkpointing=full, **tiling)).device_peak
     return measured, estimated
 
 
@@ -278,8 +295,8 @@ class _PeakOfStep(L.Callback):
 # attention-heavy (small MLP, no GQA) so that the chunk size decides the peak
 AUTO_CONFIG = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=4, hidden_size=64, intermediate_size=32,
                                vocab_size=64)
-AUTO_OPTIONS = {"batch_size": 2, "sequence_parallel_size": 2, "activation_checkpointing": True, "mlp_tiled": True,
-                "loss_tiled": True, "precision": "64-true", "attention_backend": "sdpa"}
+AUTO_OPTIONS = EstimateOptions(batch_size=2, sequence_parallel_size=2, activation_checkpointing=True, mlp_tiled=True,
+                               loss_tiled=True, precision="64-true", attention_backend="sdpa")
 # the same for a user's own model, with wider heads (head_dim 32, not 64 / 4)
 AUTO_MODELS = {"llama": lambda: LlamaLM(AUTO_CONFIG),
                "own_model": lambda: OwnLM(vocab=64, hidden=64, heads=4, kv_heads=4, head_dim=32, inner=32),
@@ -309,7 +326,7 @@ def test_auto_chunk_size_in_training_fits_the_budget(model: str, tmp_path) -> No
     module = AUTO_MODELS[model]()
     shape, tiling = ModelShape.from_module(module)
     assert tiling == {"mlp_tiled": True, "loss_tiled": model != "own_model"}  # the own model's loss is not tiled
-    peak = {c: estimate(shape, 256, chunk_size=c, **{**AUTO_OPTIONS, **tiling}).device_peak for c in (128, 64)}
+    peak = {c: estimate(shape, 256, AUTO_OPTIONS.replace(chunk_size=c, **tiling)).device_peak for c in (128, 64)}
     budget = (peak[128] + peak[64]) / 2  # 128-token chunks do not fit, 64-token chunks do
     result = _fit_auto(budget / 2**30, tmp_path, module)
     assert result["chunk_size"] == 64
@@ -348,10 +365,10 @@ def test_auto_needs_a_model_it_can_size_and_sane_options() -> None:
         ValueError, match=r"blocks\.1: its MLP \(GELU\) has no nn.Linear back to hidden_size=48.*explicit"
     ):
         ModelShape.from_module(_with_blocks(blocks))
-    with pytest.raises(TypeError, match="from_config takes a LlamaConfig or GPTConfig, got dict; .*from_module"):
-        ModelShape.from_config({"hidden_size": 64})
+    with pytest.raises(TypeError, match="shape_from_config takes a LlamaConfig or GPTConfig, got dict; .*from_module"):
+        shape_from_config({"hidden_size": 64})
     shape, tiling = ModelShape.from_module(LlamaLM(AUTO_CONFIG))
-    assert shape == ModelShape.from_config(AUTO_CONFIG) and tiling == {"mlp_tiled": True, "loss_tiled": True}
+    assert shape == shape_from_config(AUTO_CONFIG) and tiling == {"mlp_tiled": True, "loss_tiled": True}
     with pytest.raises(ValueError, match="memory_budget=4 only applies to chunk_size='auto', but chunk_size=64"):
         FPDTStrategy(chunk_size=64, memory_budget=4)
     with pytest.raises(ValueError, match="memory_budget must be a positive number of GiB, got -1"):
@@ -364,9 +381,9 @@ def test_memory_cli_builds_the_yaml_model_on_the_meta_device(tmp_path, capsys) -
     """``python -m lightning_fpdt.memory --config`` reads any model the YAML names, here a user's own."""
     shape, tiling = ModelShape.from_module(OwnLM(vocab=96, tied=True))
     # "emulate" offload: nothing leaves the device
-    options = {"batch_size": 2, "sequence_parallel_size": 2, "activation_checkpointing": True, **tiling}
-    whole = estimate(shape, 4096, **options).device_peak
-    budget = (whole + estimate(shape, 4096, chunk_size=1024, **options).device_peak) / 2 / 2**30  # it must chunk
+    options = EstimateOptions(batch_size=2, sequence_parallel_size=2, activation_checkpointing=True, **tiling)
+    whole = estimate(shape, 4096, options).device_peak
+    budget = (whole + estimate(shape, 4096, options.replace(chunk_size=1024)).device_peak) / 2 / 2**30  # must chunk
     strategy = {"sequence_parallel_size": 2, "chunk_size": "auto", "memory_budget": budget, "offload": "emulate",
                 "activation_checkpointing": True}
     config = {"model": {"class_path": "tests.test_memory_model.OwnLM", "init_args": {"vocab": 96, "tied": True}},
@@ -375,12 +392,12 @@ def test_memory_cli_builds_the_yaml_model_on_the_meta_device(tmp_path, capsys) -
     (tmp_path / "own.yaml").write_text(yaml.safe_dump(config))
     main(["--config", str(tmp_path / "own.yaml")])
     out = capsys.readouterr().out
-    chunk = auto_chunk_size(shape, 4096, int(budget * 2**30), **options)
+    chunk = auto_chunk_size(shape, 4096, int(budget * 2**30), options)
     assert chunk is not None and chunk < 4096
     assert f"memory estimate per rank: {shape.num_params / 1e6:.1f}M parameters, seq_len 4096, batch_size=2," in out
     assert "offload=False" in out and "mlp_tiled=True, loss_tiled=False" in out
     assert f"chunk_size='auto' with a budget of {budget} GiB per rank picks {chunk}" in out
-    assert estimate(shape, 4096, chunk_size=chunk, **options).table() in out
+    assert estimate(shape, 4096, options.replace(chunk_size=chunk)).table() in out
 
 
 def test_memory_cli_sizes_a_hugging_face_checkpoint_from_its_config(tmp_path, capsys) -> None:

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_fpdt.attention import fpdt_attention
-from lightning_fpdt.block import FPDTAttention, SequenceParallelContext
+from lightning_fpdt.binding import SequenceParallelContext
+from lightning_fpdt.block import FPDTAttention
 from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
 from lightning_fpdt.layout import shard_sequence
 from lightning_fpdt.rope import RotaryEmbedding

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_fpdt.activation_checkpoint import new_checkpoint_store
-from lightning_fpdt.block import FPDTAttention, FPDTBlock, SequenceParallelContext
+from lightning_fpdt.binding import SequenceParallelContext
+from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.loss import tiled_cross_entropy_sum
 from lightning_fpdt.models.gpt import GeLUMLP
 from lightning_fpdt.models.llama import RMSNorm, SwiGLU

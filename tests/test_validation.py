@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_fpdt.attention.kernels as kernels
+import lightning_fpdt.backends as backends
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layout import shard_batch
@@ -263,7 +263,7 @@ _CUDA_OK = dict(world_size=8, num_nodes=1, num_processes=8, sequence_parallel_si
 
 
 def test_flash_attn_on_cuda_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(backends, "flash_attn_available", lambda: False)
     with pytest.raises(ValueError, match=r"attention_backend='flash_attn' but the flash-attn package is not installed;"
                                          r" install the 'flash' extra"):
         validate_setup(**_CUDA_OK, attention_backend="flash_attn", precision="bf16-mixed")
@@ -271,7 +271,7 @@ def test_flash_attn_on_cuda_without_the_package(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize("precision", ["32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"])
 def test_flash_attn_needs_half_precision(monkeypatch: pytest.MonkeyPatch, precision: str) -> None:
-    monkeypatch.setattr(kernels, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(backends, "flash_attn_available", lambda: True)
     if precision in HALF_PRECISIONS:
         validate_setup(**_CUDA_OK, attention_backend="flash_attn", precision=precision)
         return

@@ -20,11 +20,7 @@ Each fused CUDA backward op gets what its forward op returned, as torch's autogr
 
 from __future__ import annotations
 
-import functools
-import importlib
 import math
-import re
-import sys
 from types import ModuleType
 from typing import Protocol
 
@@ -32,15 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-BACKENDS = ("auto", "math", "sdpa", "flash_attn")
-
-# flash-attn releases whose private `_flash_attn_forward`/`_flash_attn_backward` have the argument lists and
-# return arity called below: [2.7, 2.9). 2.6.x takes a `window_size` tuple and returns 8 values. Keep in step
-# with the `flash` extra in pyproject.toml.
-FLASH_ATTN_VERSIONS = ((2, 7), (2, 9))
-FLASH_ATTN_REQUIREMENT = "flash-attn>=2.7,<2.9"
-
-_HALF = (torch.float16, torch.bfloat16)
+# the backend rules (names, flash-attn's availability, what runs where) live in lightning_fpdt.backends, which
+# configuration reads without loading a kernel; the names tests and callers know here are re-exported (`as`)
+from lightning_fpdt.backends import BACKENDS as BACKENDS
+from lightning_fpdt.backends import FLASH_ATTN_FIX, HALF_DTYPES, load_flash_attn, resolve_backend
+from lightning_fpdt.backends import FLASH_ATTN_REQUIREMENT as FLASH_ATTN_REQUIREMENT
+from lightning_fpdt.backends import FLASH_ATTN_VERSIONS as FLASH_ATTN_VERSIONS
+from lightning_fpdt.backends import flash_attn_available as flash_attn_available
+from lightning_fpdt.backends import flash_attn_unavailable_reason as flash_attn_unavailable_reason
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -185,7 +180,7 @@ class SdpaKernel:
                 qt, kt, vt, 0.0, causal, attn_mask=None, scale=scale
             )
             return out.transpose(1, 2), lse
-        if q.dtype in _HALF:
+        if q.dtype in HALF_DTYPES:
             return _flash_op_forward(q, k, v, causal, scale)
         if q.dtype == torch.float32:
             return _efficient_op_forward(q, k, v, causal, scale)
@@ -206,7 +201,7 @@ class SdpaKernel:
             )
             dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
             return dq, _sum_kv_grad(dk, g), _sum_kv_grad(dv, g)
-        if q.dtype in _HALF:
+        if q.dtype in HALF_DTYPES:
             return _flash_op_backward(dout, q, k, v, out, lse, causal, scale)
         if q.dtype == torch.float32:
             return _efficient_op_backward(dout, q, k, v, out, lse, causal, scale)
@@ -275,12 +270,6 @@ def _efficient_op_backward(
     return dq, _sum_kv_grad(dk, g), _sum_kv_grad(dv, g)
 
 
-_FLASH_ATTN_FIX = (
-    f" install the 'flash' extra (pip install 'lightning-fpdt[flash]', i.e. {FLASH_ATTN_REQUIREMENT}) or use"
-    " attention_backend='sdpa' or 'auto'."
-)
-
-
 class FlashAttnKernel:
     """The flash-attn package (CUDA, float16/bfloat16, ``FLASH_ATTN_REQUIREMENT``); supports GQA natively.
 
@@ -297,7 +286,7 @@ class FlashAttnKernel:
         if interface is None:
             interface, problem = load_flash_attn()
             if interface is None:
-                raise ValueError(f"attention_backend='flash_attn' but {problem};{_FLASH_ATTN_FIX}")
+                raise ValueError(f"attention_backend='flash_attn' but {problem};{FLASH_ATTN_FIX}")
         self._fa = interface
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -324,73 +313,6 @@ class FlashAttnKernel:
             -1, -1, 0.0, None, False,
         )
         return dq[..., :d], dk[..., :d], dv[..., :d]
-
-
-@functools.cache
-def load_flash_attn() -> tuple[ModuleType | None, str]:
-    """``(flash_attn.flash_attn_interface, "")``, or ``(None, why it cannot be used)``; looked up once per
-    process (a failed import searches the whole path, and ``auto`` asks at every attention call)."""
-    try:
-        # Importing, not just finding, the package: its CUDA extension can be present but unloadable.
-        interface = importlib.import_module("flash_attn.flash_attn_interface")
-    except (ImportError, OSError, RuntimeError) as err:  # an extension built for another torch or CUDA
-        if isinstance(err, ModuleNotFoundError) and err.name == "flash_attn":
-            return None, "the flash-attn package is not installed"
-        return None, f"the flash-attn package is installed but does not import ({type(err).__name__}: {err})"
-    version = str(getattr(sys.modules.get("flash_attn"), "__version__", "?"))
-    found = re.match(r"(\d+)\.(\d+)", version)
-    low, high = FLASH_ATTN_VERSIONS
-    if found is None or not low <= (int(found[1]), int(found[2])) < high:
-        return None, (
-            f"flash-attn {version} is installed, and this backend calls its private _flash_attn_forward/"
-            f"_flash_attn_backward as {FLASH_ATTN_REQUIREMENT} define them"
-        )
-    return interface, ""
-
-
-def flash_attn_unavailable_reason() -> str | None:
-    """Why the ``flash_attn`` backend cannot be used here (not installed, does not import, wrong version), or None."""
-    return load_flash_attn()[1] or None
-
-
-def flash_attn_available() -> bool:
-    """Whether flash-attn imports (CUDA extension included) and is a release in ``FLASH_ATTN_VERSIONS``."""
-    return flash_attn_unavailable_reason() is None
-
-
-def resolve_backend(backend: str, device_type: str, dtype: torch.dtype) -> str:
-    """The backend that ``backend`` (``auto`` included) runs as on this device type and dtype.
-
-    ``auto``: ``flash_attn`` on CUDA with half precision when flash-attn imports and its version is
-    supported (else ``sdpa``); ``sdpa`` on CPU and on CUDA for float16/bfloat16/float32; ``math`` for
-    float64 on CUDA.
-
-    Raises:
-        ValueError: unknown backend name, or one that cannot run on this device or dtype.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"attention_backend={backend!r} is not one of {BACKENDS}.")
-    half = dtype in _HALF
-    if backend == "auto":
-        if device_type == "cuda" and half and flash_attn_available():
-            return "flash_attn"
-        return "math" if device_type == "cuda" and dtype == torch.float64 else "sdpa"
-    if backend != "flash_attn":
-        return backend
-    if device_type != "cuda":
-        raise ValueError(
-            f"attention_backend='flash_attn' needs a CUDA device, but this run is on {device_type}."
-            " Use attention_backend='sdpa' or 'auto'."
-        )
-    if not flash_attn_available():
-        reason = flash_attn_unavailable_reason() or "the flash-attn package is not installed"
-        raise ValueError(f"attention_backend='flash_attn' but {reason};{_FLASH_ATTN_FIX}")
-    if not half:
-        raise ValueError(
-            f"attention_backend='flash_attn' needs float16/bfloat16 inputs, got {dtype}."
-            " Use attention_backend='sdpa' or 'auto'."
-        )
-    return backend
 
 
 def get_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> AttentionKernel:

@@ -2,26 +2,50 @@
 
 - Whole tensors (:class:`TensorEnds`, for ``fpdt_attention``): the source slices q, k, v
   ``[batch, s_local, heads, head_dim]``; the sink writes dq, dk, dv into whole tensors.
-- Projections (:class:`ProjectionEnds`, for ``FPDTAttention``): the source computes the q/k/v
-  projections and RoPE of one chunk of the block's input ``x`` ``[batch, s_local, hidden]`` when the
-  pipeline asks for it; the sink runs their backward chunk by chunk and returns ``dx`` and the
-  projection weights' gradients. No ``[s_local, heads, head_dim]`` q, k or v exists at once.
+- Projections (:class:`ProjectionEnds`, for any :class:`ProjectedAttention` such as ``FPDTAttention``):
+  the source computes the q/k/v projections and RoPE of one chunk of the block's input ``x``
+  ``[batch, s_local, hidden]`` when the pipeline asks for it; the sink runs their backward chunk by chunk
+  and returns ``dx`` and the projection weights' gradients. No ``[s_local, heads, head_dim]`` q, k or v exists at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_fpdt.autocast_state import AutocastState
+from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.comm import expand_kv_heads
 
-if TYPE_CHECKING:  # block.py imports this package: a runtime import would be a cycle
-    from lightning_fpdt.block import FPDTAttention
+
+class Rotary(Protocol):
+    """A rotary position embedding applied per chunk (``lightning_fpdt.rope.RotaryEmbedding``)."""
+
+    def __call__(self, x: Tensor, position_ids: Tensor) -> Tensor:
+        """``x`` ``[batch, n, heads, head_dim]`` rotated by ``position_ids`` ``[batch, n]``."""
+        ...
+
+    def transpose(self, dy: Tensor, position_ids: Tensor) -> Tensor:
+        """The adjoint of the rotation, for the backward."""
+        ...
+
+
+class ProjectedAttention(Protocol):
+    """What the projection ends read of an attention layer (``lightning_fpdt.block.FPDTAttention``): its
+    q/k/v projections, head counts, rotary embedding and bound context (for the group size)."""
+
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope: Rotary | None
+    context: SequenceParallelContext
 
 
 class TensorChunkSource:
@@ -77,7 +101,7 @@ class TensorEnds:
 class ProjectionChunkSource:
     """Local q/k/v chunks computed on demand from the block's input: ``x[:, lo:hi]`` -> projections -> RoPE."""
 
-    def __init__(self, attn: FPDTAttention, x: Tensor, position_ids: Tensor) -> None:
+    def __init__(self, attn: ProjectedAttention, x: Tensor, position_ids: Tensor) -> None:
         b, s_local, _ = x.shape
         self.attn, self.x, self.position_ids = attn, x, position_ids
         self.q_shape = torch.Size((b, s_local, attn.n_heads, attn.head_dim))
@@ -106,7 +130,7 @@ class ProjectionChunkSink:
     ``dW += dY^T x_c``, ``db += sum(dY)``, ``dx_c += dY W``, with ``dY`` the RoPE-transposed gradient.
     """
 
-    def __init__(self, attn: FPDTAttention, x: Tensor, position_ids: Tensor, autocast: AutocastState) -> None:
+    def __init__(self, attn: ProjectedAttention, x: Tensor, position_ids: Tensor, autocast: AutocastState) -> None:
         self.attn, self.x, self.position_ids, self.autocast = attn, x, position_ids, autocast
         acc = torch.promote_types(x.dtype, torch.float32)
         self.dx = torch.zeros(x.shape, dtype=acc, device=x.device)
@@ -148,7 +172,7 @@ class ProjectionChunkSink:
         return self.dx.to(self.x.dtype), None, *grads
 
 
-def projection_params(attn: FPDTAttention) -> list[tuple[str, nn.Parameter]]:
+def projection_params(attn: ProjectedAttention) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of the q/k/v projections, in the order the pipeline takes them as inputs."""
     return [(f"{name}.{kind}", getattr(getattr(attn, name), kind)) for name in ("q_proj", "k_proj", "v_proj")
             for kind in ("weight", "bias") if getattr(getattr(attn, name), kind) is not None]
@@ -161,7 +185,7 @@ class ProjectionEnds:
     ``autocast`` is the autocast state of the forward, restored for the projections' backward.
     """
 
-    attn: FPDTAttention
+    attn: ProjectedAttention
     autocast: AutocastState
 
     def source(self, x: Tensor, position_ids: Tensor, *params: Tensor) -> ProjectionChunkSource:

@@ -7,7 +7,8 @@
 The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-works.md): per rank,
 ``T = batch x S / sp`` tokens of every sample.
 
-- parameters, gradients and AdamW state (replicated: every rank holds the full model);
+- parameters, gradients and AdamW state (every rank holds all of them, or ``1 / world`` of them and the
+  gathered layers in use with ``shard_parameters``);
 - saved activations per layer (block input, norm outputs, the attention pipeline's head-sharded
   q/k/v/out chunks and lse, the o_proj input, the MLP intermediates unless tiled); with
   checkpointing only the block input (on the host with ``offload_checkpoints``);
@@ -19,28 +20,26 @@ The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-w
 The sizes come from the module itself (:meth:`ModelShape.from_module`): its decoder layers
 (``FPDTBlock`` s, or the transformers decoder layers of ``HFCausalLM``), its output projection or token
 embedding, and its parameters, so any model built from ``FPDTBlock`` or wrapped by ``HFCausalLM`` can be
-sized, not only the bundled ones. It is an estimate for planning. ``benchmarks/training.py``
-measures the real peak of live tensors.
+sized, not only the bundled ones; this package imports no model. How the run trains is one
+:class:`EstimateOptions` (built from a strategy's options or from a YAML). It is an estimate for planning.
+``benchmarks/training.py`` measures the real peak of live tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
 from torch import nn
 
-from lightning_fpdt.block import DecoderLayer, decoder_layers
-from lightning_fpdt.models import GPT, GPTConfig, Llama, LlamaConfig
+from lightning_fpdt.binding import DecoderLayer, decoder_layers
+from lightning_fpdt.memory.estimate_options import OPTIMIZER_STATES, PRECISION_BYTES, EstimateOptions
+
+__all__ = ["GIB", "EstimateOptions", "MemoryEstimate", "ModelShape", "auto_chunk_size", "estimate", "format_bytes",
+           "report"]
 
 GIB = 2**30
 
-_PRECISION_BYTES = {  # (parameter bytes, activation bytes)
-    "32-true": (4, 4), "32": (4, 4), "64-true": (8, 8), "64": (8, 8),
-    "bf16-mixed": (4, 2), "16-mixed": (4, 2), "bf16-true": (2, 2), "16-true": (2, 2),
-}
-_OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # float tensors per parameter
 _EXPLICIT = "set an explicit chunk_size instead of 'auto' (`python -m lightning_fpdt.memory` helps choose one)"
 
 
@@ -94,27 +93,14 @@ class ModelShape:
         return 2 * self.mlp_projections * self.intermediate_size
 
     @classmethod
-    def from_config(cls, config: LlamaConfig | GPTConfig) -> ModelShape:
-        """The shape of the bundled :class:`~lightning_fpdt.models.Llama` or :class:`~lightning_fpdt.models.GPT`
-        that ``config`` describes, read by :meth:`from_module` from the model built on the meta device
-        (no memory, no weights)."""
-        builders: dict[type, type[nn.Module]] = {LlamaConfig: Llama, GPTConfig: GPT}
-        if type(config) not in builders:
-            raise TypeError(f"ModelShape.from_config takes a LlamaConfig or GPTConfig, got {type(config).__name__};"
-                            " for any other model use ModelShape.from_module(model).")
-        with torch.device("meta"):
-            model = builders[type(config)](config)
-        return cls.from_module(model)[0]
-
-    @classmethod
     def from_module(cls, module: nn.Module) -> tuple[ModelShape, dict[str, bool]]:
         """The shape of a model built from :class:`~lightning_fpdt.block.FPDTBlock` s or wrapping a Hugging
         Face decoder (:class:`~lightning_fpdt.models.HFCausalLM`), and whether its MLP and loss are tiled
-        (``{"mlp_tiled": ..., "loss_tiled": ...}``, arguments of :func:`estimate`).
+        (``{"mlp_tiled": ..., "loss_tiled": ...}``, fields of :class:`EstimateOptions`).
 
         What is read, and from where (``module`` may be the ``LightningModule`` or the model inside it):
 
-        - the decoder layers (:func:`~lightning_fpdt.block.decoder_layers`: the FPDT blocks, or the
+        - the decoder layers (:func:`~lightning_fpdt.binding.decoder_layers`: the FPDT blocks, or the
           transformers decoder layers, sized from the model's config), which must all have the same shape:
           ``hidden_size``, ``num_heads``, ``num_kv_heads`` and ``head_dim``;
         - ``norm_extras``: 0 for each LayerNorm of a layer, 1 for any other norm (RMSNorm);
@@ -241,29 +227,19 @@ class MemoryEstimate:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def estimate(
-    shape: ModelShape,
-    seq_len: int,
-    batch_size: int = 1,
-    sequence_parallel_size: int = 1,
-    chunk_size: int | None = None,
-    offload: bool = False,
-    activation_checkpointing: bool = False,
-    offload_checkpoints: bool = False,
-    mlp_tiled: bool = False,
-    loss_tiled: bool = False,
-    precision: str = "32-true",
-    optimizer: str = "adamw",
-    attention_backend: str = "sdpa",
-    shard_parameters: bool = False,
-    data_parallel_size: int = 1,
-    offload_optimizer: bool = False,
-) -> MemoryEstimate:
-    """Per-rank memory of one training step (see the module docstring for what is counted)."""
-    if precision not in _PRECISION_BYTES:
-        raise ValueError(f"precision={precision!r} is not one of {sorted(_PRECISION_BYTES)}.")
-    pe, e = _PRECISION_BYTES[precision]
-    p = sequence_parallel_size
+def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = None) -> MemoryEstimate:
+    """Per-rank memory of one training step of ``shape`` on sequences of ``seq_len`` tokens under ``options``
+    (default: ``EstimateOptions()``; see the module docstring for what is counted).
+
+    Raises:
+        ValueError: ``options.chunk_size`` is ``"auto"`` (resolve it with :func:`auto_chunk_size`).
+    """
+    options = options or EstimateOptions()
+    if options.chunk_size == "auto":
+        raise ValueError("estimate needs a chunk size: resolve chunk_size='auto' with auto_chunk_size() first.")
+    batch_size, chunk_size = options.batch_size, options.chunk_size
+    pe, e = PRECISION_BYTES[options.precision]
+    p = options.sequence_parallel_size
     s_pad = -(-seq_len // p) * p
     t = batch_size * s_pad // p  # tokens per rank
     h, hd = shape.hidden_size, shape.head_dim or shape.hidden_size // shape.num_heads
@@ -272,54 +248,53 @@ def estimate(
     chunk = s_pad if chunk_size is None else min(chunk_size, s_pad)
     chunk_tokens_rank = batch_size * chunk // p  # one chunk, per rank
 
-    if optimizer not in _OPTIMIZER_STATES:
-        raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(_OPTIMIZER_STATES)}.")
     # replicated: every rank holds everything; sharded (FSDP2): 1/world of it, plus the gathered
     # parameters of the units in use (the root's embeddings and output projection, and two blocks:
     # the current one and the prefetched next one)
-    shards = max(1, data_parallel_size * p) if shard_parameters else 1
+    shards = max(1, options.data_parallel_size * p) if options.shard_parameters else 1
     params = shape.num_params * pe // shards
     grads = shape.num_params * pe // shards
-    opt = _OPTIMIZER_STATES[optimizer] * shape.num_params * max(pe, 4) // shards  # float32 or wider
+    opt = OPTIMIZER_STATES[options.optimizer] * shape.num_params * max(pe, 4) // shards  # float32 or wider
     notes: list[str] = []
     gathered = 0
-    if shard_parameters:
+    if options.shard_parameters:
         layer = shape.block_params
         if layer is None:
             layer = (shape.num_params - shape.vocab_size * h * (1 if shape.tied_embeddings else 2)) // max(
                 1, shape.num_layers)
         root = shape.num_params - layer * shape.num_layers
-        gathered = (root + 2 * layer) * (2 if precision in ("bf16-mixed", "16-mixed") else pe)
-        if offload_optimizer:  # sharded parameters, gradients and optimizer state live on the host
+        gathered = (root + 2 * layer) * (2 if options.precision in ("bf16-mixed", "16-mixed") else pe)
+        if options.offload_optimizer:  # sharded parameters, gradients and optimizer state live on the host
             notes.append(f"offload_optimizer: {format_bytes(params + grads + opt)} of sharded state in host memory")
 
     # what one layer saves between its forward and its backward (bytes)
     pipeline_saved = t * e * (2 * qd + 2 * kv_eff) + t * shape.num_heads * 4  # q, out, k, v chunks + lse
     rope = 4 * t * hd * e if chunk_size is None else 0  # with chunking RoPE runs inside the pipeline
-    mlp_saved = 0 if mlp_tiled else t * shape.mlp_intermediates * e
+    mlp_saved = 0 if options.mlp_tiled else t * shape.mlp_intermediates * e
     # x, the norms' outputs and extras, the residual; o_proj's input
     layer_saved = t * e * ((4 + shape.norm_extras) * h + qd) + pipeline_saved + rope + mlp_saved
-    layer_device = layer_saved - (pipeline_saved if offload else 0)
+    layer_device = layer_saved - (pipeline_saved if options.offload else 0)
     checkpoint = t * h * e
 
     # the loss: full float32 logits unless tiled (then tiles of 1024 tokens)
-    tile_tokens = min(t, 1024) if loss_tiled else t
+    tile_tokens = min(t, 1024) if options.loss_tiled else t
     logits = tile_tokens * shape.vocab_size * 4
     final = 3 * t * h * e  # final norm input, normalized, output
-    loss_saved = 0 if loss_tiled else logits  # the log-softmax output, kept for backward
+    loss_saved = 0 if options.loss_tiled else logits  # the log-softmax output, kept for backward
     loss_transient = 2 * logits  # gradients of the log-softmax output and of the logits
-    if loss_tiled:  # a tile's logits and their softmax; the output-embedding gradient and d(hidden)
+    if options.loss_tiled:  # a tile's logits and their softmax; the output-embedding gradient and d(hidden)
         loss_transient += shape.vocab_size * h * max(pe, 4) + t * h * e
 
     # a tiled MLP recomputes one tile of tokens at a time in backward: its intermediates and their gradients
     s_local = s_pad // p
     tile_tokens = batch_size * -(-s_local // -(-s_local // max(h, 1024)))
-    mlp_tile_work = (shape.mlp_intermediates + 2 * shape.intermediate_size) * tile_tokens * e if mlp_tiled else 0
+    mlp_tile_work = (shape.mlp_intermediates + 2 * shape.intermediate_size) * tile_tokens * e
+    mlp_tile_work = mlp_tile_work if options.mlp_tiled else 0
 
     # attention working set: the current and the prefetched chunk (one chunk: the whole local q/k/v
     # and their head-sharded copies)
     chunk_buffers = 2 * min(chunk_tokens_rank, t) * (2 * qd + 2 * kv_eff) * e
-    if attention_backend == "math":  # it materializes a chunk pair's scores: S, P, dP and dS in backward
+    if options.attention_backend == "math":  # it materializes a chunk pair's scores: S, P, dP and dS in backward
         chunk_global = min(chunk, s_pad)
         chunk_buffers += 4 * batch_size * (shape.num_heads // p or 1) * chunk_global**2 * max(e, 4)
 
@@ -327,8 +302,8 @@ def estimate(
     # gradients exist while a layer's attention runs (forward, and its recomputation's backward)
     qkv_local = 0 if shape.chunked_projections else 2 * t * (qd + 2 * shape.num_kv_heads * hd) * e
 
-    if activation_checkpointing:
-        saved = shape.num_layers * (0 if offload_checkpoints else checkpoint) + final
+    if options.activation_checkpointing:
+        saved = shape.num_layers * (0 if options.offload_checkpoints else checkpoint) + final
         # one block recomputed and its backward: the block's saved activations, the incoming gradient,
         # and the larger of the attention chunk buffers and one MLP tile's forward and backward. The
         # loss's saved logits are freed before the first block is recomputed: they count in the loss only.
@@ -338,14 +313,14 @@ def estimate(
         saved = shape.num_layers * layer_device + final + loss_saved
         # the peak is at the start of backward, in the loss; with offload, the chunks of the layer being
         # computed stay on the device
-        transient = max(loss_transient, chunk_buffers) if offload else loss_transient
+        transient = max(loss_transient, chunk_buffers) if options.offload else loss_transient
     host = 0
-    if shard_parameters and offload_optimizer:
+    if options.shard_parameters and options.offload_optimizer:
         host += params + grads + opt
         params = grads = opt = 0
-    if offload:
-        host += pipeline_saved * (1 if activation_checkpointing else shape.num_layers)
-    if activation_checkpointing and offload_checkpoints:
+    if options.offload:
+        host += pipeline_saved * (1 if options.activation_checkpointing else shape.num_layers)
+    if options.activation_checkpointing and options.offload_checkpoints:
         host += shape.num_layers * checkpoint
     # gradients are created during backward; AdamW's update adds about half a parameter set
     device_peak = gathered + max(params + grads + opt + shape.num_params * pe // 2 // shards,
@@ -356,15 +331,17 @@ def estimate(
 
 
 def auto_chunk_size(
-    shape: ModelShape, seq_len: int, budget_bytes: int, sequence_parallel_size: int = 1, **options: Any
+    shape: ModelShape, seq_len: int, budget_bytes: int, options: EstimateOptions | None = None
 ) -> int | None:
-    """The largest chunk size (a multiple of ``sequence_parallel_size``, halving from the whole sequence)
-    whose estimated device peak fits ``budget_bytes``; ``None`` means no chunking fits best (one chunk).
+    """The largest chunk size (a multiple of ``options.sequence_parallel_size``, halving from the whole
+    sequence) whose estimated device peak fits ``budget_bytes``; ``None`` means no chunking fits best (one
+    chunk). ``options.chunk_size`` is not read.
 
     Raises:
         ValueError: when not even the smallest chunk fits, naming the estimate and the budget.
     """
-    p = sequence_parallel_size
+    options = options or EstimateOptions()
+    p = options.sequence_parallel_size
     s_pad = -(-seq_len // p) * p
     candidates: list[int | None] = [None]  # no chunking first, then halving chunks (multiples of p)
     size = s_pad // 2 // p * p
@@ -373,7 +350,7 @@ def auto_chunk_size(
         size = size // 2 // p * p
     smallest = None
     for candidate in candidates:
-        smallest = estimate(shape, seq_len, sequence_parallel_size=p, chunk_size=candidate, **options)
+        smallest = estimate(shape, seq_len, options.replace(chunk_size=candidate))
         if smallest.device_peak <= budget_bytes:
             return candidate
     assert smallest is not None
@@ -387,24 +364,22 @@ def auto_chunk_size(
     )
 
 
-def report(shape: ModelShape, seq_len: int, budget_gib: float | None = None, **options: Any) -> str:
+def report(shape: ModelShape, seq_len: int, options: EstimateOptions, budget_gib: float | None = None) -> str:
     """The estimate as printed by ``python -m lightning_fpdt.memory`` and by ``fpdt-train fit``: a header
     line with the run's options, then :meth:`MemoryEstimate.table`. ``chunk_size="auto"`` is resolved
     against ``budget_gib`` when given, else estimated as one chunk with a note."""
     lines = []
-    if options.get("chunk_size") == "auto":
+    if options.chunk_size == "auto":
         if budget_gib is not None:
-            options.pop("chunk_size")
-            options["chunk_size"] = auto_chunk_size(shape, seq_len, int(budget_gib * GIB), **options)
-            lines.append(f"chunk_size='auto' with a budget of {budget_gib} GiB per rank picks {options['chunk_size']}")
+            options = options.replace(chunk_size=auto_chunk_size(shape, seq_len, int(budget_gib * GIB), options))
+            lines.append(f"chunk_size='auto' with a budget of {budget_gib} GiB per rank picks {options.chunk_size}")
         else:
-            options["chunk_size"] = None
+            options = options.replace(chunk_size=None)
             lines.append("chunk_size='auto' is picked at the first batch from the device's free memory;"
                          " estimated here as one chunk (give a budget to resolve it)")
-    settings = ", ".join(f"{k}={v}" for k, v in options.items())
+    settings = ", ".join(f"{f.name}={getattr(options, f.name)}" for f in dataclasses.fields(options))
     lines.insert(
         0, f"memory estimate per rank: {shape.num_params / 1e6:.1f}M parameters, seq_len {seq_len}, {settings}"
     )
-    lines.append(estimate(shape, seq_len, **options).table())
+    lines.append(estimate(shape, seq_len, options).table())
     return "\n".join(lines)
-

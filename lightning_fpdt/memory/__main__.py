@@ -5,9 +5,9 @@
         --seq 1048576 --sp 8 --chunk-size 65536 --offload --checkpointing --precision bf16-mixed
 
 With ``--config`` (an ``fpdt-train`` YAML) the model is built on the meta device from the YAML's
-``model`` and read like any module (:meth:`ModelShape.from_module`); the strategy's arguments are
-read as the strategy reads them (:class:`lightning_fpdt.options.FPDTOptions`). Without it, a Llama of
-the given sizes.
+``model`` and read like any module (:meth:`ModelShape.from_module`); the run's settings are read as the
+strategy reads them (:meth:`EstimateOptions.from_yaml`). Without it, a Llama of the given sizes
+(:func:`shape_from_config`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,25 @@ import torch
 import yaml
 from torch import nn
 
-from lightning_fpdt.memory import ModelShape, report
-from lightning_fpdt.models import LlamaConfig
-from lightning_fpdt.options import FPDTOptions
+from lightning_fpdt.memory import EstimateOptions, ModelShape, report
+from lightning_fpdt.models import GPT, GPTConfig, Llama, LlamaConfig
+
+
+def shape_from_config(config: LlamaConfig | GPTConfig) -> ModelShape:
+    """The shape of the bundled :class:`~lightning_fpdt.models.Llama` or :class:`~lightning_fpdt.models.GPT`
+    that ``config`` describes, read by :meth:`ModelShape.from_module` from the model built on the meta device
+    (no memory, no weights).
+
+    Raises:
+        TypeError: ``config`` is not one of the two.
+    """
+    builders: dict[type, type[nn.Module]] = {LlamaConfig: Llama, GPTConfig: GPT}
+    if type(config) not in builders:
+        raise TypeError(f"shape_from_config takes a LlamaConfig or GPTConfig, got {type(config).__name__};"
+                        " for any other model use ModelShape.from_module(model).")
+    with torch.device("meta"):
+        model = builders[type(config)](config)
+    return ModelShape.from_module(model)[0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,39 +59,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard", action="store_true", help="shard_parameters (FSDP2 over dp x sp)")
     parser.add_argument("--offload-optimizer", action="store_true")
     args = parser.parse_args(argv)
-    init: dict[str, Any] = {}
+    budget = args.budget
     try:
         if args.config:
             with open(args.config) as f:
                 cfg = yaml.safe_load(f)
             shape, tiling = ModelShape.from_module(_module_from_yaml(cfg.get("model") or {}))
-            trainer = cfg.get("trainer") or {}
-            strategy = trainer.get("strategy", {})
-            init = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
-            devices = trainer.get("devices", 1) if isinstance(trainer.get("devices", 1), int) else 1
-            sp = init.get("sequence_parallel_size", "auto")
-            sp = devices if sp == "auto" else sp
-            data = (cfg.get("data") or {}).get("init_args", {})
-            known = {name: init[name] for name in FPDTOptions.__dataclass_fields__ if name in init}
-            # the strategy's own reading of its options ("emulate" moves nothing off the device, ...)
-            dp = max(1, trainer.get("num_nodes", 1) * devices // sp)
-            options = {"seq_len": data.get("seq_len", args.seq), "batch_size": data.get("batch_size", args.batch),
-                       "chunk_size": "auto",  # replaced by the strategy's, unless it is "auto"
-                       **FPDTOptions(**known).memory_options(sp, dp),
-                       "precision": str(trainer.get("precision", "32-true")), **tiling}
+            options = EstimateOptions.from_yaml(cfg, batch_size=args.batch, **tiling)
+            seq = ((cfg.get("data") or {}).get("init_args") or {}).get("seq_len", args.seq)
+            strategy = (cfg.get("trainer") or {}).get("strategy")
+            if budget is None and isinstance(strategy, dict):
+                budget = (strategy.get("init_args") or {}).get("memory_budget")
         else:
-            shape = ModelShape.from_config(LlamaConfig(
+            shape = shape_from_config(LlamaConfig(
                 vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads))
-            options = {"seq_len": args.seq, "batch_size": args.batch, "sequence_parallel_size": args.sp,
-                       "chunk_size": args.chunk_size, "offload": args.offload,
-                       "activation_checkpointing": args.checkpointing, "offload_checkpoints": args.offload_checkpoints,
-                       "mlp_tiled": args.tiled, "loss_tiled": args.tiled, "precision": args.precision,
-                       "attention_backend": args.attention_backend, "shard_parameters": args.shard,
-                       "data_parallel_size": args.dp, "offload_optimizer": args.offload_optimizer}
-        seq = options.pop("seq_len")
-        budget = args.budget if args.budget is not None else init.get("memory_budget")
-        print(report(shape, seq, budget_gib=budget, **options))
+            options = EstimateOptions(
+                batch_size=args.batch, chunk_size=args.chunk_size, sequence_parallel_size=args.sp,
+                data_parallel_size=args.dp, offload=args.offload, activation_checkpointing=args.checkpointing,
+                offload_checkpoints=args.offload_checkpoints, mlp_tiled=args.tiled, loss_tiled=args.tiled,
+                precision=args.precision, attention_backend=args.attention_backend, shard_parameters=args.shard,
+                offload_optimizer=args.offload_optimizer)
+            seq = args.seq
+        print(report(shape, seq, options, budget_gib=budget))
     except ValueError as err:
         raise SystemExit(str(err)) from None
 

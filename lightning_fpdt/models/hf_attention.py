@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.attention import fpdt_attention
-from lightning_fpdt.block import BlockRecord, SequenceParallelContext
+from lightning_fpdt.binding import AttentionRecord, SequenceParallelContext
 from lightning_fpdt.layout import PackedDocuments
 
 ATTN_IMPLEMENTATION = "lightning_fpdt"
@@ -42,7 +42,7 @@ def fpdt_attention_forward(
     dropout: float = 0.0,
     fpdt_context: SequenceParallelContext | None = None,
     documents: PackedDocuments | None = None,
-    fpdt_records: dict[int, BlockRecord] | None = None,
+    fpdt_records: dict[int, AttentionRecord] | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """The attention of one Hugging Face attention layer through :func:`lightning_fpdt.attention.fpdt_attention`.
@@ -57,7 +57,7 @@ def fpdt_attention_forward(
         dropout: attention dropout probability; only 0 is supported.
         fpdt_context: the bound sequence-parallel context; ``None``: one process, plain Ulysses options.
         documents: the batch's packed documents (``None``: one per sample).
-        fpdt_records: where this call leaves its :class:`~lightning_fpdt.block.BlockRecord` (chunks, offload
+        fpdt_records: where this call leaves its :class:`~lightning_fpdt.binding.AttentionRecord` (chunks, offload
             statistics), under the layer's ``layer_idx``, for ``FPDTMonitor``; ``None``: nowhere.
         **kwargs: other transformers arguments; ``sliding_window``, ``softcap`` and ``s_aux`` (sinks) must
             be unset.
@@ -80,7 +80,7 @@ def fpdt_attention_forward(
     ctx = fpdt_context or _ONE_PROCESS
     # [b, h, s_local, d] -> [b, s_local, h, d]: the pipeline's layout (s_local = S // sp)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    record = BlockRecord.for_call(q.shape[1], ctx)
+    record = AttentionRecord.for_call(q.shape[1], ctx)
     if fpdt_records is not None:
         fpdt_records[getattr(module, "layer_idx", len(fpdt_records))] = record
     out = fpdt_attention(

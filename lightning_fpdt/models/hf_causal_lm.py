@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.block import BlockRecord, DecoderLayer, SequenceParallelContext
+from lightning_fpdt.binding import AttentionRecord, DecoderLayer, SequenceParallelContext
 from lightning_fpdt.layout import IGNORE_INDEX
 from lightning_fpdt.loss import auto_loss_tiles, cross_entropy_sum, tiled_cross_entropy_sum
 from lightning_fpdt.models.hf_attention import attention_layers, check_supported, install
@@ -78,11 +78,11 @@ class HFCausalLM(CausalLM):
         install_memory_stack(self.model, mlp_tiles)
         self.loss_tiles, self.mlp_tiles = loss_tiles, mlp_tiles
         self.context = SequenceParallelContext()
-        self.records: dict[int, BlockRecord] = {}  # layer_idx -> its attention's latest call
+        self.records: dict[int, AttentionRecord] = {}  # layer_idx -> its attention's latest call
         saved = model if isinstance(model, str) else self.model.config.to_dict()  # a module is not a hyper-parameter
         self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, "mlp_tiles": mlp_tiles, **kwargs})
 
-    # ---- the SequenceParallelAttention protocol (lightning_fpdt.block) -----------------------------------
+    # ---- the SequenceParallelAttention protocol (lightning_fpdt.binding) ---------------------------------
 
     def bind_sequence_parallel(self, context: SequenceParallelContext) -> None:
         """Use ``context`` (group, chunk size, backend, offload, checkpointing) in every decoder layer's next
@@ -105,7 +105,7 @@ class HFCausalLM(CausalLM):
         config = self.model.config.get_text_config()
         return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
-    def attention_records(self) -> list[BlockRecord]:
+    def attention_records(self) -> list[AttentionRecord]:
         """What each attention layer did in its latest call (chunks, offload statistics), in layer order."""
         return [self.records[index] for index in sorted(self.records)]
 

@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lightning_fpdt.activation_checkpoint import checkpointed_call, needs_backward
-from lightning_fpdt.block import SequenceParallelContext
+from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.models.hf_attention import attention_layers
 from lightning_fpdt.tiling import tiled_call
 

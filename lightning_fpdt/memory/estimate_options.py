@@ -1,0 +1,129 @@
+"""The settings of a memory estimate: one frozen object, built from a strategy's options or from a YAML.
+
+:class:`EstimateOptions` is what :func:`lightning_fpdt.memory.estimate`, :func:`~lightning_fpdt.memory.auto_chunk_size`,
+:func:`~lightning_fpdt.memory.report` and :class:`lightning_fpdt.planning.ChunkPlanner` take. It is built in
+one of two ways, and each rule is written once, in the strategy's configuration
+(:class:`lightning_fpdt.options.FPDTOptions`):
+
+- :meth:`EstimateOptions.from_strategy`: from the options of a strategy and the run's processes;
+- :meth:`EstimateOptions.from_yaml`: from an ``fpdt-train`` YAML (its strategy's ``init_args`` read as the
+  strategy reads them, its trainer's devices, nodes and precision, its data's batch size).
+
+Only ``offload="on"`` frees device memory: under ``"emulate"`` the chunks are copied between host buffers
+but counted where they were computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning_fpdt.options import FPDTOptions
+
+# Lightning precision string -> (parameter bytes, activation bytes)
+PRECISION_BYTES = {
+    "32-true": (4, 4), "32": (4, 4), "64-true": (8, 8), "64": (8, 8),
+    "bf16-mixed": (4, 2), "16-mixed": (4, 2), "bf16-true": (2, 2), "16-true": (2, 2),
+}
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # float tensors per parameter
+
+
+@dataclass(frozen=True)
+class EstimateOptions:
+    """How a run trains, as far as its memory is concerned. The field order is the order
+    :func:`~lightning_fpdt.memory.report` prints them in."""
+
+    batch_size: int = 1
+    """Samples per step on each data-parallel rank."""
+    chunk_size: int | Literal["auto"] | None = None
+    """Global tokens per attention chunk; ``None``: one chunk (plain Ulysses); ``"auto"``: to be picked
+    against a budget (:func:`~lightning_fpdt.memory.report`, :class:`~lightning_fpdt.planning.ChunkPlanner`);
+    :func:`~lightning_fpdt.memory.estimate` needs it resolved."""
+    sequence_parallel_size: int = 1
+    """Ranks sharing one sample's sequence."""
+    data_parallel_size: int = 1
+    """Sequence-parallel groups (matters when parameters are sharded over data x sequence ranks)."""
+    offload: bool = False
+    """Saved attention chunks live in host memory (the strategy's ``offload="on"``)."""
+    activation_checkpointing: bool = False
+    """Each decoder layer keeps only its input for backward and is recomputed there."""
+    offload_checkpoints: bool = False
+    """With ``activation_checkpointing``: those inputs live in host memory (``offload_checkpoints="on"``)."""
+    mlp_tiled: bool = False
+    """The MLPs run in recomputed sequence tiles (read from the module: ``ModelShape.from_module``)."""
+    loss_tiled: bool = False
+    """The loss runs in token tiles, never holding the full logits (read from the module)."""
+    precision: str = "32-true"
+    """Lightning's precision string: the bytes of parameters and of activations."""
+    optimizer: str = "adamw"
+    """``"adamw"`` (two states per parameter), ``"sgd"`` (one) or ``"none"``."""
+    attention_backend: str = "sdpa"
+    """The attention backend; ``"math"`` materializes a chunk pair's scores, the others do not."""
+    shard_parameters: bool = False
+    """Parameters, gradients and optimizer state sharded over every rank (FSDP2)."""
+    offload_optimizer: bool = False
+    """With ``shard_parameters``: the shards and optimizer state live in host memory."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISION_BYTES:
+            raise ValueError(f"precision={self.precision!r} is not one of {sorted(PRECISION_BYTES)}.")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer={self.optimizer!r} is not one of {sorted(OPTIMIZER_STATES)}.")
+        for name in ("batch_size", "sequence_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+
+    def replace(self, **changes: Any) -> EstimateOptions:
+        """A copy with ``changes`` (field names) applied."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_strategy(
+        cls, options: FPDTOptions, num_nodes: int, processes_per_node: int, **run: Any
+    ) -> EstimateOptions:
+        """The estimate of a run of ``FPDTStrategy(**options)`` on ``num_nodes`` x ``processes_per_node``
+        processes.
+
+        Args:
+            options: the strategy's validated options.
+            num_nodes: nodes of the run.
+            processes_per_node: processes (devices) per node; ``sequence_parallel_size="auto"`` is resolved
+                against it by :meth:`FPDTOptions.mesh_shape`, as the strategy resolves it.
+            **run: the fields the strategy does not know (``batch_size``, ``precision``, ``optimizer``,
+                ``mlp_tiled``, ``loss_tiled``).
+        """
+        dp, sp = options.mesh_shape(num_nodes, processes_per_node)
+        return cls(
+            chunk_size=options.chunk_size, sequence_parallel_size=sp, data_parallel_size=dp,
+            offload=options.offload == "on", activation_checkpointing=options.activation_checkpointing,
+            offload_checkpoints=options.offload_checkpoints == "on", attention_backend=options.attention_backend,
+            shard_parameters=options.shard_parameters, offload_optimizer=options.offload_optimizer, **run,
+        )
+
+    @classmethod
+    def from_yaml(cls, config: Mapping[str, Any], batch_size: int = 1, **tiling: bool) -> EstimateOptions:
+        """The estimate of the run an ``fpdt-train`` YAML describes (``config`` as ``yaml.safe_load`` reads it).
+
+        The strategy's ``init_args`` become :class:`FPDTOptions` (validated as the strategy validates them) and
+        go through :meth:`from_strategy`, with the trainer's ``num_nodes`` and ``devices`` (an int, else 1) and
+        ``precision``, and the data's ``batch_size``.
+
+        Args:
+            config: the YAML's content.
+            batch_size: used when the YAML's data has none.
+            **tiling: ``mlp_tiled`` and ``loss_tiled``, read from the model (``ModelShape.from_module``).
+        """
+        trainer = config.get("trainer") or {}
+        strategy = trainer.get("strategy") or {}
+        init = (strategy.get("init_args") or {}) if isinstance(strategy, Mapping) else {}
+        known = {name: init[name] for name in FPDTOptions.__dataclass_fields__ if name in init}
+        devices = trainer.get("devices", 1)
+        data = (config.get("data") or {}).get("init_args") or {}
+        return cls.from_strategy(
+            FPDTOptions(**known), trainer.get("num_nodes", 1), devices if isinstance(devices, int) else 1,
+            batch_size=data.get("batch_size", batch_size), precision=str(trainer.get("precision", "32-true")),
+            **tiling,
+        )

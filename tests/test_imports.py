@@ -1,0 +1,257 @@
+"""The package's import graph: no circle, no unexplained import inside a function, and the layers that must
+stay light (the strategy loads no bundled model; configuration and the binding contract load no attention
+pipeline).
+
+The graph is read from the source (``ast``), not by importing: an edge ``a -> b`` is an import of ``b`` that
+runs when ``a`` is imported (module level, class bodies and ``if TYPE_CHECKING:`` blocks included: a circle
+hidden from the interpreter is still a circle in the design). ``from p import name`` is an edge to the module
+``p.name`` when there is one, else to ``p``. Importing ``p.q`` also runs the package ``p``'s ``__init__``;
+that is not an edge of its own (a package's ``__init__`` importing its own modules is no circle), and the
+light-layer checks below import the modules for real, in a fresh interpreter, to catch what it loads.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import pkgutil
+import subprocess
+import sys
+import textwrap
+import tokenize
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "lightning_fpdt"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+REASONS = ("cycle", "circular", "optional")  # what a comment must name to explain an import inside a function
+
+
+def package_modules() -> dict[str, Path]:
+    """``{module name: source file}`` of every module of the package, found with ``pkgutil`` (nothing imported)."""
+    modules = {PACKAGE: ROOT / "__init__.py"}
+
+    def walk(path: Path, prefix: str) -> None:
+        for info in pkgutil.iter_modules([str(path)]):
+            name = f"{prefix}.{info.name}"
+            if info.ispkg:
+                modules[name] = path / info.name / "__init__.py"
+                walk(path / info.name, name)
+            else:
+                modules[name] = path / f"{info.name}.py"
+
+    walk(ROOT, PACKAGE)
+    return modules
+
+
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    parts = module.split(".")
+    base = parts if is_package else parts[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
+    """The package modules ``node`` imports."""
+    found = set()
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            parts = alias.name.split(".")
+            # `import a.b.c` imports a.b.c (and runs a, a.b): the deepest module of the package named
+            for end in range(len(parts), 0, -1):
+                if ".".join(parts[:end]) in known:
+                    found.add(".".join(parts[:end]))
+                    break
+        return found
+    base = _absolute(module, is_package, node)
+    for alias in node.names:
+        target = f"{base}.{alias.name}"
+        if target in known:
+            found.add(target)
+        elif base in known:
+            found.add(base)
+    return found
+
+
+def _function_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    inside = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            inside += [n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return inside
+
+
+def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, int, str]]]:
+    """``({module: modules it imports when imported}, [(module, line, import) inside a function])``."""
+    modules = package_modules()
+    known = set(modules)
+    graph: dict[str, set[str]] = {}
+    in_functions = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_package = path.name == "__init__.py"
+        deferred = {id(n) for n in _function_imports(tree)}
+        graph[name] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                if id(node) in deferred:
+                    in_functions.append((name, node.lineno, ast.unparse(node)))
+                else:
+                    graph[name] |= _targets(name, is_package, node, known) - {name}
+    return graph, in_functions
+
+
+def find_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each strongly connected group of modules (Tarjan), as ``[a, b, ..., a]``."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return [_circle_in(graph, set(group)) for group in groups]
+
+
+def _circle_in(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    start = min(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:  # breadth first: the shortest way back to start
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & group):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    return sorted(group)
+
+
+def closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every package module importing ``start`` runs, through module-level imports."""
+    seen, todo = {start}, [start]
+    while todo:
+        for w in graph[todo.pop()]:
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+_HEADERS = ("try:", "if ", "elif ", "else:", "with ")  # block headers between an import and its comment
+
+
+def _explained(path: Path, line: int) -> bool:
+    """Whether the import on ``line`` has a comment naming why, on the line or in the comment lines just above
+    it (block headers such as ``try:`` or ``if name == ...:`` between them are skipped)."""
+    source = path.read_text()
+    comments = {tok.start[0]: tok.string.lower() for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    candidates = [line]
+    above = line - 1
+    while above >= 1:
+        text = lines[above - 1].strip()
+        if not (text.startswith("#") or (text.startswith(_HEADERS) and text.endswith(":"))):
+            break
+        candidates.append(above)
+        above -= 1
+    return any(reason in comments.get(n, "") for n in candidates for reason in REASONS)
+
+
+def test_the_graph_is_read_from_the_source() -> None:
+    graph, _ = import_graph()
+    assert f"{PACKAGE}.strategy" in graph and f"{PACKAGE}.attention.pipeline" in graph
+    assert f"{PACKAGE}.binding" in graph[f"{PACKAGE}.strategy"]
+    assert find_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_no_import_circle() -> None:
+    graph, _ = import_graph()
+    circles = find_circles(graph)
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_every_import_inside_a_function_says_why() -> None:
+    modules = package_modules()
+    _, in_functions = import_graph()
+    unexplained = [f"{name}:{line}: {text}" for name, line, text in in_functions
+                   if not _explained(modules[name], line)]
+    assert not unexplained, (
+        "imports inside functions without a comment (on the line, or just above) naming the import cycle or"
+        " optional dependency they avoid:\n" + "\n".join(unexplained)
+    )
+
+
+@pytest.mark.parametrize(("module", "forbidden"), [
+    ("binding", ("attention", "block", "options", "memory", "models", "strategy")),
+    ("options", ("attention.pipeline", "block", "memory", "models", "strategy")),
+    ("errors", ("",)),
+])
+def test_light_layers_import_little(module: str, forbidden: tuple[str, ...]) -> None:
+    """From the source: the contract and the configuration reach none of the heavy layers."""
+    graph, _ = import_graph()
+    reached = closure(graph, f"{PACKAGE}.{module}") - {f"{PACKAGE}.{module}"}
+    bad = sorted(m for m in reached for f in forbidden if m == f"{PACKAGE}.{f}".rstrip(".")
+                 or m.startswith(f"{PACKAGE}.{f}".rstrip(".") + "."))
+    assert not bad, f"{PACKAGE}.{module} imports {bad}"
+
+
+def _loaded_by(statement: str) -> set[str]:
+    """The package modules a fresh interpreter holds after ``statement`` (``lightning_fpdt`` itself stubbed,
+    so its public ``__init__``, which imports the strategy, does not count)."""
+    script = textwrap.dedent(f"""
+        import sys, types
+        package = types.ModuleType({PACKAGE!r})
+        package.__path__ = [{str(ROOT)!r}]
+        sys.modules[{PACKAGE!r}] = package
+        {statement}
+        print("\\n".join(m for m in sys.modules if m.startswith({PACKAGE + "."!r})))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return set(proc.stdout.split())
+
+
+def test_the_strategy_loads_no_bundled_model() -> None:
+    loaded = _loaded_by(f"import {PACKAGE}.strategy")
+    assert f"{PACKAGE}.strategy" in loaded
+    models = sorted(m for m in loaded if m.startswith(f"{PACKAGE}.models"))
+    assert not models, f"importing {PACKAGE}.strategy loads {models}"
+
+
+@pytest.mark.parametrize("module", ["options", "binding"])
+def test_configuration_and_contract_load_no_attention_pipeline(module: str) -> None:
+    loaded = _loaded_by(f"import {PACKAGE}.{module}")
+    assert f"{PACKAGE}.{module}" in loaded
+    heavy = sorted(loaded & {f"{PACKAGE}.block", f"{PACKAGE}.attention.pipeline", f"{PACKAGE}.attention.sources"})
+    assert not heavy, f"importing {PACKAGE}.{module} loads {heavy}"
