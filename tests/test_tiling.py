@@ -49,17 +49,19 @@ def test_tiled_mlp_matches_plain(mlp_cls, tiles: int, fresh_seed: int) -> None:
 
 
 @pytest.mark.parametrize("tiles", [1, 4, 7])
-def test_tiled_cross_entropy_matches_full_logits(tiles: int) -> None:
+def test_tiled_cross_entropy_matches_full_logits(tiles: int, fresh_seed: int) -> None:
+    torch.manual_seed(fresh_seed)
     h = torch.randn(2, 13, 8, dtype=torch.float64, requires_grad=True)
     w = (torch.randn(50, 8, dtype=torch.float64) * 30).requires_grad_()  # huge logits: p(target) underflows f32
     targets = torch.randint(0, 50, (2, 13))
     targets[0, :3] = -100
+    upstream = -2 - 2 * torch.rand((), dtype=torch.float64)  # as a loss scale or 1 / tokens: never 1
     ref = F.cross_entropy((h @ w.T).reshape(-1, 50), targets.reshape(-1), ignore_index=-100, reduction="sum")
-    ref.backward()
+    ref.backward(upstream)
     ref_gh, ref_gw = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
     loss, count = tiled_cross_entropy_sum(h, w, targets, tiles)
-    loss.backward()
+    loss.backward(upstream)
     assert count.item() == 23
     assert rel_error(loss, ref) <= 1e-13
     assert rel_error(h.grad, ref_gh) <= 1e-12 and rel_error(w.grad, ref_gw) <= 1e-12
