@@ -1,4 +1,5 @@
-"""Carry the forward's autocast state into a recomputation in backward (tiled MLP, tiled loss)."""
+"""Carry the forward's autocast state into backward: a recomputation (:mod:`lightning_fpdt.recompute`), and the
+attention pipeline's chunk-by-chunk projections."""
 
 from __future__ import annotations
 

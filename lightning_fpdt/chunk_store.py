@@ -31,9 +31,9 @@ are allocated on the host-to-device stream (one stream for the run, so its alloc
 small as the chunks in flight) and handed to the compute stream with ``record_stream``. On CPU the
 same structure runs with two one-thread workers (one per direction) in place of the streams and
 futures in place of events, copying into separate host buffers, so the tests exercise the
-synchronisation, the buffer reuse and the data path; ``copy_delay`` makes every copy slower so that
-ordering bugs show. :func:`~lightning_fpdt.copy_engine.release_copy_engines` gives the streams,
-workers and pooled buffers back (strategy teardown).
+synchronisation, the buffer reuse and the data path; tests make every copy slower with
+:func:`slow_copies` so that ordering bugs show. :func:`~lightning_fpdt.copy_engine.release_copy_engines`
+gives the streams, workers and pooled buffers back (strategy teardown).
 
 Accounting (:class:`OffloadStats`): bytes held on the compute device by the store, current and
 peak, per group of kinds; bytes moved each way; ``stalls``, the chunks used without a prefetch; and
@@ -50,17 +50,17 @@ import itertools
 import time
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-# re-exported: the strategy releases the engines at teardown, benchmarks use their streams
-from lightning_fpdt.copy_engine import CopyEngine, HostPool, copy_engine, release_copy_engines
+from lightning_fpdt.copy_engine import copy_engine
 from lightning_fpdt.profiling import record
 
-__all__ = ["ChunkStore", "CopyEngine", "HostPool", "Key", "OffloadStats", "copy_engine", "release_copy_engines"]
+__all__ = ["ChunkStore", "Key", "OffloadStats", "slow_copies"]
 
 Key = tuple[str, int]
 
@@ -147,16 +147,13 @@ class ChunkStore:
         device: the compute device.
         offload: keep chunks in host memory between uses.
         groups: kind -> group name, for the per-group residency peaks (e.g. ``{"k": "kv", "v": "kv"}``).
-        copy_delay: seconds each copy sleeps on the CPU workers (tests only).
     """
 
-    def __init__(
-        self,
-        device: torch.device,
-        offload: bool = False,
-        groups: dict[str, str] | None = None,
-        copy_delay: float = 0.0,
-    ) -> None:
+    # seconds each CPU copy sleeps before it runs, read when the copy is started: a test hook, set only by
+    # slow_copies (a real run never sleeps)
+    _copy_delay: ClassVar[float] = 0.0
+
+    def __init__(self, device: torch.device, offload: bool = False, groups: dict[str, str] | None = None) -> None:
         self.device = device
         self.offload = offload
         self.stats = OffloadStats()
@@ -164,7 +161,6 @@ class ChunkStore:
         self._entries: dict[Key, _Entry] = {}
         self._serials = itertools.count()
         self._doomed: list[Key] = []  # keys to delete at the next put/keys (delete_later)
-        self._copy_delay = copy_delay
         self._cuda = device.type == "cuda"
 
     # ---- life cycle -------------------------------------------------------------------------
@@ -310,7 +306,8 @@ class ChunkStore:
             self.delete(key)
 
     def close(self) -> None:
-        """Delete every chunk. The copy engine is the process's (see :func:`release_copy_engines`)."""
+        """Delete every chunk. The copy engine is the process's (see
+        :func:`~lightning_fpdt.copy_engine.release_copy_engines`)."""
         self.clear()
 
     def keys(self) -> Iterable[Hashable]:
@@ -354,3 +351,16 @@ class ChunkStore:
         for name, indices in resident.items():
             peak = self.stats.peak_resident_chunks
             peak[name] = max(peak.get(name, 0), len(indices))
+
+
+@contextmanager
+def slow_copies(seconds: float) -> Iterator[None]:
+    """Tests only: every CPU copy a store starts inside the ``with`` block sleeps ``seconds`` before it runs
+    (on the copy workers, not the caller), so a chunk used before its copy is done, or a host buffer reused
+    while a copy still reads it, shows up as a wrong result or a stall."""
+    before = ChunkStore._copy_delay
+    ChunkStore._copy_delay = seconds
+    try:
+        yield
+    finally:
+        ChunkStore._copy_delay = before

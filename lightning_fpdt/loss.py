@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.layout import IGNORE_INDEX
-from lightning_fpdt.profiling import record
-from lightning_fpdt.tiling import MIN_TILE_TOKENS, tile_bounds
+from lightning_fpdt.tiling import tiled_call
 
 
 def cross_entropy_sum(logits: Tensor, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
@@ -59,82 +57,56 @@ def token_weighted_loss(loss_sum: Tensor, num_tokens: Tensor) -> tuple[Tensor, T
     return loss_sum / count, (loss_sum / count).detach()
 
 
-def auto_loss_tiles(num_tokens: int) -> int:
-    """Tiles of ``MIN_TILE_TOKENS`` (1024) tokens: a tile's logits (``1024 x vocab`` float32) do not grow
-    with the sequence, and each tile is a large enough matrix multiply."""
-    return max(1, -(-num_tokens // MIN_TILE_TOKENS))
-
-
-class _TiledCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ weight.T`` computed tile by tile, recomputed in backward."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, num_tiles: int, ignore_index: int
-    ) -> Tensor:
-        b, s, h = hidden.shape  # s = this rank's tokens
-        flat_h, flat_t = hidden.reshape(b * s, h), targets.reshape(b * s)
-        acc = torch.promote_types(hidden.dtype, torch.float32)
-        total = torch.zeros((), dtype=acc, device=hidden.device)
-        for lo, hi in tile_bounds(b * s, num_tiles):
-            with record("fpdt/loss_tile"):
-                logits = F.linear(flat_h[lo:hi], weight).to(acc)  # [tile, vocab]: never all tokens at once
-                total = total + F.cross_entropy(logits, flat_t[lo:hi], ignore_index=ignore_index, reduction="sum")
-                del logits  # else it lives on while the next tile's logits are computed
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.num_tiles, ctx.ignore_index = num_tiles, ignore_index
-        ctx.autocast = AutocastState.capture(hidden.device.type)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
-        hidden, weight, targets = ctx.saved_tensors
-        b, s, h = hidden.shape
-        flat_h, flat_t = hidden.reshape(b * s, h), targets.reshape(b * s)
-        acc = torch.promote_types(hidden.dtype, torch.float32)
-        d_hidden = torch.empty_like(flat_h)
-        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        for lo, hi in tile_bounds(b * s, ctx.num_tiles):
-            with ctx.autocast.restore(), record("fpdt/loss_tile_backward"):
-                logits = F.linear(flat_h[lo:hi], weight).to(acc)
-                # d(sum of -log softmax[target]) / d logits = softmax - onehot(target), 0 on ignored rows
-                d_logits = torch.softmax(logits, dim=-1)
-                del logits  # at most two [tile, vocab] tensors are alive: this and the next tile's
-                t = flat_t[lo:hi]
-                valid = t != ctx.ignore_index
-                d_logits[valid, t[valid]] -= 1
-                d_logits[~valid] = 0
-                d_logits *= grad
-                if ctx.needs_input_grad[0]:
-                    d_hidden[lo:hi] = d_logits.to(weight.dtype) @ weight
-                d_weight.addmm_(d_logits.T, flat_h[lo:hi].to(acc))  # in place: no [vocab, hidden] temporary
-                del d_logits
-        return (
-            d_hidden.view(b, s, h) if ctx.needs_input_grad[0] else None,
-            d_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None,
-            None,
-            None,
-            None,
-        )
-
-
 def tiled_cross_entropy_sum(
     hidden: Tensor, weight: Tensor, shift_labels: Tensor, num_tiles: int | None = None, ignore_index: int = IGNORE_INDEX
 ) -> tuple[Tensor, Tensor]:
     """Summed cross-entropy of the output projection, without a full ``[tokens, vocab]`` logits tensor.
 
+    The tokens of every sample run in tiles (:func:`~lightning_fpdt.tiling.tiled_call`): each tile's logits
+    are computed, reduced and dropped, and recomputed in backward, whose gradient is written in closed form
+    (softmax minus one-hot), with the output embedding's gradient accumulated in place in float32 or wider.
+
     Args:
         hidden: final hidden states ``[batch, seq, hidden]`` (this rank's shard under SP).
         weight: the output embedding ``[vocab, hidden]``.
         shift_labels: pre-shifted targets ``[batch, seq]``.
-        num_tiles: token tiles; ``None`` uses :func:`auto_loss_tiles` of this rank's tokens.
+        num_tiles: token tiles over ``batch x seq``, read as :func:`~lightning_fpdt.tiling.tiled_call` reads
+            it (``None``: tiles of 1024 tokens; ``1``: off, full logits kept for backward).
 
     Returns:
         ``(loss_sum, num_tokens)`` like :func:`cross_entropy_sum`; logits are float32 (float64 for
         float64 models) per tile and go through log-softmax, never ``softmax().log()``.
+
+    Raises:
+        ValueError: ``num_tiles`` below 1.
     """
-    tiles = auto_loss_tiles(hidden.shape[0] * hidden.shape[1]) if num_tiles is None else num_tiles
-    if tiles < 1:
-        raise ValueError(f"tiled_cross_entropy_sum: num_tiles must be >= 1, got {tiles}.")
-    loss_sum = _TiledCrossEntropy.apply(hidden, weight, shift_labels, tiles, ignore_index)
+    if num_tiles is not None and num_tiles < 1:
+        raise ValueError(f"tiled_cross_entropy_sum: num_tiles must be >= 1 or None, got {num_tiles}.")
+    b, s, h = hidden.shape  # s = this rank's tokens
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+
+    def tile_loss(h_tile: Tensor, t_tile: Tensor) -> Tensor:  # [1, tile, hidden], [1, tile] -> a scalar
+        logits = F.linear(h_tile[0], weight).to(acc)  # [tile, vocab]: never all tokens at once
+        return F.cross_entropy(logits, t_tile[0], ignore_index=ignore_index, reduction="sum")
+
+    def tile_grad(grad: Tensor, tile: Sequence[Tensor], d_params: list[Tensor | None]) -> list[Tensor | None]:
+        h_tile, t = tile[0][0], tile[1][0]
+        logits = F.linear(h_tile, weight).to(acc)
+        # d(sum of -log softmax[target]) / d logits = softmax - onehot(target), 0 on ignored rows
+        d_logits = torch.softmax(logits, dim=-1)
+        del logits  # at most two [tile, vocab] tensors are alive: this and the next tile's
+        valid = t != ignore_index
+        d_logits[valid, t[valid]] -= 1
+        d_logits[~valid] = 0
+        d_logits *= grad
+        d_hidden = (d_logits.to(weight.dtype) @ weight).unsqueeze(0) if tile[0].requires_grad else None
+        if weight.requires_grad:  # the one parameter: in place, no [vocab, hidden] temporary per tile
+            if d_params[0] is None:
+                d_params[0] = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            d_params[0].addmm_(d_logits.T, h_tile.to(acc))
+        return [d_hidden, None]
+
+    # every token is one position of one long sequence: the tiles run over batch x seq
+    loss_sum = tiled_call(tile_loss, hidden.reshape(1, b * s, h), shift_labels.reshape(1, b * s),
+                          num_tiles=num_tiles, params=[weight], tile_grad=tile_grad, name="loss_tile")
     return loss_sum, (shift_labels != ignore_index).sum()

@@ -1,29 +1,46 @@
-"""Sequence-tiled MLP: any MLP module run tile by tile, recomputed per tile in backward.
+"""Sequence tiling, one rule for everything tiled: the MLP, the loss, the Hugging Face MLPs, the memory model.
 
-The MLP's intermediate (``[tokens, intermediate]``, 3.5-4x the hidden size) is the largest activation
-of a block after attention is chunked. :class:`TiledMLP` runs the wrapped module on ``num_tiles``
-slices of the sequence under ``no_grad`` and keeps only its input; backward recomputes one tile at a
-time. The MLP's parameters are passed to the autograd function as explicit inputs and their
-gradients returned from it, so every parameter's gradient is produced once per backward (what DDP's
-reducer and FSDP expect), never accumulated from a nested backward.
+A tiled call runs over ``num_tiles`` slices of the sequence and keeps only its inputs; backward recomputes
+one tile at a time (:func:`lightning_fpdt.recompute.recomputed_call`), so no ``[tokens, intermediate]`` or
+``[tokens, vocab]`` tensor exists for the whole sequence. The MLP's intermediate (3.5-4x the hidden size)
+is the largest activation of a block once attention is chunked; the loss's logits are wider still.
+
+``num_tiles`` reads the same everywhere: ``1`` is off (the call runs as is, autograd keeps its
+intermediates), ``None`` is automatic (tiles of at most ``tile_tokens`` tokens, :func:`tile_count`), any
+other count is used as given (at most one tile per token). :mod:`lightning_fpdt.memory` sizes a tile with
+the same functions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from functools import partial
 
-import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.autocast_state import AutocastState
-from lightning_fpdt.profiling import record
+from lightning_fpdt.recompute import Params, TileGrad, recomputed_call
 
 MIN_TILE_TOKENS = 1024
+"""Automatic tiles are at least this many tokens: a large enough matrix multiply, and a tile's logits
+(``1024 x vocab`` float32) or intermediate do not grow with the sequence."""
+
+
+def mlp_tile_tokens(hidden_size: int) -> int:
+    """Tokens of an automatic MLP tile: ``max(hidden, 1024)``, so its intermediate stays bounded however long
+    the sequence, and its matrix multiplies stay large."""
+    return max(hidden_size, MIN_TILE_TOKENS)
+
+
+def tile_count(length: int, configured: int | None, tile_tokens: int = MIN_TILE_TOKENS) -> int:
+    """Tiles of a sequence of ``length`` tokens: ``configured`` (at most ``length``), or with ``None`` the
+    fewest tiles of at most ``tile_tokens`` tokens."""
+    count = -(-length // tile_tokens) if configured is None else configured
+    return max(1, min(count, length))
 
 
 def tile_bounds(length: int, num_tiles: int) -> list[tuple[int, int]]:
-    """``num_tiles`` contiguous, nearly equal ``[lo, hi)`` slices of ``range(length)`` (no empty ones)."""
+    """``num_tiles`` contiguous, nearly equal ``[lo, hi)`` slices of ``range(length)`` (no empty ones; the
+    longer ones first)."""
     num_tiles = max(1, min(num_tiles, length))
     step, rest = divmod(length, num_tiles)
     bounds, lo = [], 0
@@ -34,63 +51,40 @@ def tile_bounds(length: int, num_tiles: int) -> list[tuple[int, int]]:
     return bounds
 
 
-class _TiledFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, module: nn.Module, run: Callable[[Tensor], Tensor], num_tiles: int,
-                *params: Tensor) -> Tensor:
-        ctx.module, ctx.run, ctx.num_tiles = module, run, num_tiles
-        ctx.autocast = AutocastState.capture(x.device.type)
-        ctx.save_for_backward(x)
-        out = None
-        for lo, hi in tile_bounds(x.shape[1], num_tiles):
-            with record("fpdt/mlp_tile"):
-                y = run(x[:, lo:hi])
-            if out is None:
-                out = y.new_empty(x.shape[0], x.shape[1], *y.shape[2:])
-            out[:, lo:hi] = y
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-        (x,) = ctx.saved_tensors
-        params = [p for p in ctx.module.parameters() if p.requires_grad]
-        dx = torch.empty_like(x)
-        dparams: list[Tensor | None] = [None] * len(params)
-        for lo, hi in tile_bounds(x.shape[1], ctx.num_tiles):
-            x_tile = x[:, lo:hi].detach().requires_grad_(x.requires_grad)
-            with torch.enable_grad(), ctx.autocast.restore(), record("fpdt/mlp_tile_backward"):
-                y = ctx.run(x_tile)
-                inputs = [x_tile, *params] if x.requires_grad else params
-                grads = torch.autograd.grad(y, inputs, grad[:, lo:hi], allow_unused=True)
-            if x.requires_grad:
-                dx[:, lo:hi] = grads[0]
-                grads = grads[1:]
-            for i, g in enumerate(grads):
-                if g is not None:
-                    dparams[i] = g if dparams[i] is None else dparams[i].add_(g)
-        # gradients for (x, module, run, num_tiles, *params) in the order forward received them
-        all_params = list(ctx.module.parameters())
-        by_param = {id(p): g for p, g in zip(params, dparams)}
-        return (dx if x.requires_grad else None, None, None, None, *(by_param.get(id(p)) for p in all_params))
+def largest_tile(length: int, configured: int | None, tile_tokens: int = MIN_TILE_TOKENS) -> int:
+    """Tokens of the largest tile :func:`tiled_call` cuts a sequence of ``length`` into (what sets its memory)."""
+    lo, hi = tile_bounds(length, tile_count(length, configured, tile_tokens))[0]
+    return hi - lo
 
 
 def tiled_call(
-    module: nn.Module, x: Tensor, num_tiles: int | None, run: Callable[[Tensor], Tensor] | None = None
+    fn: Callable[..., Tensor],
+    *inputs: Tensor,
+    num_tiles: int | None,
+    params: Params = (),
+    tile_tokens: int = MIN_TILE_TOKENS,
+    tile_grad: TileGrad | None = None,
+    name: str = "tile",
 ) -> Tensor:
-    """``run(x)`` (default ``module(x)``) over ``x`` ``[batch, seq, hidden]`` in sequence tiles, keeping only
-    ``x`` for backward, where each tile is recomputed; ``module`` owns the parameters ``run`` uses.
+    """``fn(*inputs)`` over sequence tiles (dimension 1 of every input), keeping only the inputs for backward,
+    where each tile is recomputed (:func:`~lightning_fpdt.recompute.recomputed_call`).
 
-    ``num_tiles``: ``1`` runs ``run(x)`` as is (tiling off: intermediates kept by autograd); ``None`` picks
-    :meth:`TiledMLP.auto_tiles` from the sequence and hidden sizes (and recomputes in backward even when that
-    is one tile). Without grad mode the tiles run and nothing is saved.
+    Args:
+        fn: position-wise in dimension 1 (it must not mix tokens of different tiles); returns
+            ``[batch, tile, ...]``, or a 0-dimensional sum over the tile's tokens (summed over tiles).
+        inputs: ``[batch, seq, ...]`` each.
+        num_tiles: ``1`` runs ``fn(*inputs)`` as is (tiling off: intermediates kept by autograd); ``None``
+            picks :func:`tile_count` of ``tile_tokens`` (and recomputes in backward even when that is one tile).
+        params: the parameters ``fn`` uses (a module, or tensors it closes over).
+        tile_tokens: the automatic tile size.
+        tile_grad: a closed form of one tile's gradients (:data:`~lightning_fpdt.recompute.TileGrad`).
+        name: the profiler range of each tile, ``fpdt/<name>``.
     """
-    run = module if run is None else run
     if num_tiles == 1:
-        return run(x)
-    tiles = num_tiles if num_tiles is not None else TiledMLP.auto_tiles(x.shape[1], x.shape[-1])
-    if not torch.is_grad_enabled():
-        return _TiledFunction.forward(_NoCtx(), x, module, run, tiles)  # inference: tiles, nothing saved
-    return _TiledFunction.apply(x, module, run, tiles, *module.parameters())
+        return fn(*inputs)
+    length = inputs[0].shape[1]
+    bounds = tile_bounds(length, tile_count(length, num_tiles, tile_tokens))
+    return recomputed_call(fn, *inputs, params=params, tiles=bounds, tile_grad=tile_grad, name=name)
 
 
 class TiledMLP(nn.Module):
@@ -98,9 +92,8 @@ class TiledMLP(nn.Module):
 
     Args:
         mlp: any module applied position-wise (SwiGLU, GeLU MLP, ...). It must not mix positions.
-        num_tiles: tiles per call; ``None`` picks :meth:`auto_tiles` from the sequence and hidden
-            sizes (and recomputes in backward even when that is one tile); ``1`` runs the module
-            directly (tiling off: no recomputation, intermediates kept).
+        num_tiles: tiles per call, read as :func:`tiled_call` reads it (``None``: tiles of
+            :func:`mlp_tile_tokens`; ``1``: off, intermediates kept).
     """
 
     def __init__(self, mlp: nn.Module, num_tiles: int | None = None) -> None:
@@ -110,20 +103,33 @@ class TiledMLP(nn.Module):
         self.mlp = mlp
         self.num_tiles = num_tiles
 
-    @staticmethod
-    def auto_tiles(seq_len: int, hidden_size: int) -> int:
-        """Tiles of ``max(hidden, 1024)`` tokens: a tile's intermediate stays bounded however long the
-        sequence, and tiles stay large enough for efficient matrix multiplies."""
-        return max(1, -(-seq_len // max(hidden_size, MIN_TILE_TOKENS)))
-
     def forward(self, x: Tensor) -> Tensor:
-        return tiled_call(self.mlp, x, self.num_tiles)
+        return tiled_call(self.mlp, x, num_tiles=self.num_tiles, params=self.mlp,
+                          tile_tokens=mlp_tile_tokens(x.shape[-1]), name="mlp_tile")
 
 
-class _NoCtx:
-    """A stand-in autograd context for running the tiled forward without autograd."""
+class TiledForward:
+    """An MLP instance's ``forward`` (set on the instance, so its class, parameter names and
+    ``save_pretrained`` stay its own): its class's forward over sequence tiles of ``[batch, seq, hidden]``.
 
-    autocast: AutocastState | None = None
+    Args:
+        mlp: the MLP (position-wise), e.g. a transformers decoder layer's.
+        num_tiles: tiles per call, read as :class:`TiledMLP` reads it.
+    """
 
-    def save_for_backward(self, *tensors: Tensor) -> None:
-        pass
+    def __init__(self, mlp: nn.Module, num_tiles: int | None) -> None:
+        self.mlp, self.num_tiles = mlp, num_tiles
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return tiled_call(partial(type(self.mlp).forward, self.mlp), x, num_tiles=self.num_tiles, params=self.mlp,
+                          tile_tokens=mlp_tile_tokens(x.shape[-1]), name="mlp_tile")
+
+
+def configured_tiles(module: nn.Module) -> int | None:
+    """The ``num_tiles`` of the first tiled MLP in ``module`` (a :class:`TiledMLP`, or an MLP whose forward is a
+    :class:`TiledForward`); ``1`` (off) when it has none."""
+    for m in module.modules():
+        tiling = m if isinstance(m, TiledMLP) else vars(m).get("forward")
+        if isinstance(tiling, (TiledMLP, TiledForward)):
+            return tiling.num_tiles
+    return 1

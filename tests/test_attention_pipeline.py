@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fpdt.attention import fpdt_attention
+from lightning_fpdt.chunk_store import slow_copies
 from lightning_fpdt.layout import shard_sequence, unshard_sequence
 from lightning_fpdt.testing import run_on_ranks
 from tests.distributed import ATTENTION_STEP, sharded_attention_step, unsharded_attention_step
@@ -38,8 +39,9 @@ def _run_cases(rank: int, world: int, seed: int, offload: bool, copy_delay: floa
     results = {}
     for case_id, (n, causal, kv) in enumerate(_cases(world)):
         seq, chunk = CHUNKINGS[n]
-        results[(n, causal, kv)] = sharded_attention_step(rank, world, chunk, *_inputs(seed + case_id, seq, kv),
-                                                          causal=causal, offload=offload, copy_delay=copy_delay)
+        with slow_copies(copy_delay):
+            results[(n, causal, kv)] = sharded_attention_step(rank, world, chunk, *_inputs(seed + case_id, seq, kv),
+                                                              causal=causal, offload=offload)
     return results
 
 

@@ -11,7 +11,7 @@ import torch
 from lightning_fpdt.activation_checkpoint import new_checkpoint_store
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
-from lightning_fpdt.chunk_store import ChunkStore
+from lightning_fpdt.chunk_store import ChunkStore, slow_copies
 from lightning_fpdt.models.llama import RMSNorm, SwiGLU
 from lightning_fpdt.rope import RotaryEmbedding
 from lightning_fpdt.tiling import TiledMLP
@@ -20,13 +20,15 @@ from tests.reference import rel_error
 CPU = torch.device("cpu")
 BATCH, SEQ, HIDDEN, LAYERS = 2, 24, 32, 2
 
-# where the checkpointed block inputs live
+# where the checkpointed block inputs live; the offloading ones copy slowly (COPY_DELAY) on the background
+# workers that emulate the copy streams
 STORES = {
     "graph": lambda: None,
     "device-store": lambda: ChunkStore(CPU, offload=False),
-    "offloaded": lambda: ChunkStore(CPU, offload=True, copy_delay=0.001),  # background-worker emulation
-    "checkpoint-store": lambda: new_checkpoint_store(CPU, copy_delay=0.001),
+    "offloaded": lambda: ChunkStore(CPU, offload=True),
+    "checkpoint-store": lambda: new_checkpoint_store(CPU),
 }
+COPY_DELAY = 0.001
 # f: a forward pass whose output goes into the next backward; d: a forward pass whose output is
 # dropped (no backward ever comes); b: one backward over every pending output
 SCHEDULES = {
@@ -94,7 +96,8 @@ def test_any_forward_backward_schedule_matches_plain(store_name: str, schedule_n
     grads = [torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64) for _ in range(forwards)]
 
     expected = _run_schedule(plain, schedule, inputs, grads)
-    got = _run_schedule(ckpt, schedule, inputs, grads)
+    with slow_copies(COPY_DELAY):
+        got = _run_schedule(ckpt, schedule, inputs, grads)
 
     for k, (a, b) in enumerate(zip(got, expected)):
         assert rel_error(a, b) <= 1e-10, f"{label}: input {k} gradient"

@@ -25,7 +25,7 @@ from lightning_fpdt.models import GPT, GPTConfig, HFCausalLM, Llama, LlamaConfig
 from lightning_fpdt.models.llama import init_weights
 from lightning_fpdt.rope import RotaryEmbedding
 from lightning_fpdt.testing import run_on_ranks
-from lightning_fpdt.tiling import TiledMLP
+from lightning_fpdt.tiling import TiledMLP, largest_tile, mlp_tile_tokens
 from tests.helpers import TokenDataset, dataloader
 
 SHAPE = shape_from_config(LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -422,3 +422,39 @@ def test_memory_cli_sizes_a_hugging_face_checkpoint_from_its_config(tmp_path, ca
 
     # the same run but q/k/v projected whole per layer (transformers) instead of chunk by chunk
     assert 1.0 < peak(hf) / peak(own) < 1.3, (hf, own)
+
+
+def _tiled_module(model: str, tiles: int) -> nn.Module:
+    if model == "hf":
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2)
+        return HFCausalLM(config, mlp_tiles=tiles, loss_tiles=tiles)
+    return LlamaLM(LlamaConfig.tiny(mlp_tiles=tiles), loss_tiles=tiles)
+
+
+@pytest.mark.parametrize("model", ["llama", "hf"])
+@pytest.mark.parametrize("tiles", [2, 5, 16])  # not 3: the automatic count of the MLP here
+def test_explicit_tile_counts_change_the_estimate_as_the_tiling_rule_says(model: str, tiles: int) -> None:
+    """The memory model reads the configured tile counts (``TiledMLP.num_tiles`` / ``HFCausalLM.mlp_tiles``,
+    ``loss_tiles``) and sizes a tile with tiling.py's own rule: an explicit count moves the estimate by exactly
+    the difference between its largest tile and the automatic one's."""
+    shape, tiling = ModelShape.from_module(_tiled_module(model, tiles))
+    assert (shape.mlp_tiles, shape.loss_tiles) == (tiles, tiles)
+    assert tiling == {"mlp_tiled": True, "loss_tiled": True}
+    seq, batch, e = 3000, 2, 4  # 32-true: 4 bytes per activation
+    t = batch * seq  # tokens of the one rank; the loss tiles them all, the MLP each sample's sequence
+    # the loss (no checkpointing: it sets the transient): two float32 [tile, vocab] tensors
+    options = EstimateOptions(batch_size=batch, mlp_tiled=True, loss_tiled=True)
+    auto_loss = dataclasses.replace(shape, loss_tiles=None)
+    moved = estimate(shape, seq, options).peak_transient - estimate(auto_loss, seq, options).peak_transient
+    assert largest_tile(t, tiles) != largest_tile(t, None)
+    assert moved == 2 * 4 * shape.vocab_size * (largest_tile(t, tiles) - largest_tile(t, None))
+    # the MLP (a checkpointed layer's recomputation sets the transient, with an intermediate wide enough to
+    # outweigh the attention's working set): one tile's intermediates and their gradients
+    options = options.replace(activation_checkpointing=True, chunk_size=64)
+    shape = dataclasses.replace(shape, intermediate_size=8 * shape.intermediate_size)
+    auto_mlp = dataclasses.replace(shape, mlp_tiles=None)
+    moved = estimate(shape, seq, options).peak_transient - estimate(auto_mlp, seq, options).peak_transient
+    tile, auto_tile = (largest_tile(seq, n, mlp_tile_tokens(shape.hidden_size)) for n in (tiles, None))
+    assert tile != auto_tile
+    assert moved == (shape.mlp_intermediates + 2 * shape.intermediate_size) * batch * (tile - auto_tile) * e

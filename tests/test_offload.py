@@ -9,7 +9,7 @@ import torch.distributed as dist
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.block import FPDTAttention
-from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
+from lightning_fpdt.chunk_store import ChunkStore, OffloadStats, slow_copies
 from lightning_fpdt.layout import shard_sequence
 from lightning_fpdt.rope import RotaryEmbedding
 from lightning_fpdt.testing import run_on_ranks
@@ -37,9 +37,10 @@ def _run(rank: int, world: int, seed: int, copy_delay: float) -> list[dict]:
             for offload in (False, True):
                 xs = [x.clone().requires_grad_() for x in (q, k, v)]
                 stats: list[OffloadStats] = []
-                o = fpdt_attention(*xs, group=group, chunk_size=chunk, causal=causal, backend="math",
-                                   offload=offload, stats_sink=stats, copy_delay=copy_delay if offload else 0.0)
-                o.backward(dout)
+                with slow_copies(copy_delay):  # without offload there are no copies to slow down
+                    o = fpdt_attention(*xs, group=group, chunk_size=chunk, causal=causal, backend="math",
+                                       offload=offload, stats_sink=stats)
+                    o.backward(dout)
                 res[offload] = ([o.detach(), *(x.grad for x in xs)], stats[0])
             out.append({"n": n, "chunk": chunk, "causal": causal, "res": res})
     return out
@@ -74,16 +75,17 @@ def test_offload_is_bitwise_identical(sp: int, copy_delay: float, fresh_seed: in
 
 
 def test_store_life_cycle_and_errors() -> None:
-    store = ChunkStore(torch.device("cpu"), offload=True, copy_delay=0.01)
+    store = ChunkStore(torch.device("cpu"), offload=True)
     x = torch.randn(4, 4)
-    store.put(("k", 0), x)
-    assert store.stats.device_bytes == 0  # offloaded: nothing left on the device
-    store.prefetch(("k", 0))
-    y = store.get(("k", 0))
-    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()  # a real copy through a host buffer
-    store.evict(("k", 0))
-    z = store.get(("k", 0))  # without a prefetch: fetched now, counted as a stall
-    assert torch.equal(z, x) and store.stats.stalls == 1
+    with slow_copies(0.01):
+        store.put(("k", 0), x)
+        assert store.stats.device_bytes == 0  # offloaded: nothing left on the device
+        store.prefetch(("k", 0))
+        y = store.get(("k", 0))
+        assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()  # a real copy through a host buffer
+        store.evict(("k", 0))
+        z = store.get(("k", 0))  # without a prefetch: fetched now, counted as a stall
+        assert torch.equal(z, x) and store.stats.stalls == 1
     store.delete(("k", 0))
     with pytest.raises(KeyError, match=r"no chunk \('k', 0\)"):
         store.get(("k", 0))

@@ -21,7 +21,7 @@ from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import MathKernel
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds
-from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
+from lightning_fpdt.chunk_store import ChunkStore, OffloadStats, slow_copies
 from lightning_fpdt.comm import Exchange, head_to_seq, seq_to_head
 from lightning_fpdt.copy_engine import copy_engine, release_copy_engines
 from lightning_fpdt.layout import shard_sequence
@@ -108,10 +108,11 @@ def _traced_run(rank: int, world: int, seed: int, n: int, causal: bool) -> tuple
                                         rank, chunk) for _ in range(4))
         stats: list[OffloadStats] = []
         opt = PipelineOptions.for_chunk_size(group, chunk, causal=causal, scale=8**-0.5, kernel=TracingKernel(trace),
-                                             offload=True, copy_delay=COPY_DELAY, stats_sink=stats)
+                                             offload=True, stats_sink=stats)
         xs = [x.requires_grad_() for x in (q, k, v)]
-        out, _ = run_pipeline(TensorEnds(kv_heads=4), opt, *xs)
-        out.backward(dout)
+        with slow_copies(COPY_DELAY):
+            out, _ = run_pipeline(TensorEnds(kv_heads=4), opt, *xs)
+            out.backward(dout)
         return trace, stats[0]
     finally:
         monkeypatch.undo()
@@ -170,7 +171,8 @@ def _offloaded_call(seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(2, 32, 4, 8, generator=g, dtype=torch.float64) for _ in range(4))
     xs = [x.requires_grad_() for x in (q, k, v)]
-    fpdt_attention(*xs, chunk_size=8, backend="math", offload=True, copy_delay=0.001).backward(dout)
+    with slow_copies(0.001):
+        fpdt_attention(*xs, chunk_size=8, backend="math", offload=True).backward(dout)
 
 
 def test_host_buffers_and_workers_are_reused_across_calls(fresh_seed: int) -> None:
@@ -191,11 +193,11 @@ def test_host_buffers_and_workers_are_reused_across_calls(fresh_seed: int) -> No
 
 def test_a_pooled_buffer_is_not_overwritten_while_a_copy_still_reads_it() -> None:
     release_copy_engines()
-    slow = ChunkStore(CPU, offload=True, copy_delay=0.1)
-    fast = ChunkStore(CPU, offload=True)
+    slow, fast = ChunkStore(CPU, offload=True), ChunkStore(CPU, offload=True)
     x = torch.randn(64)
-    slow.put(("k", 0), x)
-    slow.prefetch(("k", 0))  # reads the host buffer ~0.2 s from now
+    with slow_copies(0.1):  # the copies of the slow store only
+        slow.put(("k", 0), x)
+        slow.prefetch(("k", 0))  # reads the host buffer ~0.2 s from now
     reading = slow._entries[("k", 0)].to_device
     slow.delete(("k", 0))  # the buffer goes back to the pool while that read is queued
     y = torch.zeros(64)

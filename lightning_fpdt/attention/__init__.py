@@ -33,7 +33,6 @@ def fpdt_attention(
     offload: bool = False,
     return_lse: bool = False,
     stats_sink: list[OffloadStats] | None = None,
-    copy_delay: float = 0.0,
     documents: PackedDocuments | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sequence-parallel attention over this rank's shards in the FPDT layout.
@@ -51,7 +50,6 @@ def fpdt_attention(
         offload: keep the chunks saved for backward in host memory, prefetching the next one.
         return_lse: also return the log-sum-exp ``[batch, S/P, n_heads]`` (not differentiable).
         stats_sink: a list the call appends its :class:`OffloadStats` to once its work is done.
-        copy_delay: seconds each offload copy sleeps on CPU (tests only).
         documents: packed documents (global offsets of the padded sequence, the same on every rank:
             :func:`lightning_fpdt.layout.find_documents`); each token attends only within its document,
             and blocks that share no document are skipped. ``None``: one document per sample.
@@ -84,8 +82,8 @@ def fpdt_attention(
     if chunk_size is None and not offload and not return_lse and documents is None:
         return ulysses_attention(q, k, v, group, kernel, causal, scale)
     opt = PipelineOptions.for_chunk_size(
-        group, chunk_size, causal=causal, scale=scale, kernel=kernel, offload=offload, copy_delay=copy_delay,
-        stats_sink=stats_sink, documents=documents,
+        group, chunk_size, causal=causal, scale=scale, kernel=kernel, offload=offload, stats_sink=stats_sink,
+        documents=documents,
     )
     out, lse = run_pipeline(TensorEnds(kv_heads=k.shape[2]), opt, q, k, v)
     if not return_lse:

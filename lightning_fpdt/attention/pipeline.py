@@ -68,7 +68,6 @@ class PipelineOptions:
     scale: float
     kernel: AttentionKernel
     offload: bool = False
-    copy_delay: float = 0.0
     stats_sink: list[OffloadStats] | None = None
     overlap_comm: bool = True
     documents: PackedDocuments | None = None
@@ -404,7 +403,7 @@ def run_pipeline(ends: PipelineEnds, opt: PipelineOptions, *inputs: Tensor) -> t
 
 
 def new_store(device: torch.device, opt: PipelineOptions) -> ChunkStore:
-    return ChunkStore(device, offload=opt.offload, groups={**KV_KINDS, **QUERY_KINDS}, copy_delay=opt.copy_delay)
+    return ChunkStore(device, offload=opt.offload, groups={**KV_KINDS, **QUERY_KINDS})
 
 
 def finish(store: ChunkStore, opt: PipelineOptions) -> None:

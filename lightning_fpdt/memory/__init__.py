@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_fpdt.binding import DecoderLayer, decoder_layers
 from lightning_fpdt.memory.estimate_options import OPTIMIZER_STATES, PRECISION_BYTES, EstimateOptions
+from lightning_fpdt.tiling import configured_tiles, largest_tile, mlp_tile_tokens
 
 __all__ = ["GIB", "EstimateOptions", "MemoryEstimate", "ModelShape", "auto_chunk_size", "estimate", "format_bytes",
            "report"]
@@ -66,6 +67,9 @@ class ModelShape:
         chunked_projections: q/k/v are projected chunk by chunk inside the attention pipeline
             (``FPDTBlock``); ``False`` (Hugging Face layers): the whole local q/k/v exist while a layer
             runs, forward and backward.
+        mlp_tiles: the MLP's ``num_tiles`` when it is tiled, sized by the rule of :mod:`lightning_fpdt.tiling`;
+            ``None``: automatic (also for an untiled MLP: what an estimate with ``mlp_tiled`` assumes).
+        loss_tiles: the loss's ``num_tiles`` when it is tiled, likewise.
     """
 
     hidden_size: int
@@ -81,6 +85,8 @@ class ModelShape:
     block_params: int | None = None
     norm_extras: int = 2
     chunked_projections: bool = True
+    mlp_tiles: int | None = None
+    loss_tiles: int | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -107,15 +113,15 @@ class ModelShape:
         - the MLP (inside its tiling if tiled): its output projection is its last ``nn.Linear`` back to
           ``hidden_size``; ``intermediate_size`` is that layer's ``in_features`` and ``mlp_projections`` is
           the width of its other ``nn.Linear`` s over the intermediate (2 for a gated MLP, fused or not). It
-          is tiled when every layer's MLP is;
+          is tiled when every layer's MLP is, in ``mlp_tiles`` tiles (:func:`~lightning_fpdt.tiling.configured_tiles`);
         - ``vocab_size``: the ``out_features`` of the output projection, the widest ``nn.Linear`` outside
           the layers that reads ``hidden_size``; without one, the ``num_embeddings`` of the first
           ``nn.Embedding`` of width ``hidden_size`` outside the layers (the token embedding, taken as
           tied). Embeddings are tied when the output projection's weight is such an embedding's weight;
         - ``num_params``: every parameter of ``module``, shared ones once (position embeddings, norms
           and biases included);
-        - the loss is tiled when the first ``loss_tiles`` attribute found on ``module``, a submodule, or
-          a submodule's ``config`` (``CausalLM`` reads ``model.config.loss_tiles``) is not 1. The loss is
+        - ``loss_tiles``: the first ``loss_tiles`` attribute found on ``module`` (``CausalLM``'s), a submodule,
+          or a submodule's ``config``; the loss is tiled when it is not 1. The loss is
           the ``LightningModule``'s code, which cannot be read: without such an attribute it is taken as
           untiled (full logits: the larger estimate).
 
@@ -157,9 +163,15 @@ class ModelShape:
                 f" size, and with it the loss's memory, cannot be read: {_EXPLICIT}."
             )
         num_params = sum(p.numel() for p in module.parameters())  # parameters() yields a shared one once
+        mlp_tiles = {configured_tiles(layer.module) for layer in layers}
+        if len(mlp_tiles) > 1:
+            raise ValueError(f"{name}: its decoder layers' MLPs run in different tile counts ({mlp_tiles}); the"
+                             f" memory model assumes one: {_EXPLICIT}.")
+        mlp_count, loss_count = mlp_tiles.pop(), _loss_tiles(module)
         shape = cls(hidden, len(layers), heads, kv_heads, inter, vocab, num_params, tied, head_dim, projections,
-                    block_params, norm_extras, all(layer.chunked_projections for layer in layers))
-        return shape, {"mlp_tiled": all(tiled for _, tiled in read), "loss_tiled": _loss_tiled(module)}
+                    block_params, norm_extras, all(layer.chunked_projections for layer in layers),
+                    mlp_tiles=None if mlp_count == 1 else mlp_count, loss_tiles=None if loss_count == 1 else loss_count)
+        return shape, {"mlp_tiled": all(tiled for _, tiled in read), "loss_tiled": loss_count != 1}
 
 
 def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], bool]:
@@ -187,12 +199,13 @@ def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], bool]:
     return dims, layer.mlp_tiled
 
 
-def _loss_tiled(module: nn.Module) -> bool:
+def _loss_tiles(module: nn.Module) -> int | None:
+    """The first ``loss_tiles`` found (see :meth:`ModelShape.from_module`); ``1`` (untiled) without one."""
     for sub in module.modules():
         for owner in (sub, getattr(sub, "config", None)):
             if owner is not None and hasattr(owner, "loss_tiles"):
-                return owner.loss_tiles != 1
-    return False
+                return owner.loss_tiles
+    return 1
 
 
 def format_bytes(n: float) -> str:
@@ -276,8 +289,8 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     layer_device = layer_saved - (pipeline_saved if options.offload else 0)
     checkpoint = t * h * e
 
-    # the loss: full float32 logits unless tiled (then tiles of 1024 tokens)
-    tile_tokens = min(t, 1024) if options.loss_tiled else t
+    # the loss: full float32 logits unless tiled (then one tile of the rank's tokens at a time)
+    tile_tokens = largest_tile(t, shape.loss_tiles) if options.loss_tiled else t
     logits = tile_tokens * shape.vocab_size * 4
     final = 3 * t * h * e  # final norm input, normalized, output
     loss_saved = 0 if options.loss_tiled else logits  # the log-softmax output, kept for backward
@@ -287,7 +300,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
 
     # a tiled MLP recomputes one tile of tokens at a time in backward: its intermediates and their gradients
     s_local = s_pad // p
-    tile_tokens = batch_size * -(-s_local // -(-s_local // max(h, 1024)))
+    tile_tokens = batch_size * largest_tile(s_local, shape.mlp_tiles, mlp_tile_tokens(h))
     mlp_tile_work = (shape.mlp_intermediates + 2 * shape.intermediate_size) * tile_tokens * e
     mlp_tile_work = mlp_tile_work if options.mlp_tiled else 0
 

@@ -22,17 +22,16 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lightning_fpdt.binding import AttentionRecord, DecoderLayer, SequenceParallelContext
 from lightning_fpdt.layout import IGNORE_INDEX
-from lightning_fpdt.loss import auto_loss_tiles, cross_entropy_sum, tiled_cross_entropy_sum
+from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum
 from lightning_fpdt.models.hf_attention import attention_layers, check_supported, install
 from lightning_fpdt.models.hf_layers import check_dense, check_recomputable, install_memory_stack
 from lightning_fpdt.models.hf_layers import decoder_layers as hf_decoder_layers
 from lightning_fpdt.models.lm import CausalLM
-from lightning_fpdt.tiling import tile_bounds
+from lightning_fpdt.tiling import tiled_call
 
 
 class HFCausalLM(CausalLM):
@@ -163,18 +162,15 @@ class HFCausalLM(CausalLM):
         cap = self._final_logit_cap()
         if isinstance(head, nn.Linear) and head.bias is None and cap is None:
             return tiled_cross_entropy_sum(hidden, head.weight, targets, self.loss_tiles)
-        # a head with a bias or softcapping: token tiles, each recomputed in backward (checkpoint), so only
+        # a head with a bias or softcapping: token tiles over batch x seq, each recomputed in backward, so only
         # one tile's logits exist at a time
         b, s, h = hidden.shape  # s = this rank's tokens
-        flat_h, flat_t = hidden.reshape(b * s, h), targets.reshape(b * s)
-        tiles = self.loss_tiles or auto_loss_tiles(b * s)
-        total: Tensor | None = None
-        for lo, hi in tile_bounds(b * s, tiles):
-            part = checkpoint(self._tile_loss_sum, flat_h[lo:hi], flat_t[lo:hi], use_reentrant=False)
-            total = part if total is None else total + part
+        total = tiled_call(self._tile_loss_sum, hidden.reshape(1, b * s, h), targets.reshape(1, b * s),
+                           num_tiles=self.loss_tiles, params=head, name="loss_tile")
         return total, (targets != IGNORE_INDEX).sum()
 
     def _tile_loss_sum(self, hidden: Tensor, targets: Tensor) -> Tensor:
+        """Summed cross-entropy of one tile: ``hidden`` ``[1, tile, hidden]``, ``targets`` ``[1, tile]``."""
         return cross_entropy_sum(self.logits(hidden), targets)[0]
 
     def answer_predictions(self, batch: dict[str, Any], hidden: Tensor) -> tuple[Tensor, Tensor]:

@@ -6,7 +6,7 @@ names and ``save_pretrained`` stay transformers' own, and a deep copy of the mod
 forwards (the object is copied with the module it belongs to):
 
 - each decoder layer's ``mlp`` runs in sequence tiles, each recomputed in backward
-  (:func:`lightning_fpdt.tiling.tiled_call`): no ``[tokens, intermediate]`` tensor is kept for backward,
+  (:class:`lightning_fpdt.tiling.TiledForward`): no ``[tokens, intermediate]`` tensor is kept for backward,
   whatever the MLP (SwiGLU, GeLU, fused gate-up);
 - each decoder layer, when the bound context asks for activation checkpointing, keeps only its input
   hidden states for backward (in the context's checkpoint store: host memory with
@@ -29,10 +29,11 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from lightning_fpdt.activation_checkpoint import checkpointed_call, needs_backward
+from lightning_fpdt.activation_checkpoint import checkpointed_call
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.models.hf_attention import attention_layers
-from lightning_fpdt.tiling import tiled_call
+from lightning_fpdt.recompute import needs_backward
+from lightning_fpdt.tiling import TiledForward
 
 _MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _MOE_CLASS_WORDS = ("moe", "expert", "router")
@@ -94,22 +95,6 @@ def check_recomputable(model: PreTrainedModel, mlp_tiled: bool, checkpointing: b
                 )
 
 
-class TiledForward:
-    """An MLP instance's ``forward``: its class's forward over sequence tiles of ``[batch, seq, hidden]``.
-
-    Args:
-        mlp: the transformers MLP (position-wise).
-        num_tiles: tiles per call, read as :func:`~lightning_fpdt.tiling.tiled_call` reads it (``None``:
-            automatic; ``1``: off, the class's forward as is).
-    """
-
-    def __init__(self, mlp: nn.Module, num_tiles: int | None) -> None:
-        self.mlp, self.num_tiles = mlp, num_tiles
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return tiled_call(self.mlp, x, self.num_tiles, partial(type(self.mlp).forward, self.mlp))
-
-
 class CheckpointedForward:
     """A decoder layer instance's ``forward``: its class's forward, checkpointed when the ``fpdt_context``
     keyword asks for it and a backward will follow."""
@@ -150,7 +135,7 @@ class CheckpointedForward:
 
 def install_memory_stack(model: PreTrainedModel, mlp_tiles: int | None) -> None:
     """Give every decoder layer of ``model`` its :class:`CheckpointedForward` and its MLP a
-    :class:`TiledForward` (``mlp_tiles``: see :class:`TiledForward`).
+    :class:`~lightning_fpdt.tiling.TiledForward` of ``mlp_tiles`` (``None``: automatic; ``1``: off).
 
     Raises:
         NotImplementedError: attention layers outside recognisable decoder layers (the stack would silently

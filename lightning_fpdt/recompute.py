@@ -1,0 +1,223 @@
+"""Recomputation in backward, written once: a call that keeps only its inputs and runs again in backward.
+
+Everything that trades compute for memory goes through :func:`recomputed_call`: checkpointed decoder
+layers (:mod:`lightning_fpdt.activation_checkpoint`, FPDT blocks and transformers layers alike), the
+sequence-tiled MLP and the tiled loss (:func:`lightning_fpdt.tiling.tiled_call`).
+
+- Forward: ``fn`` runs without building a graph, tile by tile when ``tiles`` are given; only the inputs
+  are kept, in the autograd graph or in a :class:`~lightning_fpdt.chunk_store.ChunkStore` (host memory
+  when it offloads).
+- Backward: the inputs come back and ``fn`` runs again with grad, one tile at a time, under the autocast
+  state captured at forward (``bf16-mixed`` recomputes in bf16 although backward runs outside autocast);
+  its gradient flows to the inputs and the parameters. ``tile_grad`` replaces autograd through ``fn`` by a
+  closed form where that saves memory (the loss: softmax minus one-hot, accumulated in place).
+- Parameters are explicit inputs of one autograd Function and their gradients are returned from it,
+  summed over tiles, so each parameter gets one gradient per backward (as DDP's reducer and FSDP's hooks
+  expect), never one per tile or one from a nested backward.
+- Random numbers are not replayed: what runs twice must draw none, or the recomputation's dropout masks
+  differ from the forward's and the gradients belong to neither. ``HFCausalLM`` refuses dropout where it
+  recomputes (:func:`lightning_fpdt.models.hf_layers.check_recomputable`).
+
+An input kept in a store takes a fresh key (:meth:`ChunkStore.new_key`), so any number of forward passes
+may run before their backward (a second view of a batch, chosen/rejected pairs), and each backward
+prefetches the input of the backward that runs next: the live input put just before its own. Autograd runs
+ready nodes latest-created first, so backward meets recomputed calls in reverse order of their forward,
+across layers and forward passes alike (for two passes over layers 0 and 1: ``b1 b0 a1 a0``). A forward
+whose graph is dropped without a backward gives its input back when its autograd context is freed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fpdt.autocast_state import AutocastState
+from lightning_fpdt.chunk_store import ChunkStore, Key
+from lightning_fpdt.profiling import record
+
+INPUT_KIND = "ckpt"  # the key kind of recomputed inputs in a store
+
+Params = nn.Module | Sequence[Tensor]
+"""What ``fn`` differentiates besides its inputs: a module (its parameters, read again in backward, where
+FSDP2 has swapped in the unsharded ones) or tensors ``fn`` closes over."""
+
+TileGrad = Callable[[Tensor, Sequence[Tensor], list[Tensor | None]], Sequence[Tensor | None]]
+"""``tile_grad(grad, tile_inputs, param_grads) -> input_grads``: one tile's gradients in closed form.
+``tile_inputs`` are the tile's inputs, detached, requiring grad where their gradient is wanted; it returns
+those gradients (``None`` elsewhere) and adds the parameters' into ``param_grads`` (one entry per parameter
+that requires grad, ``None`` until the first tile sets it; any dtype, cast to the parameter's at the end)."""
+
+
+def needs_backward(inputs: Tensor | Sequence[Tensor], params: Params = ()) -> bool:
+    """Whether a backward can follow a call on ``inputs`` using ``params`` (grad mode, and an input or a
+    parameter needs a gradient): only then is keeping the inputs and recomputing worth it."""
+    inputs = (inputs,) if isinstance(inputs, Tensor) else inputs
+    return torch.is_grad_enabled() and (any(x.requires_grad for x in inputs) or bool(_grad_params(params)))
+
+
+def recomputed_call(
+    fn: Callable[..., Tensor],
+    *inputs: Tensor,
+    params: Params = (),
+    store: ChunkStore | None = None,
+    tiles: Sequence[tuple[int, int]] | None = None,
+    tile_grad: TileGrad | None = None,
+    name: str = "recompute",
+) -> Tensor:
+    """``fn(*inputs)``, keeping only ``inputs`` for backward and running ``fn`` again there (module docstring).
+
+    Args:
+        fn: a function of the inputs (or of one tile of each); anything else it reads (position ids, rotary
+            tables, documents) must need no gradient and stay unchanged until backward.
+        inputs: tensors whose dimension 1 is the sequence when ``tiles`` are given.
+        params: what ``fn`` differentiates besides ``inputs`` (see :data:`Params`).
+        store: keep the one input here (host memory when it offloads) instead of in the autograd graph.
+        tiles: ``[lo, hi)`` ranges of dimension 1: ``fn`` runs on ``x[:, lo:hi]`` of every input, one tile at
+            a time; tensor results are written at their tile of the output, 0-dimensional ones summed.
+        tile_grad: a closed form for one tile's gradients instead of autograd through ``fn`` (see
+            :data:`TileGrad`).
+        name: the profiler range of each run, ``fpdt/<name>`` (``fpdt/<name>_backward`` when recomputed).
+
+    Returns:
+        ``fn``'s result: ``[batch, seq, ...]`` assembled from the tiles, or their sum.
+
+    Raises:
+        ValueError: a ``store`` with more than one input or with tiles.
+    """
+    if store is not None and (len(inputs) != 1 or tiles is not None):
+        raise ValueError(
+            f"recomputed_call: a store keeps one untiled input; got {len(inputs)} inputs and tiles={tiles!r}."
+        )
+    call = _Call(fn, params, store, None if tiles is None else list(tiles), tile_grad, name, len(inputs))
+    if not needs_backward(inputs, params):  # nothing will come back for the inputs: keep nothing
+        return call.run(inputs)
+    return _Recomputed.apply(call, *inputs, *_grad_params(params))
+
+
+def _grad_params(params: Params) -> list[Tensor]:
+    found = params.parameters() if isinstance(params, nn.Module) else params
+    return [p for p in found if p.requires_grad]
+
+
+def _previous_input(store: ChunkStore, key: Key) -> Key | None:
+    """The live input put most recently before ``key``: its backward runs next (module docstring)."""
+    earlier = [k for k in store if k[0] == INPUT_KIND and k[1] < key[1]]
+    return max(earlier, key=lambda k: k[1], default=None)
+
+
+@dataclass
+class _Call:
+    """One recomputed call: what :class:`_Recomputed` runs in forward and again in backward."""
+
+    fn: Callable[..., Tensor]
+    params: Params
+    store: ChunkStore | None
+    tiles: list[tuple[int, int]] | None
+    tile_grad: TileGrad | None
+    name: str
+    num_inputs: int
+
+    def pieces(self, inputs: Sequence[Tensor]) -> list[tuple[slice | None, list[Tensor]]]:
+        """``(where in the output, the piece's inputs)`` for each tile, or once for the whole call."""
+        if self.tiles is None:
+            return [(None, list(inputs))]
+        return [(slice(lo, hi), [x[:, lo:hi] for x in inputs]) for lo, hi in self.tiles]
+
+    def run(self, inputs: Sequence[Tensor]) -> Tensor:
+        """``fn`` over every piece, assembled (the forward, and a call that needs no backward)."""
+        out: Tensor | None = None
+        for where, piece in self.pieces(inputs):
+            with record(f"fpdt/{self.name}"):
+                y = self.fn(*piece)
+            if where is None:
+                return y
+            if y.dim() == 0:
+                out = y if out is None else out + y
+                continue
+            if out is None:
+                out = y.new_empty(y.shape[0], inputs[0].shape[1], *y.shape[2:])
+            out[:, where] = y
+        assert out is not None, "tile_bounds never gives an empty list"
+        return out
+
+    def gradients(self, grad: Tensor, inputs: Sequence[Tensor], wanted: Sequence[bool], scalar: bool,
+                  autocast: AutocastState) -> list[Tensor | None]:
+        """The gradients of ``(*inputs, *params)``: each piece recomputed and differentiated in turn."""
+        params = _grad_params(self.params)
+        whole = self.tiles is None
+        d_inputs: list[Tensor | None] = [
+            None if whole or not w else torch.empty_like(x) for x, w in zip(inputs, wanted)
+        ]
+        d_params: list[Tensor | None] = [None] * len(params)
+        for where, piece in self.pieces(inputs):
+            piece = [x.detach().requires_grad_(w) for x, w in zip(piece, wanted)]
+            g = grad if scalar or where is None else grad[:, where]
+            with autocast.restore(), record(f"fpdt/{self.name}_backward"):
+                if self.tile_grad is not None:
+                    found = list(self.tile_grad(g, piece, d_params))
+                else:
+                    found = self._autograd(g, piece, params, d_params)
+            for i, d in enumerate(found):
+                if not wanted[i]:
+                    continue
+                if whole:
+                    d_inputs[i] = d
+                elif d is None:
+                    d_inputs[i][:, where] = 0  # type: ignore[index]
+                else:
+                    d_inputs[i][:, where] = d  # type: ignore[index]
+        return [*d_inputs, *(None if d is None else d.to(p.dtype) for d, p in zip(d_params, params))]
+
+    def _autograd(self, grad: Tensor, piece: list[Tensor], params: list[Tensor],
+                  d_params: list[Tensor | None]) -> list[Tensor | None]:
+        """``fn`` run again with grad on one piece; its parameters' gradients are added into ``d_params``."""
+        wanted = [x for x in piece if x.requires_grad]
+        with torch.enable_grad():
+            y = self.fn(*piece)
+            found = torch.autograd.grad(y, [*wanted, *params], grad, allow_unused=True)
+        for i, d in enumerate(found[len(wanted):]):
+            if d is not None:
+                d_params[i] = d if d_params[i] is None else d_params[i].add_(d)
+        d_wanted = iter(found[: len(wanted)])
+        return [next(d_wanted) if x.requires_grad else None for x in piece]
+
+
+class _Recomputed(torch.autograd.Function):
+    """Runs a :class:`_Call`, keeping only its inputs; backward recomputes it piece by piece."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, *tensors: Tensor) -> Tensor:
+        inputs = tensors[: call.num_inputs]
+        out = call.run(inputs)
+        ctx.call, ctx.scalar = call, out.dim() == 0
+        ctx.autocast = AutocastState.capture(inputs[0].device.type)
+        ctx.wanted = [x.requires_grad for x in inputs]
+        if call.store is not None:
+            ctx.key = call.store.new_key(INPUT_KIND)
+            call.store.put(ctx.key, inputs[0].detach())
+            # no backward will come if the graph is dropped: give the input back then
+            ctx.release = weakref.finalize(ctx, call.store.delete_later, ctx.key)
+        else:
+            ctx.save_for_backward(*inputs)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        call, store = ctx.call, ctx.call.store
+        if store is not None:
+            inputs = [store.get(ctx.key)]
+            previous = _previous_input(store, ctx.key)
+            if previous is not None:  # its backward runs next: fetch its input while this call recomputes
+                store.prefetch(previous)
+        else:
+            inputs = list(ctx.saved_tensors)
+        grads = call.gradients(grad, inputs, ctx.wanted, ctx.scalar, ctx.autocast)
+        if store is not None:
+            store.delete(ctx.key)
+            ctx.release.detach()
+        return (None, *grads)
