@@ -80,6 +80,10 @@ class OffloadStats:
     stalls: int = 0
     # group name -> largest number of distinct chunk indices of that group on the device at once
     peak_resident_chunks: dict[str, int] = field(default_factory=dict)
+    # attention blocks (query chunk, key chunk) of the pipeline using this store, each pass counted: computed,
+    # and skipped by the block rules (no query sees a key) before any copy or kernel
+    blocks_computed: int = 0
+    blocks_skipped: int = 0
     _wait_s: float = field(default=0.0, repr=False)
     _late: int = field(default=0, repr=False)
     # (compute reached the wait, copy done) timing-event pairs not read yet (CUDA)
@@ -113,12 +117,20 @@ class OffloadStats:
             done.synchronize()
             self.add_wait(reached.elapsed_time(done) / 1e3)  # milliseconds; negative: it was there first
 
+    def count_blocks(self, computed: int, candidates: int) -> None:
+        """One pass of attention computed ``computed`` of its ``candidates`` blocks (``j <= i`` when causal,
+        all otherwise); the others were skipped."""
+        self.blocks_computed += computed
+        self.blocks_skipped += candidates - computed
+
     def merge(self, other: OffloadStats) -> None:
         """Add ``other``'s traffic and keep the larger peaks (for per-step totals over layers)."""
         self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
         self.bytes_to_host += other.bytes_to_host
         self.bytes_to_device += other.bytes_to_device
         self.stalls += other.stalls
+        self.blocks_computed += other.blocks_computed
+        self.blocks_skipped += other.blocks_skipped
         self._wait_s += other._wait_s
         self._late += other._late
         self._pending.extend(other._pending)

@@ -89,6 +89,58 @@ def test_packed_attention_equals_each_document_alone(sp: int, offload: bool, fre
             assert err <= 1e-10, f"sp={sp} chunk={chunk} causal={causal} kv_heads={kv}: {name} rel. error {err:.2e}"
 
 
+def _expected_blocks(docs: list[list[int]], chunk: int, causal: bool) -> tuple[int, int]:
+    """``(computed, skipped)`` blocks of one attention pass, from the document lengths and the chunk bounds alone:
+    block (query chunk ``i``, key chunk ``j``; ``j <= i`` when causal) has work iff a document of some sample
+    reaches into both chunks."""
+    bounds = [(lo, min(lo + chunk, SEQ)) for lo in range(0, SEQ, chunk)]
+    documents = []  # (start, end) of every document of every sample
+    for lengths in docs:
+        ends = list(itertools.accumulate(lengths))
+        documents += zip([0, *ends[:-1]], ends)
+    computed = skipped = 0
+    for i, (q0, q1) in enumerate(bounds):
+        for k0, k1 in bounds[: i + 1] if causal else bounds:
+            shared = any(s < q1 and e > q0 and s < k1 and e > k0 for s, e in documents)
+            computed, skipped = computed + shared, skipped + (not shared)
+    return computed, skipped
+
+
+ALIGNED = [[8, 8, 8, 8], [8, 8, 16]]  # documents on chunk boundaries: most blocks share none
+
+
+def _block_counts(rank: int, world: int, seed: int) -> dict:
+    """Every case's ``(blocks computed, blocks skipped)`` over a forward and backward of this rank's pipeline."""
+    counts = {}
+    for docs_id, docs in enumerate((DOCS, ALIGNED, None)):
+        layout = None if docs is None else _layout(docs)
+        for chunk, causal in itertools.product((4, 8), (True, False)):
+            stats: list = []
+            sharded_attention_step(rank, world, chunk, *_inputs(seed, 2, 2), causal=causal, documents=layout,
+                                   stats_sink=stats)
+            assert len(stats) == 1  # one pipeline call: its forward and backward share one store
+            counts[(docs_id, chunk, causal)] = (stats[0].blocks_computed, stats[0].blocks_skipped)
+    return counts
+
+
+@pytest.mark.parametrize("sp", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_blocks_sharing_no_document_are_skipped_not_computed(sp: int, fresh_seed: int) -> None:
+    assert _expected_blocks(DOCS, 8, True) == (8, 2)  # chunk 3 shares no document with chunks 0 and 1
+    assert _expected_blocks(ALIGNED, 8, False) == (6, 10)
+    per_rank = run_on_ranks(_block_counts, sp, fresh_seed) if sp > 1 else [_block_counts(0, 1, fresh_seed)]
+    for rank, counts in enumerate(per_rank):
+        for (docs_id, chunk, causal), got in counts.items():
+            n = SEQ // chunk
+            if docs_id == 2:  # one document per sample: every candidate block is computed
+                computed, skipped = (n * (n + 1) // 2 if causal else n * n), 0
+            else:
+                computed, skipped = _expected_blocks((DOCS, ALIGNED)[docs_id], chunk, causal)
+            # forward and backward each count their blocks
+            assert got == (2 * computed, 2 * skipped), (
+                f"rank {rank}, {('DOCS', 'ALIGNED', 'no documents')[docs_id]}, chunk={chunk}, causal={causal}:"
+                f" (computed, skipped) = {got}, expected {(2 * computed, 2 * skipped)}")
+
+
 def _brute_segments(layout: PackedDocuments, q_range, k_range) -> set:
     """(sample, q, k) pairs that attend: same document, both in range."""
     pairs = set()

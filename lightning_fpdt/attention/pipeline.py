@@ -192,6 +192,7 @@ def pipeline_forward(
     # blocks sharing no document are dropped here: no prefetch, copy or kernel for them (the diagonal stays)
     orders = [[j for j in _key_order(i, n, opt.causal) if opt.attends(ranges, i, j)] for i in range(n)]
     next_key = [j for order in orders for j in order][1:] + [None]  # the key chunk of the block after each block
+    store.stats.count_blocks(len(next_key), n * (n + 1) // 2 if opt.causal else n * n)
     out: Tensor | None = None  # [b, s_local, h, d]: chunks are written in as they arrive
     lses: list[Tensor] = []
 
@@ -287,6 +288,7 @@ def pipeline_backward(
     ranges = global_ranges(bounds, group_size(opt.group))
     steps = [(j, i) for j in range(n) for i in (range(j, n) if opt.causal else range(n))
              if opt.attends(ranges, i, j)]  # blocks sharing no document are skipped
+    store.stats.count_blocks(len(steps), n * (n + 1) // 2 if opt.causal else n * n)
     # dout chunk i comes over at its first step; dq_i is final after its last one
     first_visit, last_visit = {}, {}
     for t, (_, i) in enumerate(steps):
