@@ -165,8 +165,7 @@ def check_routes(device: torch.device, cpu: bool) -> tuple[list[list], bool]:
 def check_model(device: torch.device, cpu: bool) -> tuple[list[list], bool]:
     """A small Llama with every FPDT feature vs the plain model in float64: loss and every gradient."""
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, mlp_tiles=None,
-                         loss_tiles=None)
+                         num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, mlp_tiles=None)
     seq, chunk = (512, 128) if cpu else (2048, 256)
     torch.manual_seed(0)
     module = LlamaLM(config).to(device)

@@ -73,7 +73,7 @@ def model_config(variant: str, args: argparse.Namespace) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
-        rope_theta=10000.0, mlp_tiles=None if tiled else 1, loss_tiles=None if tiled else 1,
+        rope_theta=10000.0, mlp_tiles=None if tiled else 1,
     )
 
 
@@ -90,7 +90,7 @@ def build(model: str, config: LlamaConfig) -> CausalLM:
     """The project's ``LlamaLM`` of ``config``, or ``HFCausalLM`` around a transformers Llama of the same
     shape with the same tiling (``model="hf"``)."""
     if model == "llama":
-        return LlamaLM(config)
+        return LlamaLM(config, loss_tiles=config.mlp_tiles)  # the loss is tiled exactly when the MLP is
     import transformers  # optional extra, needed only for --models hf
 
     from lightning_fpdt.models import HFCausalLM
@@ -100,7 +100,7 @@ def build(model: str, config: LlamaConfig) -> CausalLM:
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads, rope_theta=config.rope_theta, max_position_embeddings=1 << 22,
     )
-    return HFCausalLM(hf_config, mlp_tiles=config.mlp_tiles, loss_tiles=config.loss_tiles)
+    return HFCausalLM(hf_config, mlp_tiles=config.mlp_tiles, loss_tiles=config.mlp_tiles)
 
 
 def flops_per_token(config: LlamaConfig, seq: int) -> float:
@@ -259,7 +259,7 @@ def _check_exact(rank: int, world: int, args: argparse.Namespace) -> dict[str, t
     backend (``--backend``): ``(loss, worst parameter gradient)``. A gradient's error is relative to its
     own largest element, floored at 1e-3 of the model's largest (some are zero in exact arithmetic)."""
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, mlp_tiles=None, loss_tiles=None)
+                         num_attention_heads=4, num_key_value_heads=2, mlp_tiles=None)
     module, _, step = _setup(0, 1, "single", 1024, args, config=config, backend="math")  # every rank, alone
     reference = step(update=False).item()
     grads = {name: p.grad.detach().clone() for name, p in module.named_parameters()}

@@ -1,5 +1,5 @@
-"""Hugging Face import/export: same logits and loss as transformers in float64, and the same
-gradients through Trainer(strategy=FPDTStrategy) with sequence parallelism and chunking."""
+"""Hugging Face import/export (lightning_fpdt.models.convert): same logits and loss as transformers in float64,
+and the same gradients through Trainer(strategy=FPDTStrategy) with sequence parallelism and chunking."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from lightning_fpdt import FPDTStrategy  # noqa: E402
-from lightning_fpdt.models import GPT, GPTLM, Llama, LlamaLM  # noqa: E402
+from lightning_fpdt.models import GPT, GPTLM, GPTConfig, LlamaLM, gpt_from_hf, llama_from_hf, to_hf  # noqa: E402
 from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader  # noqa: E402
 from tests.reference import rel_error  # noqa: E402
 
@@ -43,7 +43,7 @@ def hf_gpt2() -> torch.nn.Module:
     return _init(transformers.GPT2LMHeadModel(cfg).double().eval())
 
 
-MODELS = {"llama": (hf_llama, Llama, LlamaLM), "gpt2": (hf_gpt2, GPT, GPTLM)}
+MODELS = {"llama": (hf_llama, llama_from_hf, LlamaLM), "gpt2": (hf_gpt2, gpt_from_hf, GPTLM)}
 
 
 def _hf_loss(hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,9 +57,9 @@ def _hf_loss(hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tu
 @pytest.mark.parametrize("name", list(MODELS))
 def test_from_hf_gives_the_same_logits_and_loss(name: str, tmp_path, fresh_seed: int) -> None:
     torch.manual_seed(fresh_seed)
-    make_hf, ours_cls, _ = MODELS[name]
+    make_hf, from_hf, _ = MODELS[name]
     hf = make_hf()
-    ours = ours_cls.from_hf(hf).double()
+    ours = from_hf(hf).double()
     ids = torch.randint(0, 96, (2, 40))
     labels = ids.clone()
     labels[0, 30:] = -100
@@ -73,19 +73,23 @@ def test_from_hf_gives_the_same_logits_and_loss(name: str, tmp_path, fresh_seed:
     assert rel_error(loss, ref_loss) <= 1e-10
     # a local checkpoint directory loads too, and export gives back transformers' weights
     hf.save_pretrained(tmp_path)
-    from_dir = ours_cls.from_hf(tmp_path).double()
+    from_dir = from_hf(tmp_path).double()
     with torch.no_grad():
         assert rel_error(from_dir(ids), ref_logits) <= 1e-10
-        exported = ours.to_hf().double().eval()
+        exported = to_hf(ours).double().eval()
         assert rel_error(_hf_loss(exported, ids, labels)[0], ref_logits) <= 1e-10
 
 
 def test_from_hf_rejects_wrong_inputs(tmp_path, fresh_seed: int) -> None:
     torch.manual_seed(fresh_seed)
     with pytest.raises(FileNotFoundError, match="No Hugging Face checkpoint directory"):
-        Llama.from_hf(tmp_path / "missing")
+        llama_from_hf(tmp_path / "missing")
     with pytest.raises(TypeError, match="Expected a transformers LlamaForCausalLM, got GPT2LMHeadModel"):
-        Llama.from_hf(hf_gpt2())
+        llama_from_hf(hf_gpt2())
+    with pytest.raises(NotImplementedError, match="to_hf: a GPT with rotary positions has no GPT-2 counterpart"):
+        to_hf(GPT(GPTConfig.tiny(position_embedding="rotary")))
+    with pytest.raises(TypeError, match="to_hf: expected a lightning_fpdt Llama or GPT, got Linear"):
+        to_hf(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.distributed
@@ -93,10 +97,10 @@ def test_from_hf_rejects_wrong_inputs(tmp_path, fresh_seed: int) -> None:
 def test_hf_model_trains_exactly_under_fpdt(name: str, tmp_path, fresh_seed: int) -> None:
     """sp=2 with 2 chunks: loss and every gradient equal transformers' on the whole batch."""
     torch.manual_seed(fresh_seed)
-    make_hf, ours_cls, lm_cls = MODELS[name]
+    make_hf, from_hf, lm_cls = MODELS[name]
     hf = make_hf()
     module = lm_cls(learning_rate=1e-3, warmup_steps=1)
-    module.model = ours_cls.from_hf(hf).double()
+    module.model = from_hf(hf).double()
     module.config = module.model.config
     ds = TokenDataset(2, 32, 96, seed=fresh_seed)
     # reference: transformers itself, float64, one process, whole batch
@@ -107,7 +111,7 @@ def test_hf_model_trains_exactly_under_fpdt(name: str, tmp_path, fresh_seed: int
     for p, src in zip(grads_as_params.parameters(), hf.parameters()):
         p.data = src.grad.clone()
     # mapped onto our parameter names by the same import code
-    ref_grads = {f"model.{n}": p.detach() for n, p in ours_cls.from_hf(grads_as_params).double().named_parameters()}
+    ref_grads = {f"model.{n}": p.detach() for n, p in from_hf(grads_as_params).double().named_parameters()}
     trainer = L.Trainer(
         accelerator="cpu", devices=2, precision="64-true", max_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[CaptureStep(str(tmp_path))],

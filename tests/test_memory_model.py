@@ -22,7 +22,7 @@ from lightning_fpdt.memory import EstimateOptions, ModelShape, auto_chunk_size, 
 from lightning_fpdt.memory.__main__ import main, shape_from_config
 from lightning_fpdt.memtrack import TensorMemoryTracker, peak_step_bytes
 from lightning_fpdt.models import GPT, GPTConfig, HFCausalLM, Llama, LlamaConfig, LlamaLM
-from lightning_fpdt.models.llama import init_weights
+from lightning_fpdt.models.init import init_weights
 from lightning_fpdt.rope import RotaryEmbedding
 from lightning_fpdt.testing import run_on_ranks
 from lightning_fpdt.tiling import TiledMLP, largest_tile, mlp_tile_tokens
@@ -231,16 +231,16 @@ def _measured_and_estimated(rank: int, world: int, seq: int, full: bool, model: 
     shape and tiling :meth:`ModelShape.from_module` reads."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, mlp_tiles=None if full else 1,
-                         loss_tiles=None if full else 1)
+                         num_attention_heads=4, num_key_value_heads=2, mlp_tiles=None if full else 1)
+    loss_tiles = None if full else 1
     if model == "own_model":
         module: Any = OwnLM(vocab=1024, hidden=128, heads=4, kv_heads=2, head_dim=48, inner=352, tiled=full)
     elif model == "hf":
         module = HFCausalLM(transformers.LlamaConfig(
             vocab_size=config.vocab_size, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2), mlp_tiles=config.mlp_tiles, loss_tiles=config.loss_tiles)
+            num_attention_heads=4, num_key_value_heads=2), mlp_tiles=config.mlp_tiles, loss_tiles=loss_tiles)
     else:
-        module = LlamaLM(config)
+        module = LlamaLM(config, loss_tiles=loss_tiles)
     shape, tiling = ModelShape.from_module(module)
     assert tiling == {"mlp_tiled": full, "loss_tiled": full and model != "own_model"}
     chunk = seq // 4 if full else None

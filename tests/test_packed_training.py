@@ -9,6 +9,7 @@ Right-padded batches with an ``attention_mask`` must equal the unpadded samples.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -82,7 +83,7 @@ class RightPadded(Dataset):
 class Case:
     dp: int
     sp: int
-    chunk_size: int | None
+    chunk_size: int | Literal["auto"] | None
     model: str = "llama"
     kv_heads: int = 2
     offload: bool | Literal["emulate"] = False
@@ -115,16 +116,22 @@ def _module(case: Case) -> L.LightningModule:
     return GPTLM(config, learning_rate=1e-3, warmup_steps=1)
 
 
-def _fit(case: Case, data: Dataset, tmp_path) -> tuple[list[dict], L.LightningModule]:
-    module = _module(case)
+def fit_one_step(
+    case: Case, data: Dataset, tmp_path, module: L.LightningModule | None = None,
+    callbacks: Sequence[L.Callback] = (), **strategy: Any,
+) -> tuple[list[dict], L.LightningModule]:
+    """One ``Trainer.fit`` step of ``module`` (default: the case's bundled model) under ``FPDTStrategy`` in
+    float64 with the ``math`` backend; returns every rank's :class:`CaptureStep` result and the module as it
+    was before the step. ``strategy``: further ``FPDTStrategy`` arguments (``memory_budget``)."""
+    module = _module(case) if module is None else module
     per_rank = len(data) // case.dp
     trainer = L.Trainer(
         accelerator="cpu", devices=case.dp * case.sp, precision="64-true", max_steps=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[CaptureStep(str(tmp_path))],
+        callbacks=[CaptureStep(str(tmp_path)), *callbacks],
         strategy=FPDTStrategy(sequence_parallel_size=case.sp, chunk_size=case.chunk_size, attention_backend="math",
                               offload=case.offload, activation_checkpointing=case.checkpointing,
-                              start_method="fork"),
+                              start_method="fork", **strategy),
     )
     initial = copy.deepcopy(module)
     trainer.fit(module, dataloader(data, per_rank))
@@ -133,7 +140,8 @@ def _fit(case: Case, data: Dataset, tmp_path) -> tuple[list[dict], L.LightningMo
 
 def each_document_alone(module: L.LightningModule, documents: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
     """One process, no strategy: every document as its own sequence; the mean cross-entropy over all of
-    their targets (each token predicts the next one of its own document), and its gradients."""
+    their targets (each token predicts the next one of its own document), and its gradients. ``module`` is a
+    ``CausalLM``; its model is called as the contract says (``model.hidden_states``, ``model.lm_head``)."""
     ref = copy.deepcopy(module).double()
     loss_sum, count = torch.zeros((), dtype=torch.float64), 0
     for doc in documents:
@@ -154,7 +162,7 @@ def each_document_alone(module: L.LightningModule, documents: list[torch.Tensor]
 def test_packed_step_equals_each_document_alone(case: Case, tmp_path, fresh_seed: int) -> None:
     torch.manual_seed(fresh_seed)
     data = Packed(PACKING, fresh_seed)
-    results, module = _fit(case, data, tmp_path)
+    results, module = fit_one_step(case, data, tmp_path)
     ref_loss, ref_grads = each_document_alone(module, data.documents())
     assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"{case.name} seed={fresh_seed}")
 
@@ -164,6 +172,6 @@ def test_packed_step_equals_each_document_alone(case: Case, tmp_path, fresh_seed
 def test_right_padded_batch_equals_the_unpadded_samples(case: Case, tmp_path, fresh_seed: int) -> None:
     torch.manual_seed(fresh_seed)
     data = RightPadded(fresh_seed)
-    results, module = _fit(case, data, tmp_path)
+    results, module = fit_one_step(case, data, tmp_path)
     ref_loss, ref_grads = each_document_alone(module, data.documents())
     assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"{case.name} seed={fresh_seed}")

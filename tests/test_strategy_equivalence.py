@@ -83,12 +83,11 @@ def run_case(
     torch.manual_seed(seed)
     if case.model == "llama":
         config = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=case.kv_heads, hidden_size=32,
-                                  intermediate_size=64, vocab_size=64, mlp_tiles=case.tiles, loss_tiles=case.tiles)
-        module = LlamaLM(config, learning_rate=1e-3, warmup_steps=1)
+                                  intermediate_size=64, vocab_size=64, mlp_tiles=case.tiles)
+        module = LlamaLM(config, loss_tiles=case.tiles, learning_rate=1e-3, warmup_steps=1)
     else:
-        config = GPTConfig.tiny(n_head=4, n_embd=32, vocab_size=64, n_positions=64, mlp_tiles=case.tiles,
-                                loss_tiles=case.tiles)
-        module = GPTLM(config, learning_rate=1e-3, warmup_steps=1)
+        config = GPTConfig.tiny(n_head=4, n_embd=32, vocab_size=64, n_positions=64, mlp_tiles=case.tiles)
+        module = GPTLM(config, loss_tiles=case.tiles, learning_rate=1e-3, warmup_steps=1)
     ds = TokenDataset(case.dp * BATCH_PER_RANK, case.seq_len, config.vocab_size, seed, with_labels=case.labels)
     trainer = L.Trainer(
         accelerator="cpu",

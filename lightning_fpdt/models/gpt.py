@@ -9,8 +9,8 @@ from torch import Tensor, nn
 
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layout import PackedDocuments, default_position_ids
-from lightning_fpdt.models.llama import init_weights
-from lightning_fpdt.models.lm import CausalLM
+from lightning_fpdt.models.init import init_weights
+from lightning_fpdt.models.lm import CausalLM, config_and_options
 from lightning_fpdt.rope import RotaryEmbedding
 from lightning_fpdt.tiling import TiledMLP
 
@@ -31,8 +31,8 @@ class GPTConfig:
         position_embedding: ``"learned"`` (GPT-2) or ``"rotary"`` (no length limit: for long context).
         rope_theta: RoPE base when ``position_embedding="rotary"``.
         initializer_std: weight std; ``None`` means ``1 / sqrt(fan_in)`` (embeddings: 1).
-        mlp_tiles: sequence tiles of the MLP (``None``: automatic; 1: off).
-        loss_tiles: token tiles of the output projection + cross-entropy (``None``: automatic; 1: off).
+        mlp_tiles: sequence tiles of the MLP (``None``: automatic; 1: off). The loss's tiles are the
+            LightningModule's (``GPTLM(loss_tiles=...)``), not the model's.
     """
 
     vocab_size: int = 50257
@@ -47,7 +47,6 @@ class GPTConfig:
     rope_theta: float = 10000.0
     initializer_std: float | None = None
     mlp_tiles: int | None = None
-    loss_tiles: int | None = None
 
     def __post_init__(self) -> None:
         if self.n_inner is None:
@@ -81,7 +80,9 @@ class GeLUMLP(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 style decoder. ``forward(input_ids, position_ids) -> logits`` ``[batch, seq, vocab]``."""
+    """GPT-2 style decoder (a :class:`~lightning_fpdt.models.lm.DecoderModel`). ``forward(input_ids,
+    position_ids) -> logits`` ``[batch, seq, vocab]``. Weights from and to ``transformers``:
+    :mod:`lightning_fpdt.models.convert`."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -137,31 +138,20 @@ class GPT(nn.Module):
         n_params = sum(p.numel() for n, p in self.named_parameters() if n.split(".")[0] not in ("wte", "wpe"))
         return 6 * n_params + 3 * 2 * c.n_layer * seq_len * c.n_embd
 
-    @classmethod
-    def from_hf(cls, model: Any, **overrides: Any) -> GPT:
-        """A :class:`GPT` with the weights of a ``transformers`` ``GPT2LMHeadModel`` (or a path to one)."""
-        from lightning_fpdt.models.convert import load_gpt2  # hf imports this module: a cycle at import time
-
-        return load_gpt2(cls, model, overrides)
-
-    def to_hf(self) -> Any:
-        """A ``transformers`` ``GPT2LMHeadModel`` with this model's weights (learned positions only)."""
-        from lightning_fpdt.models.convert import export_gpt2  # hf imports this module: a cycle at import time
-
-        return export_gpt2(self)
-
 
 class GPTLM(CausalLM):
     """Trains a :class:`GPT` (same batches, options and precisions as ``LlamaLM``).
 
     Args:
         config: the model; defaults to :meth:`GPTConfig.tiny`.
+        **kwargs: the options of :class:`CausalLM` (``loss_tiles``, optimizer and schedule).
     """
 
     def __init__(self, config: GPTConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if isinstance(config, dict):
+        if isinstance(config, dict):  # from a checkpoint's hyper-parameters
+            config, kwargs = config_and_options(config, kwargs)
             config = GPTConfig(**config)
+        super().__init__(**kwargs)
         self.config = config or GPTConfig.tiny()
         self.save_hyperparameters({"config": self.config.to_dict(), **kwargs})
         self.model = GPT(self.config)

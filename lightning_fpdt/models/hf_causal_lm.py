@@ -65,21 +65,26 @@ class HFCausalLM(CausalLM):
         from_pretrained_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        for name, tiles in (("loss_tiles", loss_tiles), ("mlp_tiles", mlp_tiles)):
-            if tiles is not None and (isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1):
-                raise ValueError(f"HFCausalLM: {name} must be a positive int or None (automatic), got {tiles!r}.")
+        super().__init__(loss_tiles=loss_tiles, **kwargs)
+        if mlp_tiles is not None and (isinstance(mlp_tiles, bool) or not isinstance(mlp_tiles, int) or mlp_tiles < 1):
+            raise ValueError(f"HFCausalLM: mlp_tiles must be a positive int or None (automatic), got {mlp_tiles!r}.")
         self.model = _build(model, from_pretrained_kwargs or {})
         check_supported(self.model)
         check_dense(self.model)
         check_recomputable(self.model, mlp_tiled=mlp_tiles != 1, checkpointing=False)
         install(self.model)
         install_memory_stack(self.model, mlp_tiles)
-        self.loss_tiles, self.mlp_tiles = loss_tiles, mlp_tiles
+        self.mlp_tiles = mlp_tiles
         self.context = SequenceParallelContext()
         self.records: dict[int, AttentionRecord] = {}  # layer_idx -> its attention's latest call
         saved = model if isinstance(model, str) else self.model.config.to_dict()  # a module is not a hyper-parameter
         self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, "mlp_tiles": mlp_tiles, **kwargs})
+
+    def check_model(self, model: nn.Module) -> bool:
+        """A transformers model, not a :class:`~lightning_fpdt.models.lm.DecoderModel`: its contract is checked
+        by :func:`_build` and the checks in ``__init__``; the documents reach its attention through
+        :meth:`hidden_states`."""
+        return True
 
     # ---- the SequenceParallelAttention protocol (lightning_fpdt.binding) ---------------------------------
 

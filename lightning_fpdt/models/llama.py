@@ -7,7 +7,6 @@ pre-shifted labels (``shift_labels[t]`` is the target of token ``t``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,7 +15,8 @@ from torch import Tensor, nn
 
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layout import PackedDocuments, default_position_ids
-from lightning_fpdt.models.lm import CausalLM
+from lightning_fpdt.models.init import init_weights
+from lightning_fpdt.models.lm import CausalLM, config_and_options
 from lightning_fpdt.rope import RotaryEmbedding
 from lightning_fpdt.tiling import TiledMLP
 
@@ -40,10 +40,10 @@ class LlamaConfig:
         initializer_std: std of the linear and embedding weights; ``None`` means
             ``1 / sqrt(fan_in)`` per layer (and 1 for embeddings).
         mlp_tiles: sequence tiles of the MLP (``None``: from the sequence and hidden sizes; 1: off).
-        loss_tiles: token tiles of the output projection + cross-entropy (``None``: from the
-            vocabulary and hidden sizes; 1: off, full logits kept for backward).
+            The loss's tiles are the LightningModule's (``LlamaLM(loss_tiles=...)``), not the model's.
         norm_compute_dtype: dtype RMSNorm computes in; ``None`` means float32 or wider (float64
-            models stay float64). Hugging Face's Llama always uses float32 (set by ``from_hf``).
+            models stay float64). Hugging Face's Llama always uses float32 (set by
+            :func:`lightning_fpdt.models.convert.llama_from_hf`).
     """
 
     vocab_size: int = 128256
@@ -59,7 +59,6 @@ class LlamaConfig:
     mlp_bias: bool = False
     initializer_std: float | None = None
     mlp_tiles: int | None = None
-    loss_tiles: int | None = None
     norm_compute_dtype: str | None = None
 
     def __post_init__(self) -> None:
@@ -128,19 +127,9 @@ class SwiGLU(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def init_weights(module: nn.Module, std: float | None) -> None:
-    """Normal init, ``std = 1/sqrt(fan_in)`` unless given (embeddings: 1); biases zero."""
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=std or 1.0 / math.sqrt(m.in_features))
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, std=std or 1.0)
-
-
 class Llama(nn.Module):
-    """Llama decoder. ``forward(input_ids, position_ids) -> logits`` ``[batch, seq, vocab]``."""
+    """Llama decoder (a :class:`~lightning_fpdt.models.lm.DecoderModel`). ``forward(input_ids, position_ids)
+    -> logits`` ``[batch, seq, vocab]``. Weights from and to ``transformers``: :mod:`lightning_fpdt.models.convert`."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -189,38 +178,20 @@ class Llama(nn.Module):
         attention = 2 * c.num_hidden_layers * seq_len * c.hidden_size
         return 6 * n_params + 3 * attention
 
-    # ---- Hugging Face ---------------------------------------------------------------------------
-
-    @classmethod
-    def from_hf(cls, model: Any, **overrides: Any) -> Llama:
-        """A :class:`Llama` with the weights of a ``transformers`` ``LlamaForCausalLM`` (or a path to one).
-
-        RMSNorm computes in float32 and RoPE uses the checkpoint's own frequencies (including scaled
-        schedules such as Llama 3's), exactly as ``transformers`` does. ``overrides`` set
-        :class:`LlamaConfig` fields that have no Hugging Face counterpart (``mlp_tiles``, ...).
-        """
-        from lightning_fpdt.models.convert import load_llama  # hf imports this module: a cycle at import time
-
-        return load_llama(cls, model, overrides)
-
-    def to_hf(self) -> Any:
-        """A ``transformers`` ``LlamaForCausalLM`` with this model's weights."""
-        from lightning_fpdt.models.convert import export_llama  # hf imports this module: a cycle at import time
-
-        return export_llama(self)
-
 
 class LlamaLM(CausalLM):
     """Trains a :class:`Llama` (see :class:`~lightning_fpdt.models.lm.CausalLM` for batches and options).
 
     Args:
         config: the model; defaults to :meth:`LlamaConfig.tiny`.
+        **kwargs: the options of :class:`CausalLM` (``loss_tiles``, optimizer and schedule).
     """
 
     def __init__(self, config: LlamaConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
         if isinstance(config, dict):  # from a checkpoint's hyper-parameters
+            config, kwargs = config_and_options(config, kwargs)
             config = LlamaConfig(**config)
+        super().__init__(**kwargs)
         self.config = config or LlamaConfig.tiny()
         self.save_hyperparameters({"config": self.config.to_dict(), **kwargs})
         self.model = Llama(self.config)

@@ -1,17 +1,119 @@
-"""The LightningModule that trains any of the project's decoders on dict batches."""
+"""The LightningModule that trains a decoder on dict batches, and the contract that decoder fulfils.
+
+:class:`CausalLM` trains any module that provides :class:`DecoderModel` (the bundled Llama and GPT, or a
+user's own model, docs/own-model.md); the contract is checked when the model is assigned to
+``CausalLM.model``, so a model that does not fit is refused at construction, not in the first step.
+"""
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_fpdt.layout import shard_batch
+from lightning_fpdt.layout import PackedDocuments, default_position_ids, shard_batch
 from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
+
+OWN_MODEL_DOC = "docs/own-model.md"
+
+
+class DecoderModel(Protocol):
+    """What :class:`CausalLM` needs from its ``model``.
+
+    Attributes:
+        lm_head: the output projection, an ``nn.Linear`` from the hidden size to the vocabulary (weight
+            ``[vocab, hidden]``); tied to the token embedding or not. A bias is allowed only with
+            ``CausalLM(loss_tiles=1)`` (the tiled loss multiplies by the weight alone).
+    """
+
+    lm_head: nn.Linear
+
+    def hidden_states(
+        self, input_ids: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None
+    ) -> Tensor:
+        """Final (normed) hidden states ``[batch, s_local, hidden]`` of this rank's tokens.
+
+        Args:
+            input_ids: ``[batch, s_local]`` token ids (this rank's shard under sequence parallelism).
+            position_ids: ``[batch, s_local]`` global positions (restarting at 0 at each packed document).
+            documents: the batch's packed documents (``None``: one document per sample), to pass on to
+                every sequence-parallel attention layer (``FPDTBlock(x, position_ids, documents)``). The
+                parameter may be left out, and then batches of packed documents are refused.
+        """
+        ...
+
+
+@runtime_checkable
+class CountsFlops(Protocol):
+    """Optional for a :class:`DecoderModel`: training FLOPs per token, read by Lightning's throughput
+    monitors for FLOP/s and MFU."""
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at global sequence length ``seq_len``."""
+        ...
+
+
+def check_decoder_model(model: nn.Module, owner: str, loss_tiles: int | None) -> bool:
+    """Check that ``model`` provides :class:`DecoderModel`; returns whether its ``hidden_states`` takes
+    ``documents``.
+
+    Raises:
+        TypeError: a missing or unfit member, named with the fix.
+        ValueError: an ``lm_head`` with a bias under a tiled loss (``loss_tiles`` other than 1).
+    """
+    name = type(model).__name__
+    method = getattr(model, "hidden_states", None)
+    if not callable(method):
+        raise TypeError(
+            f"{owner}: the model {name} has no hidden_states(input_ids, position_ids, documents=None) method"
+            f" returning the final hidden states [batch, s_local, hidden]; add one ({OWN_MODEL_DOC})."
+        )
+    signature = inspect.signature(method)
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"{owner}: {name}.hidden_states{signature} cannot be called as hidden_states(input_ids,"
+            f" position_ids); give it that signature, with an optional third parameter documents"
+            f" ({OWN_MODEL_DOC})."
+        ) from None
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        found = "no lm_head" if head is None else f"lm_head of type {type(head).__name__}"
+        raise TypeError(
+            f"{owner}: the model {name} has {found}; CausalLM needs model.lm_head, the output projection as an"
+            f" nn.Linear(hidden, vocab) (tied to the token embedding or not) ({OWN_MODEL_DOC})."
+        )
+    if head.bias is not None and loss_tiles != 1:
+        raise ValueError(
+            f"{owner}: {name}.lm_head has a bias, which the tiled loss (loss_tiles={loss_tiles}) does not add;"
+            " build lm_head with bias=False, or set loss_tiles=1 (full logits)."
+        )
+    return "documents" in signature.parameters
+
+
+def config_and_options(config: dict[str, Any], options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(config, options)`` with a ``loss_tiles`` key of a model's config dict moved to the LightningModule's
+    options: the loss's tiles are :class:`CausalLM`'s, and older checkpoints and YAMLs kept them in the config.
+
+    Raises:
+        ValueError: ``loss_tiles`` in both, with different values.
+    """
+    if "loss_tiles" not in config:
+        return config, options
+    config = dict(config)
+    tiles = config.pop("loss_tiles")
+    if "loss_tiles" in options and options["loss_tiles"] != tiles:
+        raise ValueError(
+            f"CausalLM: loss_tiles={options['loss_tiles']!r} and config.loss_tiles={tiles!r} disagree; loss_tiles"
+            " is the LightningModule's option: give it once, outside the model config."
+        )
+    return config, {**options, "loss_tiles": tiles}
 
 
 class AnswerAccuracy(Metric):
@@ -33,14 +135,18 @@ class AnswerAccuracy(Metric):
 
 
 class CausalLM(pl.LightningModule):
-    """Next-token training for a decoder ``model`` with ``hidden_states`` and ``lm_head``.
+    """Next-token training for a decoder ``model`` that provides :class:`DecoderModel`.
 
-    Batches are dicts with ``input_ids`` ``[batch, seq]`` and optionally ``labels`` (Hugging Face
-    convention: unshifted, -100 ignored), ``shift_labels`` (already shifted, as ``FPDTStrategy``
-    produces them) and ``position_ids``. The loss is token-weighted across every rank, so
-    sequence and data parallel training give the single-process gradient.
+    Set ``self.model`` in a subclass's ``__init__`` after ``super().__init__(...)``; the model is checked
+    when it is assigned (:func:`check_decoder_model`). Batches are dicts with ``input_ids`` ``[batch, seq]``
+    and optionally ``labels`` (Hugging Face convention: unshifted, -100 ignored), ``shift_labels``
+    (already shifted, as ``FPDTStrategy`` produces them) and ``position_ids``. The loss is token-weighted
+    across every rank, so sequence and data parallel training give the single-process gradient.
 
     Args:
+        loss_tiles: token tiles of the output projection + cross-entropy, each recomputed in backward, so
+            no full ``[tokens, vocab]`` logits tensor exists (``None``: tiles of 1024 tokens; ``1``: off,
+            full logits kept for backward). Read by the memory model for ``chunk_size="auto"``.
         learning_rate: peak AdamW learning rate.
         weight_decay: AdamW weight decay for matrices (not for norms, biases and embeddings).
         betas: AdamW betas.
@@ -50,6 +156,7 @@ class CausalLM(pl.LightningModule):
 
     def __init__(
         self,
+        loss_tiles: int | None = None,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -57,16 +164,36 @@ class CausalLM(pl.LightningModule):
         min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
+        if loss_tiles is not None and (isinstance(loss_tiles, bool) or not isinstance(loss_tiles, int)
+                                       or loss_tiles < 1):
+            raise ValueError(
+                f"{type(self).__name__}: loss_tiles must be a positive int or None (automatic), got {loss_tiles!r}."
+            )
+        self.loss_tiles = loss_tiles
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
         self.betas = tuple(betas)
         self.warmup_steps = warmup_steps
         self.min_lr_ratio = min_lr_ratio
-        self.model: nn.Module
+        self.model: DecoderModel
+        self.model_takes_documents = True
         self.val_answer_accuracy = AnswerAccuracy()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "model" and isinstance(value, nn.Module):  # the contract, checked where a model arrives
+            self.model_takes_documents = self.check_model(value)
+        super().__setattr__(name, value)
+
+    def check_model(self, model: nn.Module) -> bool:
+        """Check ``model`` against :class:`DecoderModel` (see :func:`check_decoder_model`); returns whether
+        it takes ``documents``. A subclass with its own contract (``HFCausalLM``) overrides this."""
+        return check_decoder_model(model, type(self).__name__, self.loss_tiles)
+
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        return self.model(input_ids, position_ids)
+        """Logits ``[batch, seq, vocab]`` of whole sequences in one process (one document per sample)."""
+        if position_ids is None:
+            position_ids = default_position_ids(*input_ids.shape, device=input_ids.device)
+        return self.model.lm_head(self.model.hidden_states(input_ids, position_ids))
 
     def prepared(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The batch as ``FPDTStrategy`` hands it over: pre-shifted targets, position ids, documents.
@@ -89,18 +216,43 @@ class CausalLM(pl.LightningModule):
         return self.prepared(batch)["shift_labels"]
 
     def hidden_states(self, batch: dict[str, Any]) -> Tensor:
-        """Final hidden states ``[batch, seq, hidden]`` of this rank's part of a dict batch."""
+        """Final hidden states ``[batch, s_local, hidden]`` of this rank's part of a dict batch.
+
+        Raises:
+            ValueError: on every rank, when a batch of any rank holds packed documents (or right padding,
+                one more document) and the model's ``hidden_states`` takes no ``documents``: its attention
+                would cross the documents' boundaries.
+        """
         batch = self.prepared(batch)
-        return self.model.hidden_states(batch["input_ids"], batch["position_ids"], batch["documents"])
+        ids, positions, documents = batch["input_ids"], batch["position_ids"], batch["documents"]
+        if self.model_takes_documents:
+            return self.model.hidden_states(ids, positions, documents=documents)
+        self._refuse_documents(documents is not None)
+        return self.model.hidden_states(ids, positions)
+
+    def _refuse_documents(self, packed: bool) -> None:
+        trainer = self._trainer
+        anywhere = packed
+        if trainer is not None and trainer.world_size > 1:  # every rank raises together, before attention
+            anywhere = trainer.strategy.reduce_boolean_decision(packed, all=False)
+        if not anywhere:
+            return
+        where = "this batch holds" if packed else "another rank's batch holds"
+        raise ValueError(
+            f"{type(self).__name__}: {where} packed documents (position_ids restarting at 0 inside a sample, or"
+            f" right padding), but {type(self.model).__name__}.hidden_states takes no 'documents', so its attention"
+            f" would cross document boundaries. Add a parameter hidden_states(input_ids, position_ids,"
+            f" documents=None) and pass documents to every attention layer (FPDTBlock(x, position_ids, documents);"
+            f" {OWN_MODEL_DOC}), or train on unpacked, unpadded samples."
+        )
 
     def loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(loss_sum, num_tokens)`` of this rank's part of the batch."""
         batch = self.prepared(batch)  # once: hidden_states and targets then find it prepared
         hidden = self.hidden_states(batch) if hidden is None else hidden
-        tiles = getattr(getattr(self.model, "config", None), "loss_tiles", None)
-        if tiles == 1:  # no tiling: full logits, kept for backward by autograd
+        if self.loss_tiles == 1:  # no tiling: full logits, kept for backward by autograd
             return cross_entropy_sum(self.model.lm_head(hidden), self.targets(batch))
-        return tiled_cross_entropy_sum(hidden, self.model.lm_head.weight, self.targets(batch), tiles)
+        return tiled_cross_entropy_sum(hidden, self.model.lm_head.weight, self.targets(batch), self.loss_tiles)
 
     def answer_predictions(self, batch: dict[str, Any], hidden: Tensor) -> tuple[Tensor, Tensor]:
         """Greedy predictions and targets where ``answer_mask`` is set (the next token is an answer)."""
@@ -113,7 +265,7 @@ class CausalLM(pl.LightningModule):
         return 1 if mesh is None else mesh["sequence_parallel"].size()
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        if hasattr(self.model, "flops_per_token"):  # read by ThroughputMonitor for FLOP/s and MFU
+        if isinstance(self.model, CountsFlops):  # read by ThroughputMonitor for FLOP/s and MFU
             ids = batch["input_ids"]
             global_seq = ids.shape[1] * self.sequence_parallel_size()
             self.flops_per_batch = self.model.flops_per_token(global_seq) * ids.numel()
