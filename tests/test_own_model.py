@@ -10,6 +10,7 @@ on every rank, and the contract's missing members are named at construction.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import re
 import threading
@@ -25,7 +26,7 @@ from torch.utils.data import Dataset
 from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.memory import ModelShape, estimate
 from lightning_fpdt.memory.estimate_options import EstimateOptions
-from lightning_fpdt.models import CausalLM
+from lightning_fpdt.models import GPTLM, CausalLM, GPTConfig, LlamaConfig, LlamaLM
 from tests.helpers import assert_same_step
 from tests.test_packed_training import PACKING, SEQ, VOCAB, Case, Packed, each_document_alone, fit_one_step
 
@@ -217,3 +218,17 @@ def test_the_contract_is_checked_at_construction() -> None:
     assert not _Own(_Head(two_arguments, nn.Linear(4, 8)), loss_tiles=1).model_takes_documents
     with pytest.raises(ValueError, match=r"_Own: loss_tiles must be a positive int or None \(automatic\), got 0"):
         _Own(_Head(two_arguments, nn.Linear(4, 8, bias=False)), loss_tiles=0)
+
+
+@pytest.mark.parametrize("lm_cls, config_cls", [(LlamaLM, LlamaConfig), (GPTLM, GPTConfig)], ids=["llama", "gpt"])
+def test_loss_tiles_live_on_the_lightning_module(lm_cls: type, config_cls: type) -> None:
+    assert "loss_tiles" not in {f.name for f in dataclasses.fields(config_cls)}
+    module = lm_cls(loss_tiles=2)
+    assert (module.loss_tiles, module.hparams["loss_tiles"]) == (2, 2)
+    assert ModelShape.from_module(module)[1]["loss_tiled"]
+    assert not ModelShape.from_module(lm_cls(loss_tiles=1))[1]["loss_tiled"]
+    # an older checkpoint's or YAML's config.loss_tiles moves to the module
+    old = {**config_cls.tiny().to_dict(), "loss_tiles": 3}
+    assert lm_cls(old).loss_tiles == 3
+    with pytest.raises(ValueError, match=r"CausalLM: loss_tiles=1 and config.loss_tiles=3 disagree"):
+        lm_cls(old, loss_tiles=1)
