@@ -210,6 +210,58 @@ def test_sdpa_cuda_calls_match_schemas_and_autograd(
         assert forward.out[1].shape[-1] == bwd_in["logsumexp"].shape[-1] == 64
 
 
+WINDOW_CASES = [
+    pytest.param(dtype, causal, kv_heads, head_dim, id=f"{str(dtype)[6:]}-{causal=}-kv{kv_heads}-d{head_dim}")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32)
+    for causal in (True, False)
+    for kv_heads in (4, 2)
+    for head_dim in (16, 12)
+]
+
+
+@pytest.mark.parametrize("dtype, causal, kv_heads, head_dim", WINDOW_CASES)
+def test_sdpa_cuda_window_edge_goes_to_the_efficient_op_with_a_bias(
+    dtype: torch.dtype, causal: bool, kv_heads: int, head_dim: int
+) -> None:
+    """A cut block (a window's edge, ``lower``): the memory-efficient op in every dtype (the flash op takes no
+    mask), with the edge as an ``attn_bias`` [b, h, s_q, s_k] of the query dtype whose rows start at multiples of
+    16 elements, fed to the backward as torch's autograd would, the head dim padded to a multiple of 8."""
+    b, heads, s_q = 2, 4, 40
+    # a trimmed rectangle of blocks.BlockRules: the last row still sees a key (lower <= s_k - s_q)
+    s_k, lower = (s_q, -5) if causal else (24, -20)
+    q = torch.empty(b, s_q, heads, head_dim, dtype=dtype, device="meta")
+    k = torch.empty(b, s_k, kv_heads, head_dim, dtype=dtype, device="meta")
+    v, dout = torch.empty_like(k), torch.empty_like(q)
+    with _Recorder() as rec:
+        out, lse = SdpaKernel().forward(q, k, v, causal, 0.25, lower)
+        dq, dk, dv = SdpaKernel().backward(dout, q, k, v, out, lse, causal, 0.25, lower)
+    assert (out.shape, lse.shape, lse.dtype) == (q.shape, (b, heads, s_q), torch.float32)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert [c.op for c in rec.calls] == [EFF, EFF_BWD]
+    forward, backward = rec.calls
+    fwd_in, bwd_in = _bind(forward), _bind(backward)
+    assert (fwd_in["is_causal"], bwd_in["is_causal"]) == (causal, causal)
+    _check_fed_as_autograd_does(forward, backward)
+    bias = fwd_in["attn_bias"]
+    assert bias is not None and bias.shape == (b, heads, s_q, s_k) and bias.dtype == dtype
+    assert bias.stride(-1) == 1 and bias.stride(-2) % 16 == 0
+    # the backward's is built by the same call (efficient_bias), so equal in content; here: in layout
+    assert (bwd_in["attn_bias"].shape, bwd_in["attn_bias"].stride()) == (bias.shape, bias.stride())
+    for call_in in (fwd_in, bwd_in):
+        for name in ("query", "key", "value", "grad_out_", "out"):
+            if name in call_in:
+                assert call_in[name].shape[-1] % 8 == 0 and call_in[name].stride(-1) == 1, name
+
+
+def test_sdpa_cuda_softcap_runs_the_math_kernel() -> None:
+    """The fused ops cannot cap the scores: a softcapped block calls none of them."""
+    q = torch.empty(1, 8, 2, 16, dtype=torch.bfloat16, device="meta")
+    with _Recorder() as rec:
+        out, lse = SdpaKernel().forward(q, q, q, True, 0.25, None, 50.0)
+        SdpaKernel().backward(q, q, q, q, out, lse, True, 0.25, None, 50.0)
+    assert rec.calls == []
+
+
 def test_float64_on_cuda_stays_off_the_fused_ops() -> None:
     q = torch.empty(1, 8, 2, 16, dtype=torch.float64, device="meta")
     with _Recorder() as rec:
@@ -221,26 +273,53 @@ def test_float64_on_cuda_stays_off_the_fused_ops() -> None:
 # ---- flash-attn's private calls against the signatures of FLASH_ATTN_REQUIREMENT ------------------------
 
 
-def _fake_flash_attn_interface(calls: list[tuple[str, int, tuple[str, ...]]]) -> ModuleType:
+def _flash_semantics(q, k, v, scale, causal, left, right, softcap):
+    """Attention as flash-attn's README defines it, by the textbook formula, autograd-differentiable: windows
+    aligned to the bottom-right corner (row ``i`` sees keys ``i + s_k - s_q - left .. i + s_k - s_q + right``,
+    ``-1`` unbounded; ``causal`` is ``right = 0``), scores scaled, then ``softcap * tanh(s / softcap)``
+    (``0.0``: none). ``[b, s, heads, d]`` in; returns ``out`` and ``lse`` ``[b, heads, s_q]``."""
+    s_q, s_k, h = q.shape[1], k.shape[1], q.shape[2]
+    kk, vv = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    shift = torch.arange(s_k).view(1, -1) - torch.arange(s_q).view(-1, 1) - (s_k - s_q)  # key - row - offset
+    seen = torch.ones(s_q, s_k, dtype=torch.bool)
+    if left >= 0:
+        seen &= shift >= -left
+    if causal or right >= 0:
+        seen &= shift <= (0 if causal else right)
+    s = s.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse.unsqueeze(-1)), vv), lse
+
+
+def _fake_flash_attn_interface(calls: list[tuple[str, int, tuple[str, ...]]],
+                               variants: list[tuple[int, int, float]] | None = None) -> ModuleType:
     """flash-attn 2.7-2.8's ``_flash_attn_forward``/``_flash_attn_backward`` (their signatures and return arity,
-    no defaults where the releases have none), computed with the math kernel, recording how they are called."""
+    no defaults where the releases have none), computed by :func:`_flash_semantics`, recording how they are
+    called (and, in ``variants``, each call's ``(window_size_left, window_size_right, softcap)``)."""
+    variants = [] if variants is None else variants
 
     def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                             softcap, alibi_slopes, return_softmax):
-        assert (dropout_p, window_size_left, window_size_right, softcap, alibi_slopes, return_softmax) == (
-            0.0, -1, -1, 0.0, None, False)
+        assert (dropout_p, alibi_slopes, return_softmax) == (0.0, None, False)
+        assert isinstance(softcap, float) and softcap >= 0.0
         assert all(x.shape[-1] % 8 == 0 and x.stride(-1) == 1 for x in (q, k, v))
-        out, lse = MathKernel().forward(q, k, v, causal, softmax_scale)
+        variants.append((window_size_left, window_size_right, softcap))
+        out, lse = _flash_semantics(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap)
         return out, lse.float(), torch.empty(0, dtype=q.dtype), torch.empty(2, dtype=torch.int64)
 
     def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                              window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
-        assert (dropout_p, window_size_left, window_size_right, softcap, alibi_slopes, deterministic) == (
-            0.0, -1, -1, 0.0, None, False)
+        assert (dropout_p, alibi_slopes, deterministic) == (0.0, None, False)
         assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == (q.shape[0], q.shape[2], q.shape[1])
         assert [x.shape for x in (dq, dk, dv)] == [q.shape, k.shape, v.shape]
         assert all(x.shape[-1] % 8 == 0 and x.stride(-1) == 1 for x in (dout, q, k, v, out, dq, dk, dv))
-        grads = MathKernel().backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
+        variants.append((window_size_left, window_size_right, softcap))
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        ref_out, _ = _flash_semantics(*leaves, softmax_scale, causal, window_size_left, window_size_right, softcap)
+        grads = torch.autograd.grad(ref_out, leaves, dout)  # a whole block: its own lse is the row's
         for buf, grad in zip((dq, dk, dv), grads):
             buf.copy_(grad)
         return torch.empty(q.shape[0], q.shape[2], q.shape[1])  # softmax_d
@@ -268,7 +347,8 @@ FLASH_ATTN_CALLS = [
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_attn_calls_match_the_supported_releases(causal: bool, fresh_seed: int) -> None:
     calls: list[tuple[str, int, tuple[str, ...]]] = []
-    kernel = FlashAttnKernel(_fake_flash_attn_interface(calls))
+    variants: list[tuple[int, int, float]] = []
+    kernel = FlashAttnKernel(_fake_flash_attn_interface(calls, variants))
     g = torch.Generator().manual_seed(fresh_seed)
     # GQA and a head dim of 12: the kernel pads to 16 for flash-attn and slices back
     q, dout = (torch.randn(2, 10, 4, 12, generator=g, dtype=torch.float64) for _ in range(2))
@@ -276,11 +356,52 @@ def test_flash_attn_calls_match_the_supported_releases(causal: bool, fresh_seed:
     out, lse = kernel.forward(q, k, v, causal, 0.3)
     grads = kernel.backward(dout, q, k, v, out, lse, causal, 0.3)
     assert calls == FLASH_ATTN_CALLS
+    assert variants == [(-1, -1, 0.0)] * 2  # no window, no cap
     ref_out, ref_lse = MathKernel().forward(q, k, v, causal, 0.3)
     ref_grads = MathKernel().backward(dout, q, k, v, ref_out, ref_lse, causal, 0.3)
     assert rel_error(out, ref_out) <= 1e-12 and rel_error(lse, ref_lse) <= 1e-6  # flash-attn's lse is float32
     for a, b in zip(grads, ref_grads):
         assert a.shape == b.shape and rel_error(a, b) <= 1e-6  # the float32 lse again
+
+
+# (rows, keys, causal, lower, softcap): rectangles blocks.BlockRules makes, against flash-attn's own window rule
+FLASH_VARIANTS = [
+    pytest.param(10, 10, True, -3, None, id="diagonal-window"),
+    pytest.param(7, 7, False, 0, None, id="trimmed-off-diagonal-window"),
+    pytest.param(10, 6, False, -4, None, id="tall-rectangle-window"),
+    pytest.param(4, 10, False, 2, None, id="wide-rectangle-window"),
+    pytest.param(10, 10, True, None, 5.0, id="diagonal-softcap"),
+    pytest.param(10, 8, False, -2, 5.0, id="window-and-softcap"),
+]
+
+
+@pytest.mark.parametrize(("s_q", "s_k", "causal", "lower", "softcap"), FLASH_VARIANTS)
+def test_flash_attn_window_and_softcap_mean_what_flash_attn_computes(
+    s_q: int, s_k: int, causal: bool, lower: int | None, softcap: float | None, fresh_seed: int
+) -> None:
+    """``window_size``/``softcap`` passed so that flash-attn's definition of them (bottom-right aligned windows)
+    gives what the math kernel computes for the block's edge and cap, forward and backward."""
+    calls: list[tuple[str, int, tuple[str, ...]]] = []
+    variants: list[tuple[int, int, float]] = []
+    kernel = FlashAttnKernel(_fake_flash_attn_interface(calls, variants))
+    g = torch.Generator().manual_seed(fresh_seed)
+    q, dout = (torch.randn(2, s_q, 4, 12, generator=g, dtype=torch.float64) * 3 for _ in range(2))
+    k, v = (torch.randn(2, s_k, 2, 12, generator=g, dtype=torch.float64) * 3 for _ in range(2))
+    out, lse = kernel.forward(q, k, v, causal, 0.3, lower, softcap)
+    grads = kernel.backward(dout, q, k, v, out, lse, causal, 0.3, lower, softcap)
+    assert calls == FLASH_ATTN_CALLS and variants[0] == variants[1]
+    assert variants[0][2] == (softcap or 0.0) and (variants[0][0] == -1) == (lower is None)
+    ref_out, ref_lse = MathKernel().forward(q, k, v, causal, 0.3, lower, softcap)
+    ref_grads = MathKernel().backward(dout, q, k, v, ref_out, ref_lse, causal, 0.3, lower, softcap)
+    assert rel_error(out, ref_out) <= 1e-12 and rel_error(lse, ref_lse) <= 1e-6  # flash-attn's lse is float32
+    for a, b in zip(grads, ref_grads):
+        assert a.shape == b.shape and rel_error(a, b) <= 1e-10
+
+
+def test_flash_attn_refuses_a_window_edge_that_leaves_rows_without_keys() -> None:
+    q = torch.zeros(1, 10, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"lower=1 on a 10 x 10 block leaves its last rows without keys"):
+        FlashAttnKernel(_fake_flash_attn_interface([])).forward(q, q, q, False, 0.3, 1)
 
 
 # ---- selecting flash-attn: import it, check its version, fall back ------------------------------------

@@ -7,6 +7,7 @@ import torch
 
 from lightning_fpdt.attention import fpdt_attention, get_kernel, update_out_and_lse
 from lightning_fpdt.attention.kernels import MathKernel, SdpaKernel
+from lightning_fpdt.attention.merge import merge_sink, sink_grad
 from tests.reference import naive_attention, rel_error
 
 
@@ -82,3 +83,54 @@ def test_large_logits_float32_chunked_stays_close_to_float64(backend: str, fresh
     assert torch.isfinite(out32).all() and torch.isfinite(lse32).all()
     assert (out32.double() - ref).abs().max() <= 1e-4
     assert ((lse32.double() - ref_lse).abs() / ref_lse.abs().clamp_min(1)).max() <= 1e-4
+
+
+def _masked_reference(q, k, v, dout, causal: bool, lower: int | None, softcap: float | None, scale: float):
+    """Textbook attention with the causal diagonal, a window edge ``b - a >= lower`` and a softcap; autograd."""
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(groups, dim=2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    a, b = torch.arange(q.shape[1]).view(-1, 1), torch.arange(k.shape[1]).view(1, -1)
+    seen = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool)
+    if causal:
+        seen &= b <= a
+    if lower is not None:
+        seen &= b - a >= lower
+    s = s.masked_fill(~seen, float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v.repeat_interleave(groups, dim=2))
+    out.backward(dout)
+    return out.detach(), torch.logsumexp(s, dim=-1).detach(), q.grad, k.grad, v.grad
+
+
+# (seq_q, seq_k, causal, lower, softcap): a diagonal with a window, off-diagonal edges, a cap with and without one
+VARIANTS = [(12, 12, True, -4, None), (8, 12, False, 2, None), (12, 6, False, -7, None), (12, 12, True, None, 5.0),
+            (10, 12, False, -1, 5.0)]
+
+
+@pytest.mark.parametrize(("seq_q", "seq_k", "causal", "lower", "softcap"), VARIANTS)
+@pytest.mark.parametrize("kernel", [MathKernel(), SdpaKernel()], ids=lambda k: k.name)
+def test_kernel_window_edge_and_softcap_float64(kernel, seq_q, seq_k, causal, lower, softcap, fresh_seed: int) -> None:
+    q, k, v, dout = _qkv(torch.float64, fresh_seed, seq_q=seq_q, seq_k=seq_k, std=3.0)  # scores of order 10
+    out, lse = kernel.forward(q, k, v, causal, 0.25, lower, softcap)
+    grads = kernel.backward(dout, q, k, v, out, lse, causal, 0.25, lower, softcap)
+    ref_out, ref_lse, *ref_grads = _masked_reference(q, k, v, dout, causal, lower, softcap, 0.25)
+    for a, b in ((out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)):
+        assert rel_error(a, b) <= 1e-12
+
+
+def test_merging_a_sink_is_one_more_softmax_column(fresh_seed: int) -> None:
+    """merge_sink after the blocks equals the softmax over the keys and the sink's logit (gpt-oss), and
+    sink_grad is that column's gradient."""
+    q, k, v, dout = _qkv(torch.float64, fresh_seed, seq_k=20, std=3.0)
+    sink = (torch.randn(4, generator=torch.Generator().manual_seed(fresh_seed + 1), dtype=torch.float64) * 4 + 8)
+    out, lse = update_out_and_lse(None, None, *MathKernel().forward(q, k, v, False, 0.25))
+    out, lse = merge_sink(out, lse, sink)
+    sink_leaf, v_leaf = sink.clone().requires_grad_(), v.clone().requires_grad_()
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, dim=2)) * 0.25
+    s = torch.cat([s, sink_leaf.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1)[..., :-1], v_leaf.repeat_interleave(2, dim=2))
+    ref.backward(dout)
+    assert rel_error(out, ref.detach()) <= 1e-12 and rel_error(lse, torch.logsumexp(s, -1).detach()) <= 1e-12
+    assert rel_error(sink_grad(dout, out, lse, sink), sink_leaf.grad) <= 1e-12

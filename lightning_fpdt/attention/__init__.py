@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_fpdt.attention.kernels import BACKENDS, get_kernel
+from lightning_fpdt.attention.blocks import BlockRules, chunk_bounds
+from lightning_fpdt.attention.kernels import BACKENDS, check_softcap, get_kernel
 from lightning_fpdt.attention.merge import update_out_and_lse
-from lightning_fpdt.attention.pipeline import PipelineOptions, chunk_bounds, run_pipeline
+from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds
 from lightning_fpdt.attention.ulysses import ulysses_attention
 from lightning_fpdt.chunk_store import OffloadStats
@@ -34,6 +35,9 @@ def fpdt_attention(
     return_lse: bool = False,
     stats_sink: list[OffloadStats] | None = None,
     documents: PackedDocuments | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sequence-parallel attention over this rank's shards in the FPDT layout.
 
@@ -53,14 +57,25 @@ def fpdt_attention(
         documents: packed documents (global offsets of the padded sequence, the same on every rank:
             :func:`lightning_fpdt.layout.find_documents`); each token attends only within its document,
             and blocks that share no document are skipped. ``None``: one document per sample.
+        window: sliding-window attention (causal only): a query at global position ``i`` sees keys
+            ``i - window + 1 .. i``, as transformers counts ``sliding_window``; within packed documents the
+            same band inside each document. Blocks wholly outside every query's window are skipped (no
+            prefetch, copy or kernel); ``None``: no window.
+        softcap: attention-logit softcapping (Gemma-2): scores ``s`` (scaled) become ``softcap * tanh(s /
+            softcap)`` before the softmax. ``sdpa`` runs softcapped blocks on ``math``; ``None``: no cap.
+        sinks: attention sinks (gpt-oss): one learnt logit per query head ``[n_heads]``, the same on every
+            rank, joining each query's softmax denominator once (not scaled). Differentiable: each rank's
+            gradient holds its heads after the all-to-all (zeros elsewhere), summed over the group it is the
+            gradient. The returned lse includes it. ``None``: no sinks.
 
     Returns:
         The output shard ``[batch, S/P, n_heads, head_dim]`` (and the lse if asked), differentiable
-        with respect to ``q``, ``k`` and ``v``.
+        with respect to ``q``, ``k``, ``v`` (and ``sinks``).
 
     Raises:
         ValueError: head counts that cannot be sharded over ``P``, a ``chunk_size`` not divisible by
-            ``P``, mismatched shapes, or an unavailable backend.
+            ``P``, mismatched shapes, an unavailable backend, a window below 1 or without causality, a
+            softcap that is not positive, or sinks that are not ``[n_heads]``.
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(
@@ -70,6 +85,11 @@ def fpdt_attention(
     p = group_size(group)
     check_heads(q.shape[2], k.shape[2], p)
     validate_chunk_size(chunk_size, p)
+    BlockRules(causal, window)  # raises for a window it cannot apply, here on every rank before any collective
+    check_softcap(softcap)
+    if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(f"fpdt_attention: sinks has shape {tuple(sinks.shape)}; it takes one logit per query head,"
+                         f" [n_heads] = [{q.shape[2]}] (all heads, the same on every rank).")
     kernel = get_kernel(backend, q.device, q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # KV heads fewer than ranks: replicate before the all-to-all (autograd sums the replicas' grads).
@@ -79,13 +99,13 @@ def fpdt_attention(
             f"fpdt_attention: documents cover {documents.length} tokens, but the shards hold"
             f" {q.shape[1]} x {p} = {q.shape[1] * p}; build them for the padded sequence of this batch."
         )
-    if chunk_size is None and not offload and not return_lse and documents is None:
-        return ulysses_attention(q, k, v, group, kernel, causal, scale)
+    if chunk_size is None and not offload and not return_lse and documents is None and window is None and sinks is None:
+        return ulysses_attention(q, k, v, group, kernel, causal, scale, softcap)
     opt = PipelineOptions.for_chunk_size(
         group, chunk_size, causal=causal, scale=scale, kernel=kernel, offload=offload, stats_sink=stats_sink,
-        documents=documents,
+        documents=documents, window=window, softcap=softcap,
     )
-    out, lse = run_pipeline(TensorEnds(kv_heads=k.shape[2]), opt, q, k, v)
+    out, lse = run_pipeline(TensorEnds(kv_heads=k.shape[2]), opt, q, k, v, sinks=sinks)
     if not return_lse:
         return out
     # lse [b, h/P, S] head-sharded -> [b, S/P, h] sequence-sharded (per chunk, in layout order)

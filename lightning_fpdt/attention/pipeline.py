@@ -7,7 +7,10 @@ chunk ``i``. One all-to-all per chunk turns local chunk ``i`` into global chunk 
 
 Forward, for each query chunk ``i``: all-to-all ``q_i, k_i, v_i``; attend ``q_i`` to ``k_j, v_j``
 for ``j <= i`` (causal; all ``j`` otherwise), the diagonal block first while it is on the device,
-then ``j = 0, 1, ...``; merge with :func:`update_out_and_lse`; all-to-all the output chunk back.
+then ``j = 0, 1, ...``; merge with :func:`update_out_and_lse` (then each head's sink logit, if any);
+all-to-all the output chunk back. Which blocks run, and on what part of themselves, is decided by
+:class:`~lightning_fpdt.attention.blocks.BlockRules` (causality, documents, a sliding window): a skipped
+block is absent from both passes' schedules, so it gets no prefetch, copy or kernel.
 
 Backward: outer loop over key/value chunks ``j``, inner loop over query chunks ``i`` (``i >= j``
 when causal). After outer step ``j``, dk_j and dv_j (and for causal attention dq_j) are final and go
@@ -26,8 +29,9 @@ compute. Every rank issues the same collectives in the same order, whatever it c
 
 Where the local chunks come from and where their gradients go is not this module's business: a
 :class:`ChunkSource` hands out local q/k/v chunks and a :class:`ChunkSink` takes the final gradient
-chunks. ``lightning_fpdt.attention.sources`` has the two pairs: slices of whole q/k/v tensors
-(``fpdt_attention``) and q/k/v projected chunk by chunk from a block's input (``FPDTAttention``).
+chunks (``lightning_fpdt.attention.ends``). ``lightning_fpdt.attention.sources`` has the two pairs:
+slices of whole q/k/v tensors (``fpdt_attention``) and q/k/v projected chunk by chunk from a block's
+input (``FPDTAttention``).
 :class:`PipelineFunction` is the one autograd Function over any pair (:class:`PipelineEnds`).
 """
 
@@ -35,18 +39,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_fpdt.attention.blocks import BlockRules, chunk_bounds, global_ranges, plan_blocks
 from lightning_fpdt.attention.documents import block_backward, block_forward
-from lightning_fpdt.attention.kernels import AttentionKernel, accumulate_dtype
-from lightning_fpdt.attention.merge import update_out_and_lse
+from lightning_fpdt.attention.ends import ChunkSink, ChunkSource, PipelineEnds
+from lightning_fpdt.attention.kernels import AttentionKernel, accumulate_dtype, check_softcap
+from lightning_fpdt.attention.merge import merge_sink, sink_grad, update_out_and_lse
 from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
 from lightning_fpdt.comm import Exchange, PendingAllToAll, group_size
-from lightning_fpdt.layout import PackedDocuments, Segment, chunk_lengths, validate_chunk_size
+from lightning_fpdt.layout import PackedDocuments, validate_chunk_size
 from lightning_fpdt.profiling import record
 
 KV_KINDS = {"k": "kv", "v": "kv"}
@@ -60,6 +67,11 @@ class PipelineOptions:
 
     ``overlap_comm``: asynchronous all-to-alls overlapping the attention (module docstring); ``False``
     runs each to completion where it is issued (same results bit for bit; for comparisons).
+    ``window``: a sliding window (tokens a query sees, itself included); ``softcap``: the attention-logit
+    cap (``cap * tanh(s / cap)``); both ``None`` when off.
+
+    Raises:
+        ValueError: a window below 1 or without causality, a softcap that is not positive.
     """
 
     group: ProcessGroup | None
@@ -71,18 +83,17 @@ class PipelineOptions:
     stats_sink: list[OffloadStats] | None = None
     overlap_comm: bool = True
     documents: PackedDocuments | None = None
+    window: int | None = None
+    softcap: float | None = None
 
-    def segments(self, ranges: list[tuple[int, int]], i: int, j: int) -> list[Segment] | None:
-        """The document rectangles of block (query chunk ``i``, key chunk ``j``), or ``None`` for the whole
-        block (no documents). ``ranges`` are the chunks' global token ranges."""
-        if self.documents is None:
-            return None
-        return self.documents.segments(ranges[i], ranges[j], self.causal and i == j)
+    def __post_init__(self) -> None:
+        self.rules  # noqa: B018 (validates the window against causality now, not at the first block)
+        check_softcap(self.softcap)
 
-    def attends(self, ranges: list[tuple[int, int]], i: int, j: int) -> bool:
-        """Whether block ``(i, j)`` has work: with documents, only if the chunks share one (else it is
-        skipped before any copy or kernel)."""
-        return self.documents is None or self.documents.shares_document(ranges[i], ranges[j])
+    @property
+    def rules(self) -> BlockRules:
+        """What each block computes (``lightning_fpdt.attention.blocks``)."""
+        return BlockRules(self.causal, self.window, self.documents)
 
     @classmethod
     def for_chunk_size(cls, group: ProcessGroup | None, chunk_size: int | None, **options: Any) -> PipelineOptions:
@@ -92,89 +103,18 @@ class PipelineOptions:
         return cls(group=group, local_chunk_size=None if chunk_size is None else chunk_size // p, **options)
 
 
-class ChunkSource(Protocol):
-    """Where the forward gets this rank's local chunks ``lo:hi`` of q, k and v (layout order).
-
-    Attributes:
-        q_shape: the whole local q, ``[batch, s_local, n_heads, head_dim]``.
-        dtype: the dtype of the q chunks; may be known only once the first chunk is made (autocast).
-    """
-
-    q_shape: torch.Size
-    dtype: torch.dtype | None
-
-    def q(self, lo: int, hi: int) -> Tensor:
-        """``[batch, hi - lo, n_heads, head_dim]``."""
-        ...
-
-    def kv(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
-        """k and v ``[batch, hi - lo, kv_heads, head_dim]``, ``kv_heads`` already replicated to a multiple of P."""
-        ...
-
-
-class ChunkSink(Protocol):
-    """Where the backward puts each local gradient chunk once it is final, and what it makes of them."""
-
-    def q(self, lo: int, hi: int, dq: Tensor) -> None:
-        """``dq`` ``[batch, hi - lo, n_heads, head_dim]``: final."""
-        ...
-
-    def kv(self, lo: int, hi: int, dk: Tensor, dv: Tensor) -> None:
-        """``dk``, ``dv`` ``[batch, hi - lo, kv_heads, head_dim]``: final."""
-        ...
-
-    def result(self) -> tuple[Tensor | None, ...]:
-        """The gradients of the pipeline's inputs (see :class:`PipelineEnds`), once every chunk is in."""
-        ...
-
-
-class PipelineEnds(Protocol):
-    """Both ends of a pipeline over the tensor ``inputs`` given to :class:`PipelineFunction`.
-
-    Holds no tensors itself: the autograd context keeps it until backward, and a reference to a
-    whole q or k there would keep its storage alive.
-    """
-
-    def source(self, *inputs: Tensor) -> ChunkSource:
-        """The forward's chunk source over ``inputs``."""
-        ...
-
-    def saved(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        """The inputs :meth:`sink` needs in backward (kept with ``ctx.save_for_backward``)."""
-        ...
-
-    def sink(self, dout: Tensor, dtype: torch.dtype, *saved: Tensor) -> ChunkSink:
-        """The backward's sink; its ``result()`` is one gradient (or ``None``) per input, in order.
-
-        ``dout`` ``[batch, s_local, n_heads, head_dim]``; ``dtype`` that of the source's q chunks.
-        """
-        ...
-
-
-def chunk_bounds(s_local: int, local_chunk_size: int | None) -> list[tuple[int, int]]:
-    """``(lo, hi)`` of each local chunk: the chunk lengths of the local shard with ``C / P`` per chunk."""
-    bounds, start = [], 0
-    for length in chunk_lengths(s_local, local_chunk_size):
-        bounds.append((start, start + length))
-        start += length
-    return bounds
-
-
 def _key_order(i: int, n: int, causal: bool) -> list[int]:
     """Key chunks query chunk ``i`` attends to: the diagonal first (it is on the device), then in order."""
     others = [j for j in range(i if causal else n) if j != i]
     return [i, *others]
 
 
-def global_ranges(bounds: list[tuple[int, int]], p: int) -> list[tuple[int, int]]:
-    """Global token ranges of the chunks: local chunk ``(lo, hi)`` is global chunk ``(lo * P, hi * P)``."""
-    return [(lo * p, hi * p) for lo, hi in bounds]
-
-
 def pipeline_forward(
-    source: ChunkSource, opt: PipelineOptions, store: ChunkStore, save_for_backward: bool = True
+    source: ChunkSource, opt: PipelineOptions, store: ChunkStore, save_for_backward: bool = True,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention output ``[b, s_local, h, d]`` and lse ``[b, h/P, S]`` (head-sharded, layout order).
+    """Attention output ``[b, s_local, h, d]`` and lse ``[b, h/P, S]`` (head-sharded, layout order; with the
+    ``sinks`` ``[h/P]`` of this rank's heads joined to every row, when given).
 
     With ``save_for_backward`` the query-side chunks (q, out, lse) stay in ``store`` for
     :func:`pipeline_backward`; without it only k/v pass through the store, for this forward's own use.
@@ -188,9 +128,9 @@ def pipeline_forward(
     bounds = chunk_bounds(s_local, opt.local_chunk_size)
     n = len(bounds)
     exchange = Exchange(opt.group, overlap=opt.overlap_comm)
-    ranges = global_ranges(bounds, group_size(opt.group))
-    # blocks sharing no document are dropped here: no prefetch, copy or kernel for them (the diagonal stays)
-    orders = [[j for j in _key_order(i, n, opt.causal) if opt.attends(ranges, i, j)] for i in range(n)]
+    plan = plan_blocks(opt.rules, global_ranges(bounds, group_size(opt.group)))
+    # skipped blocks are dropped here: no prefetch, copy or kernel for them (the diagonal always stays)
+    orders = [[j for j in _key_order(i, n, opt.causal) if (i, j) in plan] for i in range(n)]
     next_key = [j for order in orders for j in order][1:] + [None]  # the key chunk of the block after each block
     store.stats.count_blocks(len(next_key), n * (n + 1) // 2 if opt.causal else n * n)
     out: Tensor | None = None  # [b, s_local, h, d]: chunks are written in as they arrive
@@ -245,14 +185,15 @@ def pipeline_forward(
                 store.prefetch(("v", nxt))
             k_j, v_j = store.get(("k", j)), store.get(("v", j))
             with record("fpdt/attention_chunk"):
-                block_out, block_lse = block_forward(opt.kernel, q_i, k_j, v_j, opt.causal and i == j, opt.scale,
-                                                     opt.segments(ranges, i, j))
+                block_out, block_lse = block_forward(opt.kernel, q_i, k_j, v_j, plan[(i, j)], opt.scale, opt.softcap)
                 out_i, lse_i = update_out_and_lse(out_i, lse_i, block_out, block_lse)
             if nxt != j:  # full attention's block (n-2, n-1) is followed by (n-1, n-1): keep it
                 store.evict(("k", j))
                 store.evict(("v", j))
             block += 1
         assert out_i is not None and lse_i is not None
+        if sinks is not None:  # once per row, after every key block
+            out_i, lse_i = merge_sink(out_i, lse_i, sinks)
         if sent is not None:
             place(sent)
         out_i = out_i.to(source.dtype)
@@ -270,10 +211,12 @@ def pipeline_forward(
 
 
 def pipeline_backward(
-    dout: Tensor, q_dtype: torch.dtype, opt: PipelineOptions, store: ChunkStore, sink: ChunkSink
-) -> None:
+    dout: Tensor, q_dtype: torch.dtype, opt: PipelineOptions, store: ChunkStore, sink: ChunkSink,
+    sinks: Tensor | None = None,
+) -> Tensor | None:
     """Gradients of q, k, v from ``dout`` ``[b, s_local, h, d]`` and the chunks :func:`pipeline_forward`
-    left in ``store``, handed to ``sink`` chunk by chunk as they become final.
+    left in ``store``, handed to ``sink`` chunk by chunk as they become final. Returns the gradient of this
+    rank's ``sinks`` ``[h/P]`` (accumulation dtype) when the forward had them, else ``None``.
 
     The steps ``(j, i)`` (outer key chunk, inner query chunk) run as one sequence; before each step's
     compute the next step's chunks are prefetched (its query set, and its k/v when the outer step
@@ -285,10 +228,11 @@ def pipeline_backward(
     n = len(bounds)
     acc = accumulate_dtype(q_dtype)
     exchange = Exchange(opt.group, overlap=opt.overlap_comm)
-    ranges = global_ranges(bounds, group_size(opt.group))
+    plan = plan_blocks(opt.rules, global_ranges(bounds, group_size(opt.group)))
     steps = [(j, i) for j in range(n) for i in (range(j, n) if opt.causal else range(n))
-             if opt.attends(ranges, i, j)]  # blocks sharing no document are skipped
+             if (i, j) in plan]  # skipped blocks are not steps: nothing is prefetched or computed for them
     store.stats.count_blocks(len(steps), n * (n + 1) // 2 if opt.causal else n * n)
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=acc, device=sinks.device)
     # dout chunk i comes over at its first step; dq_i is final after its last one
     first_visit, last_visit = {}, {}
     for t, (_, i) in enumerate(steps):
@@ -334,8 +278,10 @@ def pipeline_backward(
             prefetch(t + 1)
         q_i, o_i, lse_i, do_i = (store.get((kind, i)) for kind in ("q", "o", "lse", "do"))
         with record("fpdt/attention_chunk_backward"):
-            dq, dk, dv = block_backward(opt.kernel, do_i, q_i, k_j, v_j, o_i, lse_i, opt.causal and i == j, opt.scale,
-                                        opt.segments(ranges, i, j))
+            if dsinks is not None and first_visit[i] == t:  # each row's sink gradient, once
+                dsinks += sink_grad(do_i, o_i, lse_i, sinks)
+            dq, dk, dv = block_backward(opt.kernel, do_i, q_i, k_j, v_j, o_i, lse_i, plan[(i, j)], opt.scale,
+                                        opt.softcap)
         deliver()
         if ("dq", i) not in store:
             dq_i = dq.to(acc)
@@ -366,24 +312,34 @@ def pipeline_backward(
             homebound.append(lambda p=sent_kv, b=bounds[j]: sink.kv(*b, p[0].wait(), p[1].wait()))
     deliver()
     exchange.close()
+    return dsinks
 
 
 class PipelineFunction(torch.autograd.Function):
-    """``(*inputs) -> (out, lse)``: the pipeline from ``ends.source(*inputs)``; backward through ``ends.sink``.
+    """``(sinks, *inputs) -> (out, lse)``: the pipeline from ``ends.source(*inputs)``; backward through
+    ``ends.sink``.
 
+    ``sinks``: ``None``, or each head's sink logit ``[n_heads]`` (all heads, the same on every rank). Its
+    gradient on each rank holds the rank's heads (zeros elsewhere), over the whole sequence: summed over
+    the sequence-parallel group, as every parameter's gradient is, it is the sinks' gradient.
     ``out`` ``[b, s_local, h, d]``; ``lse`` ``[b, h/P, S]`` (head-sharded, not differentiable).
     """
 
     @staticmethod
     def forward(
-        ctx: Any, ends: PipelineEnds, opt: PipelineOptions, needs_backward: bool, *inputs: Tensor
+        ctx: Any, ends: PipelineEnds, opt: PipelineOptions, needs_backward: bool, sinks: Tensor | None,
+        *inputs: Tensor,
     ) -> tuple[Tensor, Tensor]:
         store = new_store(inputs[0].device, opt)
         source = ends.source(*inputs)
-        out, lse = pipeline_forward(source, opt, store, save_for_backward=needs_backward)
+        heads = None if sinks is None else _rank_heads(sinks.shape[0], opt.group)
+        local_sinks = None if heads is None or sinks is None else sinks.detach()[heads]
+        out, lse = pipeline_forward(source, opt, store, save_for_backward=needs_backward, sinks=local_sinks)
         if not needs_backward:  # inference: nothing to keep
             finish(store, opt)
         ctx.ends, ctx.opt, ctx.store, ctx.q_dtype = ends, opt, store, source.dtype
+        ctx.sinks, ctx.heads = local_sinks, heads
+        ctx.whole_sinks = None if sinks is None else (sinks.shape, sinks.dtype)
         ctx.save_for_backward(*ends.saved(*inputs))
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -392,16 +348,33 @@ class PipelineFunction(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         sink = ctx.ends.sink(dout, ctx.q_dtype, *ctx.saved_tensors)
         try:
-            pipeline_backward(dout.contiguous(), ctx.q_dtype, ctx.opt, ctx.store, sink)
+            dsinks = pipeline_backward(dout.contiguous(), ctx.q_dtype, ctx.opt, ctx.store, sink, ctx.sinks)
         finally:
             finish(ctx.store, ctx.opt)
-        return None, None, None, *sink.result()
+        grad_sinks = None
+        if dsinks is not None and ctx.needs_input_grad[3]:
+            shape, dtype = ctx.whole_sinks
+            grad_sinks = dsinks.new_zeros(shape)
+            grad_sinks[ctx.heads] = dsinks
+            grad_sinks = grad_sinks.to(dtype)
+        return None, None, None, grad_sinks, *sink.result()
 
 
-def run_pipeline(ends: PipelineEnds, opt: PipelineOptions, *inputs: Tensor) -> tuple[Tensor, Tensor]:
-    """:class:`PipelineFunction` over ``inputs``; it saves chunks for backward only if one can follow."""
-    needs_backward = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-    return PipelineFunction.apply(ends, opt, needs_backward, *inputs)
+def _rank_heads(n_heads: int, group: ProcessGroup | None) -> slice:
+    """This rank's heads after the all-to-all: rank ``r`` of ``P`` holds heads ``r * H/P`` up to
+    ``(r + 1) * H/P`` (``lightning_fpdt.comm``)."""
+    per_rank = n_heads // group_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    return slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def run_pipeline(
+    ends: PipelineEnds, opt: PipelineOptions, *inputs: Tensor, sinks: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """:class:`PipelineFunction` over ``inputs`` (and attention ``sinks`` ``[n_heads]``, if any); it saves
+    chunks for backward only if one can follow."""
+    needs_backward = torch.is_grad_enabled() and any(x.requires_grad for x in (*inputs, sinks) if x is not None)
+    return PipelineFunction.apply(ends, opt, needs_backward, sinks, *inputs)
 
 
 def new_store(device: torch.device, opt: PipelineOptions) -> ChunkStore:

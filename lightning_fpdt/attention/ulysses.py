@@ -17,32 +17,36 @@ from lightning_fpdt.profiling import record
 
 
 class KernelAttentionFunction(torch.autograd.Function):
-    """One kernel call as an autograd function: ``(q, k, v) -> out`` ``[batch, seq, heads, head_dim]``."""
+    """One kernel call as an autograd function: ``(q, k, v) -> out`` ``[batch, seq, heads, head_dim]``, with
+    the attention-logit ``softcap`` when given."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, causal: bool, scale: float
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, causal: bool, scale: float,
+        softcap: float | None = None,
     ) -> Tensor:
         with record("fpdt/attention"):
-            out, lse = kernel.forward(q, k, v, causal, scale)
+            out, lse = kernel.forward(q, k, v, causal, scale, None, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.causal, ctx.scale = kernel, causal, scale
+        ctx.kernel, ctx.causal, ctx.scale, ctx.softcap = kernel, causal, scale, softcap
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         with record("fpdt/attention_backward"):
-            dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, None, ctx.softcap)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ulysses_attention(
-    q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, kernel: AttentionKernel, causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, kernel: AttentionKernel, causal: bool, scale: float,
+    softcap: float | None = None,
 ) -> Tensor:
-    """Sequence shards ``[b, S/P, h, d]`` in, output shard out; k/v heads already shardable over P."""
+    """Sequence shards ``[b, S/P, h, d]`` in, output shard out; k/v heads already shardable over P. Sliding
+    windows, documents and sinks take the pipeline (``fpdt_attention``), which plans their blocks."""
     with record("fpdt/all_to_all"):
         q, k, v = (SeqToHead.apply(x, group) for x in (q, k, v))  # [b, S, h/P, d]
-    out = KernelAttentionFunction.apply(q, k, v, kernel, causal, scale)
+    out = KernelAttentionFunction.apply(q, k, v, kernel, causal, scale, softcap)
     with record("fpdt/all_to_all"):
         return HeadToSeq.apply(out, group)  # [b, S/P, h, d]

@@ -1,0 +1,168 @@
+"""Block rules: what each (query chunk, key chunk) block of FPDT attention computes.
+
+Causality, packed documents and a sliding window decide, per block, one of three things, here and
+nowhere else (every backend obeys the answer):
+
+- **skip**: no query of the block sees any of its keys (above the causal diagonal, wholly before every
+  query's window, or no shared document). The pipeline drops the block from its schedule before
+  anything is issued: no prefetch, copy or kernel, in forward and backward.
+- **full**: every query sees every key: one plain kernel call on the whole block.
+- **cut**: a causal diagonal, a window edge or a document boundary runs through the block. It becomes
+  rectangles (:class:`Rect`), one per shared document, each trimmed to the rows that see at least one
+  key and the keys some row sees, with at most a causal diagonal and a window edge left inside. The
+  kernels apply those two (``lightning_fpdt.attention.kernels``): ``math`` and ``sdpa`` with a mask on
+  cut rectangles only, ``flash_attn`` with its ``window_size``.
+
+Softcapping and attention sinks change the scores and the merge, not this schedule.
+
+Positions are global token offsets of the padded sequence (chunk ``i`` covers ``ranges[i]``): after the
+all-to-all, local chunk ``i`` is global chunk ``i`` on every rank, so every rank plans the same blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_fpdt.layout import PackedDocuments, chunk_lengths
+
+BlockKind = Literal["skip", "full", "cut"]
+Range = tuple[int, int]  # global token range [start, end) of a chunk
+
+
+def window_start(query: int, window: int) -> int:
+    """The first key position a query at position ``query`` sees under a sliding window of ``window`` tokens.
+
+    As transformers 5 counts it (``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``,
+    combined with causality in ``sliding_window_causal_mask_function``): keys ``query - window + 1 .. query``,
+    ``window`` tokens with the query itself. Packed sequences: transformers measures both indices as
+    positions inside the document (``remap_positions_for_packed_sequence``) and adds a same-document mask;
+    inside one document global and in-document distances are equal, so the band in global offsets is the same.
+    """
+    return query - window + 1
+
+
+@dataclass(frozen=True)
+class Rect:
+    """One kernel call of a cut block: rows ``q_lo:q_hi`` of the query chunk attend to keys ``k_lo:k_hi`` of
+    the key chunk, for the samples ``batch``.
+
+    ``causal``: a square on the diagonal; local key ``b`` is seen by local row ``a`` only if ``b <= a``.
+    ``lower``: a window edge; only keys with ``b - a >= lower`` are seen (``None``: no edge). Every row
+    sees at least one key.
+    """
+
+    batch: slice
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    causal: bool
+    lower: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockRules:
+    """The rules of one attention call: ``causal``, a sliding ``window`` (tokens a query sees, itself
+    included; ``None``: unbounded) and packed ``documents`` (``None``: one document per sample).
+
+    Raises:
+        ValueError: a window below 1, or a window without causality.
+    """
+
+    causal: bool
+    window: int | None = None
+    documents: PackedDocuments | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"fpdt_attention: window={self.window}; a sliding window holds at least 1 token"
+                             " (the query itself). Use None for no window.")
+        if self.window is not None and not self.causal:
+            raise ValueError(f"fpdt_attention: window={self.window} with causal=False; sliding windows are"
+                             " supported for causal attention only (as transformers' sliding_window_causal"
+                             " masks). Use causal=True or window=None.")
+
+    def _skips(self, q: Range, k: Range) -> bool:
+        """The cheap tests: above the diagonal, before the first query's window, no shared document."""
+        (q0, q1), (k0, k1) = q, k
+        if self.causal and k0 >= q1:
+            return True
+        # the first query's window starts earliest: a key before it is before every query's window
+        if self.window is not None and k1 <= window_start(q0, self.window):
+            return True
+        return self.documents is not None and not self.documents.shares_document(q, k)
+
+    def rects(self, q: Range, k: Range) -> list[Rect] | None:
+        """The rectangles of block (queries ``q``, keys ``k``; equal or disjoint ranges): ``[]`` to skip it,
+        ``None`` when it is full (one call on the whole block)."""
+        if self._skips(q, k):
+            return []
+        (q0, q1), (k0, k1) = q, k
+        diagonal = self.causal and q == k
+        window_cuts = self.window is not None and k0 < window_start(q1 - 1, self.window)
+        if self.documents is None:
+            if not diagonal and not window_cuts:
+                return None
+            pieces = [Rect(slice(None), 0, q1 - q0, 0, k1 - k0, diagonal)]
+        else:
+            pieces = [Rect(s.batch, s.q_lo, s.q_hi, s.k_lo, s.k_hi, s.causal)
+                      for s in self.documents.segments(q, k, diagonal)]
+            # whole: one document holds the block in every sample (one piece for all, or one per sample)
+            block = (0, q1 - q0, 0, k1 - k0, False)
+            whole = all((r.q_lo, r.q_hi, r.k_lo, r.k_hi, r.causal) == block for r in pieces) and (
+                pieces[0].batch == slice(None) or len(pieces) == len(self.documents.starts))
+            if whole and not window_cuts:
+                return None
+        if self.window is None:
+            return pieces
+        banded = (self._band(r, q0 + r.q_lo - (k0 + r.k_lo)) for r in pieces)
+        return [r for r in banded if r is not None]
+
+    def _band(self, r: Rect, offset: int) -> Rect | None:
+        """``r`` with the window's edge, trimmed to the rows that see a key and the keys a row sees (``None``
+        when no row sees any); ``offset`` is the global position of its first row minus that of its first key."""
+        assert self.window is not None
+        n_q, n_k = r.q_hi - r.q_lo, r.k_hi - r.k_lo
+        # local key b is seen by local row a iff k0 + b >= window_start(q0 + a), i.e. b - a >= lower
+        lower = window_start(offset, self.window)
+        rows = min(n_q, n_k - lower)  # row a sees a key iff a + lower <= n_k - 1 (a causal square: every row)
+        if rows <= 0:
+            return None
+        first_key = max(0, lower)  # the first row's first key; no row sees an earlier one
+        lower -= first_key
+        if rows - 1 + lower <= 0:  # even the last row sees the first key: no edge inside
+            lower = None
+        return Rect(r.batch, r.q_lo, r.q_lo + rows, r.k_lo + first_key, r.k_hi, r.causal, lower)
+
+    def kind(self, q: Range, k: Range) -> BlockKind:
+        """``"skip"``, ``"full"`` or ``"cut"`` for block (queries ``q``, keys ``k``): :meth:`rects`, named."""
+        rects = self.rects(q, k)
+        return "full" if rects is None else "cut" if rects else "skip"
+
+
+def chunk_bounds(s_local: int, local_chunk_size: int | None) -> list[tuple[int, int]]:
+    """``(lo, hi)`` of each local chunk: the chunk lengths of the local shard with ``C / P`` per chunk."""
+    bounds, start = [], 0
+    for length in chunk_lengths(s_local, local_chunk_size):
+        bounds.append((start, start + length))
+        start += length
+    return bounds
+
+
+def global_ranges(bounds: list[tuple[int, int]], p: int) -> list[Range]:
+    """Global token ranges of the chunks: local chunk ``(lo, hi)`` is global chunk ``(lo * P, hi * P)``."""
+    return [(lo * p, hi * p) for lo, hi in bounds]
+
+
+def plan_blocks(rules: BlockRules, ranges: list[Range]) -> dict[tuple[int, int], list[Rect] | None]:
+    """The blocks ``(i, j)`` (query chunk ``i``, key chunk ``j``) that are not skipped, each with its
+    rectangles (``None``: full). Forward and backward both schedule from this, so a skipped block is
+    absent from both."""
+    plan = {}
+    for i, q in enumerate(ranges):
+        for j, k in enumerate(ranges):
+            rects = rules.rects(q, k)
+            if rects is None or rects:
+                plan[(i, j)] = rects
+    return plan
