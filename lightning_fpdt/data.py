@@ -26,8 +26,12 @@ class PasskeyDataset(Dataset):
 
         <filler> The pass key is #48213. Remember it. <filler> What is the pass key? #48213
 
-    The filler has no digits and no ``#``, so the key is the only thing to copy: a small model can
-    learn the task (induction over ``#`` and the digits) in a few hundred CPU steps.
+    The filler has no digits and no ``#``, so the key is the only thing to copy. With
+    ``key_repeats=R`` the key is written R times in the needle (``The pass key is #7 #7 #7 ...``): the
+    answer still has to be read from the needle, but R copies give the attention R times the signal
+    at the start: a one-digit key written 8 times is learnt in 40-60 steps
+    (``examples/configs/tiny_cpu.yaml``), where a 5-digit key written once (induction over ``#`` and
+    the digits) reaches about 0.3 per digit in 3000 (``passkey_cpu.yaml``).
 
     Items: ``input_ids`` ``[seq_len]``, ``answer_mask`` ``[seq_len]`` (True at positions whose *next*
     token is an answer digit: aligned with shifted labels), ``depth`` (float), and with
@@ -40,15 +44,18 @@ class PasskeyDataset(Dataset):
         digits: length of the pass key.
         seed: samples are a pure function of ``(seed, index)``.
         loss_on: ``"all"`` tokens (language modelling of the filler too) or only the ``"answer"``.
+        key_repeats: times the key is written in the needle (the answer gives it once).
     """
 
     def __init__(
         self, num_samples: int, seq_len: int, depth: float | None = None, digits: int = 5, seed: int = 0,
-        loss_on: str = "all",
+        loss_on: str = "all", key_repeats: int = 1,
     ) -> None:
         if loss_on not in ("all", "answer"):
             raise ValueError(f"PasskeyDataset: loss_on={loss_on!r} must be 'all' or 'answer'.")
-        self.loss_on = loss_on
+        if key_repeats < 1:
+            raise ValueError(f"PasskeyDataset: key_repeats={key_repeats} must be at least 1.")
+        self.loss_on, self.key_repeats = loss_on, key_repeats
         self.tokenizer = ByteTokenizer()
         self.num_samples, self.seq_len, self.depth, self.digits, self.seed = num_samples, seq_len, depth, digits, seed
         minimum = len(self._tail("0" * digits)) + len(self._needle("0" * digits)) + 1
@@ -58,7 +65,7 @@ class PasskeyDataset(Dataset):
             raise ValueError(f"PasskeyDataset: depth={depth} must be in [0, 1].")
 
     def _needle(self, key: str) -> list[int]:
-        return self.tokenizer.encode(f" The pass key is #{key}. Remember it. ")
+        return self.tokenizer.encode(" The pass key is" + f" #{key}" * self.key_repeats + ". Remember it. ")
 
     def _tail(self, key: str) -> list[int]:
         return self.tokenizer.encode(f" What is the pass key? #{key}")
@@ -98,8 +105,8 @@ class PasskeyDataModule(pl.LightningDataModule):
         digits: pass-key length.
         val_seq_len: tokens per validation sample (default ``seq_len``); longer than ``seq_len``
             tests whether retrieval learnt on short samples holds over longer distances.
-        loss_on: training loss on ``"all"`` tokens or only on the ``"answer"`` (validation loss is
-            always on all tokens).
+        loss_on: loss on ``"all"`` tokens or only on the ``"answer"``, in training and validation alike.
+        key_repeats: times the key is written in the needle (see :class:`PasskeyDataset`).
         num_workers: DataLoader workers.
     """
 
@@ -113,13 +120,15 @@ class PasskeyDataModule(pl.LightningDataModule):
         digits: int = 5,
         val_seq_len: int | None = None,
         loss_on: str = "all",
+        key_repeats: int = 1,
         num_workers: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.seq_len, self.batch_size, self.num_workers = seq_len, batch_size, num_workers
-        self.train_set = PasskeyDataset(train_samples, seq_len, None, digits, seed=1, loss_on=loss_on)
-        self.val_set = PasskeyDataset(val_samples, val_seq_len or seq_len, depth, digits, seed=2)
+        self.train_set = PasskeyDataset(train_samples, seq_len, None, digits, 1, loss_on, key_repeats)
+        # held out: another seed draws other keys, depths and filler offsets
+        self.val_set = PasskeyDataset(val_samples, val_seq_len or seq_len, depth, digits, 2, loss_on, key_repeats)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)

@@ -134,7 +134,8 @@ def test_fit_prints_the_memory_estimate_and_resolves_auto_chunks(tmp_path: Path)
         "fit", "--config", str(TINY), "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
         "--trainer.logger=false",
         "--trainer.strategy.init_args.chunk_size=auto", "--trainer.strategy.init_args.memory_budget=1.0",
-        "--trainer.strategy.init_args.start_method=fork", "--data.init_args.seq_len=256", cwd=tmp_path,
+        "--trainer.strategy.init_args.start_method=fork", "--data.init_args.seq_len=256",
+        "--data.init_args.batch_size=4", cwd=tmp_path,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
