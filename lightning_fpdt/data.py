@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_fpdt.hf_data import HFDataModule  # noqa: F401  (lightning_fpdt.data.HFDataModule in configs)
 from lightning_fpdt.tokenizer import ByteTokenizer
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

@@ -1,0 +1,351 @@
+"""``HFDataModule``: local ``datasets`` files and the model's own tokenizer, packed into long-context samples.
+
+Life cycle (docs/data.md):
+
+1. ``prepare_data`` (one process per node): read the files, tokenize every row with ``num_proc`` workers
+   (:mod:`lightning_fpdt.packing`), pack, and write the samples to ``cache_dir/<key>/`` as ``.npy`` files. The
+   key hashes the files (path, size, mtime), the tokenizer's files and every option that changes the samples,
+   so other ranks and later runs reuse it. A bad input is not raised there but written next to the cache.
+2. ``setup`` (every rank): raise that error, or a check's own (the tokenizer's vocabulary against the
+   model's embedding), on every rank alike, before any collective; then memory-map the samples.
+3. The loaders: each data-parallel group reads its own samples (the strategy's ``distributed_sampler_kwargs``)
+   in an order drawn from ``seed`` and the epoch; the strategy's data-position resume skips what a
+   checkpoint already trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_fpdt import hf_files
+from lightning_fpdt.batches import input_vocab_size
+from lightning_fpdt.packing import OWNER, DataError, build_samples, chat_tokens, fill, text_tokens
+
+KEYS = ("input_ids", "labels", "position_ids")
+VERSION = 1  # bump when the samples of the same inputs change
+_TOKENIZERS: dict[str, Any] = {}  # per worker process: the tokenizer, loaded once
+
+
+def load_tokenizer(path: str) -> Any:
+    """``AutoTokenizer.from_pretrained(path)`` from local files, once per process."""
+    if path not in _TOKENIZERS:
+        from transformers import AutoTokenizer  # optional dependency: only HFDataModule needs transformers
+
+        try:
+            _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise DataError(
+                f"{OWNER}no tokenizer could be loaded from {path!r} ({type(err).__name__}: {str(err)[:200]}). Give"
+                " data.tokenizer: a local directory with tokenizer.json / tokenizer_config.json (the model's"
+                " directory usually has them); nothing is downloaded."
+            ) from None
+    return _TOKENIZERS[path]
+
+
+def _tokenize_row(row: dict[str, Any], tokenizer_path: str, field: str, chat: bool) -> dict[str, Any]:
+    """One row to ``input_ids`` (and ``labels``); a bad row gives its reason in ``problem``, never raises
+    (a worker's exception would reach the user as a raw traceback without the row)."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    out: dict[str, Any] = {"input_ids": [], "labels": [], "problem": "", "skipped": False}
+    try:
+        if chat:
+            made = chat_tokens(tokenizer, row[field])
+            if made is None:
+                out["skipped"] = True
+            else:
+                out["input_ids"], out["labels"] = made
+        else:
+            out["input_ids"] = text_tokens(tokenizer, row[field])
+    except ValueError as err:
+        out["problem"] = str(err)
+    return out
+
+
+class PackedSamples(Dataset):
+    """Packed samples memory-mapped from the cache: items ``input_ids``, ``labels`` (unshifted, -100 ignored)
+    and ``position_ids`` (restarting per document), each ``[seq_len]`` long."""
+
+    def __init__(self, directory: Path, split: str) -> None:
+        self.arrays = {k: np.load(directory / f"{split}_{k}.npy", mmap_mode="r") for k in KEYS}
+
+    def __len__(self) -> int:
+        return len(self.arrays["input_ids"])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {k: torch.from_numpy(np.asarray(a[index], dtype=np.int64)) for k, a in self.arrays.items()}
+
+
+class HFDataModule(pl.LightningDataModule):
+    """Local ``datasets`` files, tokenized with the model's tokenizer and packed into ``seq_len`` samples.
+
+    Batches: ``input_ids``, ``labels`` (Hugging Face convention: unshifted, -100 ignored) and ``position_ids``
+    ``[batch_size, seq_len]``; positions restart at every document, so attention and targets stay inside it.
+
+    Args:
+        train_files: jsonl, json, parquet or csv files (globs allowed), or ``save_to_disk`` directories.
+        val_files: the same for validation; ``None``: ``val_fraction`` of the training documents.
+        tokenizer: a local path for ``AutoTokenizer.from_pretrained``; ``None``: the path the
+            ``HFCausalLM`` was loaded from (its ``model`` argument), so a config does not repeat it.
+        format: ``"text"`` (documents packed back to back) or ``"chat"`` (conversations, loss on assistant
+            turns only, bin-packed whole).
+        seq_len: tokens per sample (global, before sequence sharding).
+        batch_size: samples per data-parallel rank per step.
+        text_field: the field of a text row.
+        messages_field: the field of a chat row: a list of ``{"role", "content"}``.
+        too_long: a conversation longer than ``seq_len`` is ``"truncate"``-d to its first ``seq_len`` tokens
+            or ``"drop"``-ped; either is counted in a warning.
+        val_fraction: without ``val_files``, the fraction of training documents held out (drawn from ``seed``).
+        seed: the held-out documents and each epoch's sample order are a function of it.
+        num_proc: tokenizer processes in ``prepare_data``.
+        cache_dir: where the packed samples are kept (default ``~/.cache/lightning_fpdt/data``).
+        num_workers: DataLoader workers.
+
+    Raises:
+        ValueError: an option out of range (at construction); bad data (at ``setup``, on every rank): see
+            docs/troubleshooting.md, "Data".
+    """
+
+    def __init__(
+        self,
+        train_files: str | list[str],
+        val_files: str | list[str] | None = None,
+        tokenizer: str | None = None,
+        format: Literal["text", "chat"] = "text",
+        seq_len: int = 4096,
+        batch_size: int = 1,
+        text_field: str = "text",
+        messages_field: str = "messages",
+        too_long: Literal["truncate", "drop"] = "drop",
+        val_fraction: float = 0.0,
+        seed: int = 0,
+        num_proc: int = 1,
+        cache_dir: str | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if format not in ("text", "chat"):
+            raise ValueError(f"{OWNER}format={format!r} must be 'text' or 'chat'.")
+        if too_long not in ("truncate", "drop"):
+            raise ValueError(f"{OWNER}too_long={too_long!r} must be 'truncate' or 'drop'.")
+        if seq_len < 2 or batch_size < 1 or num_proc < 1:
+            raise ValueError(f"{OWNER}seq_len={seq_len} (>= 2), batch_size={batch_size} and num_proc={num_proc}"
+                             " (>= 1) are out of range.")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"{OWNER}val_fraction={val_fraction} must be in [0, 1).")
+        self.save_hyperparameters()
+        self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
+        self.format, self.seq_len, self.batch_size = format, seq_len, batch_size
+        self.field = messages_field if format == "chat" else text_field
+        self.too_long, self.val_fraction, self.seed, self.num_proc = too_long, val_fraction, seed, num_proc
+        self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "lightning_fpdt" / "data")
+        self.num_workers = num_workers
+        self.train_set: PackedSamples | None = None
+        self.val_set: PackedSamples | None = None
+        self.stats: dict[str, Any] = {}
+
+    # ---- the inputs and their cache key -------------------------------------------------------------------
+
+    def tokenizer_path(self) -> str:
+        """The tokenizer's local path: ``tokenizer``, or the attached ``HFCausalLM``'s model path.
+
+        Raises:
+            DataError: none given and the model was not loaded from a path.
+        """
+        if self.tokenizer is not None:
+            return self.tokenizer
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        model = getattr(module, "hparams", {}).get("model") if module is not None else None
+        if isinstance(model, str):
+            return model
+        raise DataError(
+            f"{OWNER}no tokenizer: give data.tokenizer (a local tokenizer directory). It is taken from the model"
+            " only when the model is an HFCausalLM loaded from a path (model: /path/to/checkpoint); this model"
+            f" is {type(module).__name__ if module is not None else 'not attached yet'}."
+        )
+
+    def _sources(self) -> dict[str, list[str]]:
+        sources = {"train": hf_files.resolve(self.train_files, "train_files")}
+        if self.val_files is not None:
+            sources["val"] = hf_files.resolve(self.val_files, "val_files")
+        return sources
+
+    def cache_key(self) -> str:
+        """SHA-256 of the files (path, size, mtime), the tokenizer's files and the options (first 16 digits)."""
+        options = {k: self.hparams[k] for k in ("format", "seq_len", "too_long", "val_fraction", "seed")}
+        key = {"version": VERSION, "files": {s: hf_files.fingerprint(p) for s, p in self._sources().items()},
+               "tokenizer": hf_files.directory_hash(self.tokenizer_path()), "field": self.field, **options}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+    # ---- prepare_data: one process per node --------------------------------------------------------------
+
+    def prepare_data(self) -> None:
+        """Tokenize and pack into the cache unless it is there; a bad input is written next to the cache
+        (``<key>.error``) for ``setup`` to raise on every rank."""
+        try:
+            key = self.cache_key()
+        except DataError:
+            return  # every rank's setup meets the same error
+        target, error = self.cache_dir / key, self.cache_dir / f"{key}.error"
+        if (target / "meta.json").is_file():
+            return
+        error.unlink(missing_ok=True)
+        try:
+            self._build(target)
+        except DataError as err:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            error.write_text(str(err))
+
+    def _build(self, target: Path) -> None:
+        tokenizer = load_tokenizer(self.tokenizer_path())
+        if self.format == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                f"{OWNER}format='chat' needs a chat template, and the tokenizer at {self.tokenizer_path()!r} has"
+                " none. Use the tokenizer of a chat model (its tokenizer_config.json has 'chat_template'), set"
+                " tokenizer.chat_template and save it, or use format='text'."
+            )
+        if tokenizer.eos_token_id is None:
+            raise DataError(f"{OWNER}the tokenizer at {self.tokenizer_path()!r} has no eos_token; set one and save it.")
+        docs = {split: self._tokenize(paths, split) for split, paths in self._sources().items()}
+        if "val" not in docs and self.val_fraction > 0:
+            train, n = docs["train"], len(docs["train"][0])
+            held = set(np.random.default_rng(self.seed).permutation(n)[:int(n * self.val_fraction)].tolist())
+            docs = {"train": tuple([x for i, x in enumerate(col) if i not in held] for col in train),
+                    "val": tuple([x for i, x in enumerate(col) if i in held] for col in train)}
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        building = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.rmtree(building, ignore_errors=True)
+        building.mkdir(parents=True)
+        meta: dict[str, Any] = {"vocab": len(tokenizer), "tokenizer": self.tokenizer_path()}
+        for split, (ids, labels) in docs.items():
+            if not ids:
+                if split == "train":
+                    raise DataError(f"{OWNER}no training documents are left; check train_files and val_fraction.")
+                continue
+            samples = build_samples(ids, labels if self.format == "chat" else None, self.seq_len,
+                                    whole=self.format == "chat", pad_id=pad)
+            for k in KEYS:
+                np.save(building / f"{split}_{k}.npy", samples[k])
+            meta[split] = {"documents": len(ids), "samples": len(samples["input_ids"]),
+                           "tokens": int((~samples["pad"]).sum()), "fill": fill(samples["input_ids"], samples["pad"])}
+        (building / "meta.json").write_text(json.dumps({**meta, **self.stats}))
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(building, target)
+
+    def _tokenize(self, paths: list[str], split: str) -> tuple[list[list[int]], list[list[int]]]:
+        """Every row of ``paths`` tokenized (``num_proc`` processes): ``(ids, labels)`` per kept document."""
+        ids: list[list[int]] = []
+        labels: list[list[int]] = []
+        skipped = too_long = rows = 0
+        option = "messages_field" if self.format == "chat" else "text_field"
+        for path in paths:
+            data = hf_files.load(path, str(self.cache_dir / "datasets"))
+            hf_files.check_field(data, self.field, option, path)
+            rows += len(data)
+            if len(data) == 0:
+                continue
+            made = data.map(_tokenize_row, fn_kwargs={"tokenizer_path": self.tokenizer_path(), "field": self.field,
+                                                      "chat": self.format == "chat"},
+                            remove_columns=data.column_names, num_proc=min(self.num_proc, len(data)),
+                            desc=f"HFDataModule: tokenizing {Path(path).name}")
+            problems = made["problem"]
+            bad = next((i for i, p in enumerate(problems) if p), None)
+            if bad is not None:
+                raise DataError(f"{OWNER}{path!r} row {bad} (field {self.field!r}) {problems[bad]}.")
+            for row_ids, row_labels, skip in zip(made["input_ids"], made["labels"], made["skipped"]):
+                if skip:
+                    skipped += 1
+                elif len(row_ids) > self.seq_len and self.format == "chat":
+                    too_long += 1
+                    if self.too_long == "truncate":
+                        ids.append(row_ids[:self.seq_len])
+                        labels.append(row_labels[:self.seq_len])
+                else:
+                    ids.append(row_ids)
+                    labels.append(row_labels)
+        if rows == 0:
+            raise DataError(f"{OWNER}the {split} files {paths} have no rows; give files with data.")
+        if not ids:
+            raise DataError(
+                f"{OWNER}none of the {rows} {split} rows is left: {skipped} conversations without an assistant turn,"
+                f" {too_long} longer than seq_len={self.seq_len} dropped. Check the data, seq_len and too_long."
+            )
+        self.stats[f"{split}_skipped"], self.stats[f"{split}_too_long"] = skipped, too_long
+        return ids, labels
+
+    # ---- setup: every rank --------------------------------------------------------------------------------
+
+    def setup(self, stage: str | None = None) -> None:
+        """Raise a bad input on every rank, check the vocabulary against the model, memory-map the samples.
+
+        Raises:
+            DataError: the error ``prepare_data`` met, a missing file or tokenizer, or a tokenizer vocabulary
+                larger than the model's embedding.
+        """
+        key = self.cache_key()
+        directory, error = self.cache_dir / key, self.cache_dir / f"{key}.error"
+        if error.is_file():
+            raise DataError(error.read_text())
+        if not (directory / "meta.json").is_file():
+            self.prepare_data()  # used without a Trainer (or prepare_data was skipped): one process
+            if error.is_file():
+                raise DataError(error.read_text())
+        meta = json.loads((directory / "meta.json").read_text())
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        embedded = input_vocab_size(module) if module is not None else None
+        if embedded is not None and meta["vocab"] > embedded:
+            raise DataError(
+                f"{OWNER}the tokenizer at {meta['tokenizer']!r} has {meta['vocab']} tokens but the model embeds"
+                f" {embedded}: ids from {embedded} up would be out of range. Use the model's own tokenizer, or a"
+                f" model with vocab_size >= {meta['vocab']}."
+            )
+        self._report(meta)
+        self.train_set = PackedSamples(directory, "train")
+        self.val_set = PackedSamples(directory, "val") if "val" in meta else None
+        self.stats = meta
+
+    def _report(self, meta: dict[str, Any]) -> None:
+        lost = {s: (meta.get(f"{s}_skipped", 0), meta.get(f"{s}_too_long", 0)) for s in ("train", "val")}
+        for split, (skipped, too_long) in lost.items():
+            if skipped or too_long:
+                rank_zero_warn(
+                    f"{OWNER}{split}: {skipped} conversations without an assistant turn were skipped and"
+                    f" {too_long} longer than seq_len={self.seq_len} were {self.too_long}"
+                    f"{'d' if self.too_long == 'truncate' else 'ped'}."
+                )
+        for split in ("train", "val"):
+            if split in meta:
+                m = meta[split]
+                rank_zero_info(f"HFDataModule: {split}: {m['documents']} documents, {m['tokens']} tokens in"
+                               f" {m['samples']} samples of {self.seq_len} (fill {m['fill']:.1%})")
+
+    # ---- loaders ------------------------------------------------------------------------------------------
+
+    def _sampler(self, data: Dataset, shuffle: bool) -> DistributedSampler:
+        # the strategy's data-parallel coordinates (every rank of a sequence-parallel group reads the same
+        # samples); a DistributedSampler is kept as it is by Lightning, so the order is drawn from our seed
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        kwargs = kwargs or {"num_replicas": 1, "rank": 0}
+        return DistributedSampler(data, shuffle=shuffle, seed=self.seed, **kwargs)
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_set is None:
+            raise RuntimeError(f"{OWNER}train_dataloader() before setup(); call setup('fit') first.")
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=self._sampler(self.train_set, True),
+                          num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_set is None:
+            return []
+        return DataLoader(self.val_set, batch_size=self.batch_size, sampler=self._sampler(self.val_set, False),
+                          num_workers=self.num_workers)
