@@ -11,7 +11,7 @@ the checkpoint was loaded and before the first batch):
 - any other loader, sized or streaming (an ``IterableDataset`` without ``__len__``), is wrapped in
   :class:`ResumableLoader`, which draws and drops that many batches, so the sampler's order stays
   that of the uninterrupted run. A streaming dataset must then produce the same batches in the same
-  order each epoch for the resume to be exact (documented in docs/checkpoints.md).
+  order each epoch for the resume to be exact (docs/configuration.md, "Checkpoints and resuming").
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.distributed  # each benchmark runs its steps on several gloo ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -194,7 +194,11 @@ def test_when_a_rank_is_killed_the_survivor_names_it(tmp_path: Path) -> None:
     script = tmp_path / "killed_fit.py"
     script.write_text(_KILLED_FIT)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    # a fresh rendezvous: earlier fits in this process left MASTER_PORT and friends in os.environ
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK",
+                                                            "LOCAL_RANK", "RANK", "LOCAL_WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path,
+                          env=env)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert re.match(r"\[rank0\]: RuntimeError: FPDTStrategy: rank 0 lost a peer: the process of rank 1 \(pid \d+,"
