@@ -53,8 +53,9 @@ LANGUAGES = ("python", "bash", "shell", "yaml", "text")
 # python blocks that run here, found by a line of theirs, with the substitutions that size them for
 # one CPU process and a few steps (each pair must occur in the block)
 RUN: dict[tuple[str, str], list[tuple[str, str]]] = {
-    ("docs/getting-started.md", "trainer.fit(LlamaLM(LlamaConfig.tiny(), learning_rate=3e-3)"): [
-        ('devices=2, max_steps=60,', "devices=1, max_steps=2, limit_val_batches=1,"),
+    ("docs/getting-started.md", "data = PasskeyDataModule(seq_len=256"): [
+        ("devices=2, max_steps=60,", "devices=1, max_steps=2,"),
+        ("batch_size=32,", "batch_size=2,"),
         ("sequence_parallel_size=2, chunk_size=128", "sequence_parallel_size=1, chunk_size=128"),
     ],
 }

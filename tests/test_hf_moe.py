@@ -1,0 +1,209 @@
+"""Mixture-of-experts transformers models (Mixtral, Qwen3-MoE, OLMoE) trained under FPDT equal plain
+transformers in one process on the whole batch, the router's auxiliary load-balancing loss included.
+
+The oracle: the plain model (float64, sdpa) on the whole global batch in one forward with
+``output_router_logits=True``; its loss is the float64 mean cross-entropy over the same targets plus
+``router_aux_loss_coef * aux_loss``, which is what the family's own forward adds. Two float32 steps of the
+families run in float64 on both sides (the forked workers inherit the patches): the routers' softmax
+(``_router_in_input_dtype``, the families' maths without the cast) and ``load_balancing_loss_func`` (its own
+source with float32 read as float64). Packed batches go to the oracle as they are (transformers finds the
+documents from ``position_ids``), padded ones with their ``attention_mask``, so the auxiliary loss counts the
+tokens one process counts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+from transformers import MixtralConfig, OlmoeConfig, PretrainedConfig, Qwen3MoeConfig
+from transformers.models.mixtral import modeling_mixtral
+from transformers.models.olmoe import modeling_olmoe
+from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+from lightning_fpdt import FPDTStrategy
+from lightning_fpdt.binding import SequenceParallelContext
+from lightning_fpdt.models import HFCausalLM
+from tests.helpers import TokenDataset, assert_same_step, dataloader, step_errors
+from tests.test_hf_causal_lm import SEQ, SIZES, VOCAB, CaptureStack, Packed, _plain, _redraw
+
+COEF = 0.3  # large enough that a wrong auxiliary loss or gradient shows far above 1e-10
+MOE = dict(output_router_logits=True, router_aux_loss_coef=COEF, num_experts_per_tok=2)
+FAMILIES = {
+    "mixtral": lambda kv: MixtralConfig(num_local_experts=4, sliding_window=None, **MOE,
+                                        **dict(SIZES, num_key_value_heads=kv)),
+    # layer 1 dense (mlp_only_layers): the auxiliary loss counts the routed layer only
+    "qwen3_moe": lambda kv: Qwen3MoeConfig(num_experts=4, moe_intermediate_size=16, head_dim=8, mlp_only_layers=[1],
+                                           **MOE, **dict(SIZES, num_key_value_heads=kv)),
+    "olmoe": lambda kv: OlmoeConfig(num_experts=4, **MOE, **dict(SIZES, num_key_value_heads=kv)),
+}
+MODULES = (modeling_mixtral, modeling_qwen3_moe, modeling_olmoe)
+
+
+def _config(family: str, kv_heads: int) -> PretrainedConfig:
+    config = FAMILIES[family](kv_heads)
+    config._experts_implementation = "eager"  # the per-expert loop; grouped_mm has no float64 kernel
+    return config
+
+
+def _router_in_input_dtype(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Mixtral's, Qwen3-MoE's and OLMoE's router without its float32 softmax."""
+    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    top, index = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+    if getattr(self, "norm_topk_prob", True):  # Mixtral always renormalises
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top, index
+
+
+def _float64_source(function: Any) -> Any:
+    """``function`` compiled again from its own source with every float32 read as float64."""
+    source = inspect.getsource(function).replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+    namespace: dict[str, Any] = {}
+    exec(source, function.__globals__, namespace)  # transformers' own source, one dtype changed
+    return namespace[function.__name__]
+
+
+@pytest.fixture(autouse=True)
+def routers_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in MODULES:
+        router = next(c for n, c in vars(module).items() if n.endswith("TopKRouter"))
+        monkeypatch.setattr(router, "forward", _router_in_input_dtype)
+        monkeypatch.setattr(module, "load_balancing_loss_func", _float64_source(module.load_balancing_loss_func))
+
+
+class Padded(Dataset):
+    """Right-padded samples with an ``attention_mask`` (the second one has 7 padding tokens)."""
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        self.mask = torch.ones_like(self.ids)
+        self.mask[1, -7:] = 0
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "index": i}
+
+
+Data = Literal["plain", "packed", "padded"]
+
+
+def _dataset(data: Data, seed: int) -> Dataset:
+    return {"plain": lambda: TokenDataset(2, SEQ, VOCAB, seed), "packed": lambda: Packed(seed),
+            "padded": lambda: Padded(seed)}[data]()
+
+
+def _oracle(module: HFCausalLM, data: Data, dataset: Any) -> tuple[torch.Tensor, dict]:
+    """One process on the whole batch: mean cross-entropy + coefficient * aux, and the gradients."""
+    ref = _plain(module)
+    ids = dataset.ids
+    kwargs: dict[str, Any] = {}
+    targets = ids[:, 1:].clone()
+    if data == "plain":
+        targets = dataset.labels[:, 1:]
+    elif data == "packed":
+        kwargs["position_ids"] = dataset.pos
+        targets[dataset.pos[:, 1:] == 0] = -100  # no target across a document boundary
+    else:
+        kwargs["attention_mask"] = dataset.mask
+        targets[dataset.mask[:, 1:] == 0] = -100
+    out = ref(input_ids=ids, output_router_logits=True, use_cache=False, **kwargs)
+    ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="mean")
+    loss = ce + ref.config.router_aux_loss_coef * out.aux_loss
+    loss.backward()
+    return loss.detach(), {f"model.{n}": p.grad.detach().clone() for n, p in ref.named_parameters()}
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    data: Data
+    sp: int = 2
+    world: int = 2
+    chunk_size: int | None = 8
+    kv_heads: int = 1
+    stack: bool = False  # tiled MLP and loss, checkpointing with offload emulation, FSDP2 per decoder layer
+
+    @property
+    def name(self) -> str:
+        return "-".join([self.family, self.data, f"dp{self.world // self.sp}", f"sp{self.sp}", f"C{self.chunk_size}",
+                         f"kv{self.kv_heads}"] + (["stack"] if self.stack else []))
+
+
+CASES = [
+    *[Case(f, d) for f in FAMILIES for d in ("plain", "packed")],  # sp=2, 4 chunks, kv heads below sp
+    Case("olmoe", "padded", world=4),  # dp=2 x sp=2: the auxiliary loss over both data-parallel samples
+    Case("mixtral", "plain", sp=4, world=4, chunk_size=16, kv_heads=2, stack=True),
+]
+
+
+def _fit(module: HFCausalLM, dataset: Dataset, case: Case, tmp_path) -> list[dict]:
+    stack = dict(activation_checkpointing=True, offload_checkpoints="emulate", shard_parameters=True) if case.stack \
+        else {}
+    trainer = L.Trainer(
+        accelerator="cpu", devices=case.world, precision="64-true", max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[CaptureStack(str(tmp_path))],
+        strategy=FPDTStrategy(sequence_parallel_size=case.sp, chunk_size=case.chunk_size, attention_backend="math",
+                              start_method="fork", **stack),
+    )
+    trainer.fit(module, dataloader(dataset, len(dataset) * case.sp // case.world))
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(case.world)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_moe_fit_step_equals_plain_transformers(case: Case, tmp_path, fresh_seed: int) -> None:
+    torch.manual_seed(fresh_seed)
+    tiles = dict(mlp_tiles=3, loss_tiles=5) if case.stack else dict(mlp_tiles=1, loss_tiles=1)
+    module = HFCausalLM(_config(case.family, case.kv_heads), learning_rate=1e-3, warmup_steps=1, **tiles)
+    _redraw(module.model, fresh_seed)
+    dataset = _dataset(case.data, fresh_seed)
+    ref_loss, ref_grads = _oracle(module, case.data, dataset)
+    results = _fit(module, dataset, case, tmp_path)
+    print(f"{case.name}: max rel. error {max(e for _, _, e in step_errors(results, ref_loss, ref_grads)):.2e}")
+    assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"{case.name} seed={fresh_seed}")
+    if case.world > case.sp:  # each data-parallel rank saw one sample, the loss covers both
+        assert sorted({i for r in results for i in r["indices"]}) == [0, 1]
+    if case.stack:
+        assert all(r["sharded_layers"] == [True, True] and r["checkpoint_bytes"] > 0 for r in results)
+
+
+def test_aux_loss_changes_the_loss_and_tiles_and_checkpointing_keep_it(fresh_seed: int) -> None:
+    """One process: the auxiliary loss is in the loss (without it the result is off), and the tiled MoE block
+    and a checkpointed layer give the same loss and gradients as the plain forward."""
+    torch.manual_seed(fresh_seed)
+    dataset = TokenDataset(2, SEQ, VOCAB, fresh_seed)
+    for tiles, checkpointing in [(1, False), (3, False), (3, True)]:
+        module = HFCausalLM(_config("mixtral", 2), mlp_tiles=tiles, loss_tiles=1).double()
+        _redraw(module.model, fresh_seed)
+        if checkpointing:
+            module.bind_sequence_parallel(SequenceParallelContext(chunk_size=8, attention_backend="math",
+                                                                  activation_checkpointing=True))
+        ref_loss, ref_grads = _oracle(module, "plain", dataset)
+        loss_sum, count = module.loss_terms(dataset.full_batch())
+        (loss_sum / count).backward()
+        result = {"loss": (loss_sum / count).detach(), "grads": {n: p.grad for n, p in module.named_parameters()}}
+        assert_same_step([result], ref_loss, ref_grads, tol=1e-10, label=f"tiles={tiles} ckpt={checkpointing}")
+        module.router_loss.coefficient = 0.0  # the same step without the auxiliary loss is far off
+        loss_sum, count = module.loss_terms(dataset.full_batch())
+        assert abs((loss_sum / count).item() - ref_loss.item()) > 1e-3
+
+
+def test_moe_refusals_name_the_feature() -> None:
+    config = _config("mixtral", 2)
+    config.router_jitter_noise = 0.1
+    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM has router_jitter_noise=0\.1.*Set"):
+        HFCausalLM(config)
+    dense = _config("mixtral", 2)
+    dense.output_router_logits = False  # the family's own switch: no auxiliary loss in its loss, none here
+    assert HFCausalLM(dense).router_loss is None
+
