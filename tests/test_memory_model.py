@@ -20,6 +20,7 @@ from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import cross_entropy_sum, token_weighted_loss
 from lightning_fpdt.memory import EstimateOptions, ModelShape, auto_chunk_size, estimate
 from lightning_fpdt.memory.__main__ import main, shape_from_config
+from lightning_fpdt.memory.estimate_options import PRECISION_BYTES
 from lightning_fpdt.memtrack import TensorMemoryTracker, peak_step_bytes
 from lightning_fpdt.models import GPT, GPTConfig, HFCausalLM, Llama, LlamaConfig, LlamaLM
 from lightning_fpdt.models.init import init_weights
@@ -458,3 +459,22 @@ def test_explicit_tile_counts_change_the_estimate_as_the_tiling_rule_says(model:
     tile, auto_tile = (largest_tile(seq, n, mlp_tile_tokens(shape.hidden_size)) for n in (tiles, None))
     assert tile != auto_tile
     assert moved == (shape.mlp_intermediates + 2 * shape.intermediate_size) * batch * (tile - auto_tile) * e
+
+
+def test_experts_count_every_weight_and_each_routed_expert_activations() -> None:
+    """Mixtral's fused 3-D experts (gate_up [E, 2I, H], down [E, H, I]): every expert's weights are parameters,
+    and a token keeps one expert MLP's intermediates per expert it is routed to (top_k)."""
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, sliding_window=None)
+    module = HFCausalLM(config, mlp_tiles=1)
+    shape, tiling = ModelShape.from_module(module)
+    experts = 4 * (2 * 24 * 32 + 32 * 24)  # gate_up and down of every expert, per layer
+    assert (shape.intermediate_size, shape.mlp_projections, shape.experts_per_token) == (24, 2, 2)
+    assert shape.num_params == sum(p.numel() for p in module.parameters())
+    assert shape.block_params >= experts and shape.mlp_intermediates == 2 * 2 * 24 * 2
+    dense = dataclasses.replace(shape, experts_per_token=1)
+    options = EstimateOptions(chunk_size=None, mlp_tiled=False)
+    more = estimate(shape, 256, options).saved_activations - estimate(dense, 256, options).saved_activations
+    per_value = PRECISION_BYTES[options.precision][1]  # one more routed expert's values per token, every layer
+    assert more == 2 * options.batch_size * 256 * dense.mlp_intermediates * per_value > 0

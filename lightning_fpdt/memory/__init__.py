@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_fpdt.binding import DecoderLayer, decoder_layers
 from lightning_fpdt.memory.estimate_options import OPTIMIZER_STATES, PRECISION_BYTES, EstimateOptions
+from lightning_fpdt.memory.experts import read_experts
 from lightning_fpdt.tiling import configured_tiles, largest_tile, mlp_tile_tokens
 
 __all__ = ["GIB", "EstimateOptions", "MemoryEstimate", "ModelShape", "auto_chunk_size", "estimate", "format_bytes",
@@ -58,18 +59,15 @@ class ModelShape:
         num_params: parameters of the whole model, each shared (tied) parameter once.
         tied_embeddings: the output projection shares the token embedding's weight.
         head_dim: per-head width of q, k and v; ``None`` means ``hidden_size // num_heads``.
-        mlp_projections: linear layers producing the intermediate: 2 for a gated MLP (SwiGLU's gate
-            and up), 1 for a plain one (GELU).
-        block_params: parameters of one block (what FSDP2 gathers per block); ``None`` estimates it
-            from ``num_params`` less the embeddings.
-        norm_extras: hidden-wide tensors a block's two norms keep for backward besides their input
-            (``nn.LayerNorm``: none; RMSNorm: the normalized values, one each).
-        chunked_projections: q/k/v are projected chunk by chunk inside the attention pipeline
-            (``FPDTBlock``); ``False`` (Hugging Face layers): the whole local q/k/v exist while a layer
-            runs, forward and backward.
+        mlp_projections: linear layers producing the intermediate: 2 gated (SwiGLU's gate and up), 1 plain (GELU).
+        block_params: parameters of one block (FSDP2 gathers it; every expert); ``None``: from ``num_params``.
+        norm_extras: hidden-wide tensors a block's norms keep besides their input (LayerNorm 0, RMSNorm 1 each).
+        chunked_projections: q/k/v are projected chunk by chunk inside the attention pipeline (``FPDTBlock``);
+            ``False`` (Hugging Face layers): the whole local q/k/v exist while a layer runs.
         mlp_tiles: the MLP's ``num_tiles`` when it is tiled, sized by the rule of :mod:`lightning_fpdt.tiling`;
             ``None``: automatic (also for an untiled MLP: what an estimate with ``mlp_tiled`` assumes).
         loss_tiles: the loss's ``num_tiles`` when it is tiled, likewise.
+        experts_per_token: an MoE layer's ``top_k`` (1: dense): MLP activations count once per routed expert.
     """
 
     hidden_size: int
@@ -87,6 +85,7 @@ class ModelShape:
     chunked_projections: bool = True
     mlp_tiles: int | None = None
     loss_tiles: int | None = None
+    experts_per_token: int = 1
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -96,7 +95,7 @@ class ModelShape:
     def mlp_intermediates(self) -> int:
         """Values an untiled MLP keeps per token for backward: two intermediate-wide tensors per projection
         (SwiGLU: gate, up, silu(gate) and the product; GELU: fc's output and the activation's)."""
-        return 2 * self.mlp_projections * self.intermediate_size
+        return 2 * self.mlp_projections * self.intermediate_size * self.experts_per_token
 
     @classmethod
     def from_module(cls, module: nn.Module) -> tuple[ModelShape, dict[str, bool]]:
@@ -112,18 +111,17 @@ class ModelShape:
         - ``norm_extras``: 0 for each LayerNorm of a layer, 1 for any other norm (RMSNorm);
         - the MLP (inside its tiling if tiled): its output projection is its last ``nn.Linear`` back to
           ``hidden_size``; ``intermediate_size`` is that layer's ``in_features`` and ``mlp_projections`` is
-          the width of its other ``nn.Linear`` s over the intermediate (2 for a gated MLP, fused or not). It
-          is tiled when every layer's MLP is, in ``mlp_tiles`` tiles (:func:`~lightning_fpdt.tiling.configured_tiles`);
+          the width of its other ``nn.Linear`` s over the intermediate (2 for a gated MLP, fused or not); an MoE
+          MLP's experts likewise, and its ``top_k`` (:mod:`lightning_fpdt.memory.experts`). It is tiled when
+          every layer's MLP is, in ``mlp_tiles`` tiles (:func:`~lightning_fpdt.tiling.configured_tiles`);
         - ``vocab_size``: the ``out_features`` of the output projection, the widest ``nn.Linear`` outside
           the layers that reads ``hidden_size``; without one, the ``num_embeddings`` of the first
           ``nn.Embedding`` of width ``hidden_size`` outside the layers (the token embedding, taken as
           tied). Embeddings are tied when the output projection's weight is such an embedding's weight;
         - ``num_params``: every parameter of ``module``, shared ones once (position embeddings, norms
           and biases included);
-        - ``loss_tiles``: the first ``loss_tiles`` attribute found on ``module`` (``CausalLM``'s), a submodule,
-          or a submodule's ``config``; the loss is tiled when it is not 1. The loss is
-          the ``LightningModule``'s code, which cannot be read: without such an attribute it is taken as
-          untiled (full logits: the larger estimate).
+        - ``loss_tiles``: the first ``loss_tiles`` attribute on ``module`` (``CausalLM``'s), a submodule or its
+          ``config`` (tiled unless 1); without one the loss is taken as untiled (the larger estimate).
 
         Raises:
             ValueError: when ``module`` cannot be sized (no decoder layer; layers of different shapes; an
@@ -146,7 +144,7 @@ class ModelShape:
                 f" projections, parameters, norm extras): {shapes}; the memory model assumes one shape per layer:"
                 f" {_EXPLICIT}."
             )
-        hidden, heads, kv_heads, head_dim, inter, projections, block_params, norm_extras = shapes[0]
+        hidden, heads, kv_heads, head_dim, inter, projections, block_params, norm_extras, top_k = shapes[0]
         in_layers = {id(m) for layer in layers for m in layer.module.modules()}
         outside = [m for m in module.modules() if id(m) not in in_layers]
         heads_out = [m for m in outside if isinstance(m, nn.Linear) and m.in_features == hidden]
@@ -170,32 +168,36 @@ class ModelShape:
         mlp_count, loss_count = mlp_tiles.pop(), _loss_tiles(module)
         shape = cls(hidden, len(layers), heads, kv_heads, inter, vocab, num_params, tied, head_dim, projections,
                     block_params, norm_extras, all(layer.chunked_projections for layer in layers),
-                    mlp_tiles=None if mlp_count == 1 else mlp_count, loss_tiles=None if loss_count == 1 else loss_count)
+                    mlp_tiles=None if mlp_count == 1 else mlp_count, loss_tiles=None if loss_count == 1 else loss_count,
+                    experts_per_token=top_k)
         return shape, {"mlp_tiled": all(tiled for _, tiled in read), "loss_tiled": loss_count != 1}
 
 
 def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], bool]:
-    """``((hidden, heads, kv_heads, head_dim, intermediate, mlp_projections, parameters, norm_extras), mlp_tiled)``."""
+    """``((hidden, heads, kv_heads, head_dim, intermediate, mlp_projections, parameters, norm_extras,
+    experts_per_token), mlp_tiled)``; an MoE MLP is read by :func:`~lightning_fpdt.memory.experts.read_experts`."""
     hidden, mlp = layer.hidden_size, layer.mlp
     if mlp is None:
         raise ValueError(f"{layer.name} has no 'mlp' module, so its intermediate size cannot be read: {_EXPLICIT}.")
     linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)]
     back = [m for m in linears if m.out_features == hidden]
-    if not back:
+    experts = None if back else read_experts(mlp, hidden)
+    if not back and experts is None:
         raise ValueError(
             f"{layer.name}: its MLP ({type(mlp).__name__}) has no nn.Linear back to hidden_size={hidden}, so its"
             f" intermediate size cannot be read: {_EXPLICIT}."
         )
-    down = back[-1]  # the output projection; the intermediate is its input
-    inter = down.in_features
-    # gate and up (SwiGLU: 2), a fused gate_up (Phi-3: 2), fc (GeLU: 1): their width over the intermediate's
-    widths = sum(m.out_features for m in linears if m is not down and m.out_features % inter == 0)
+    if experts is None:
+        down = back[-1]  # the output projection; the intermediate is its input
+        # gate and up (SwiGLU: 2), a fused gate_up (Phi-3: 2), fc (GeLU: 1): their width over the intermediate's
+        widths = sum(m.out_features for m in linears if m is not down and m.out_features % down.in_features == 0)
+        experts = (down.in_features, max(1, widths // down.in_features), 1)
+    inter, projections, top_k = experts
     params = sum(p.numel() for p in layer.module.parameters())
     # LayerNorm's kernel keeps only its input (and per-token statistics); RMSNorm, torch's included, also
     # keeps the normalized values
     norm_extras = sum(not isinstance(norm, nn.LayerNorm) for norm in layer.norms)
-    dims = (hidden, layer.n_heads, layer.n_kv_heads, layer.head_dim, inter, max(1, widths // inter), params,
-            norm_extras)
+    dims = (hidden, layer.n_heads, layer.n_kv_heads, layer.head_dim, inter, projections, params, norm_extras, top_k)
     return dims, layer.mlp_tiled
 
 
@@ -301,7 +303,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # a tiled MLP recomputes one tile of tokens at a time in backward: its intermediates and their gradients
     s_local = s_pad // p
     tile_tokens = batch_size * largest_tile(s_local, shape.mlp_tiles, mlp_tile_tokens(h))
-    mlp_tile_work = (shape.mlp_intermediates + 2 * shape.intermediate_size) * tile_tokens * e
+    mlp_tile_work = (shape.mlp_intermediates + 2 * shape.intermediate_size * shape.experts_per_token) * tile_tokens * e
     mlp_tile_work = mlp_tile_work if options.mlp_tiled else 0
 
     # attention working set: the current and the prefetched chunk (one chunk: the whole local q/k/v
