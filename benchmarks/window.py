@@ -9,10 +9,11 @@ backward of all of it: one attention layer's training step, without its MLP. Tim
 after a warm-up, the two variants taken round robin (a shared machine's slow phases hit both).
 
 "ideal" is the ratio of attention score pairs the window keeps (a query at ``i`` sees ``min(i + 1, window)``
-keys) over causal attention's ``S (S + 1) / 2``. "scheduled" is the same ratio for the pairs inside the blocks
-and rectangles the pipeline computes (``lightning_fpdt.attention.blocks``; a causal square counted as the
-half a causal kernel computes): what skipping blocks and trimming rectangles can save with whole-rectangle
-kernels. "x causal" is the measured step time over full causal's; issue 22 asks for at most 0.3.
+keys) over causal attention's ``S (S + 1) / 2``. "scheduled" is the same ratio for the pairs inside the kernel
+calls the pipeline makes (``lightning_fpdt.attention.blocks``: skipped blocks, trimmed rectangles and, for
+``sdpa``, their unmasked pieces; a causal square, masked or not, or a square on the window's edge counted as
+the half a causal kernel computes, any other rectangle whole). "x causal" is the measured step time over full causal's;
+issue 22 asks for at most 0.3. "calls" counts one rank's forward kernel calls per layer (backward: as many).
 """
 
 from __future__ import annotations
@@ -30,20 +31,28 @@ from common import RANKS, print_table, timed
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.blocks import BlockRules, plan_blocks
+from lightning_fpdt.attention.documents import kernel_calls
+from lightning_fpdt.attention.kernels import get_kernel
 from lightning_fpdt.testing import run_on_ranks
 
 
-def pair_ratios(seq: int, chunk: int, window: int) -> tuple[float, float]:
-    """``(ideal, scheduled)``: score pairs the window keeps, and pairs in the computed rectangles, over causal's."""
+def pair_ratios(seq: int, chunk: int, window: int | None, backend: str) -> tuple[float, float, int]:
+    """``(ideal, scheduled, calls)``: score pairs the window keeps and pairs in the kernel calls, over causal's,
+    and the number of kernel calls (``window`` ``None``: full causal)."""
     causal = seq * (seq + 1) / 2
-    ideal = (window * seq - window * (window - 1) / 2 if window < seq else causal) / causal
+    ideal = (window * seq - window * (window - 1) / 2 if window and window < seq else causal) / causal
     ranges = [(lo, min(lo + chunk, seq)) for lo in range(0, seq, chunk)]
-    computed = 0.0
+    kernel = get_kernel(backend, torch.device("cpu"), torch.float32)
+    computed, calls = 0.0, 0
     for rects in plan_blocks(BlockRules(True, window), ranges).values():
-        for r in rects or []:  # a causal window never leaves a block full
+        if rects is None:
+            computed, calls = computed + chunk * chunk, calls + 1
+            continue
+        for r in (piece for pieces in kernel_calls(kernel, rects) for piece in pieces):
             rows, cols = r.q_hi - r.q_lo, r.k_hi - r.k_lo
-            computed += rows * (rows + 1) / 2 if r.causal else rows * cols
-    return ideal, computed / causal
+            half = r.causal or r.lower == 0 and rows == cols  # a causal kernel skips the other half
+            computed, calls = computed + (rows * (rows + 1) / 2 if half else rows * cols), calls + 1
+    return ideal, computed / causal, calls
 
 
 def _measure(rank: int, world: int, args: argparse.Namespace) -> list[list]:
@@ -68,11 +77,13 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[list]:
             times[name].append(timed(lambda w=window: step(w), 1, group))
             if rank == 0:
                 print(f"  {name}: {times[name][-1] * 1e3:.0f} ms", flush=True)
-    ideal, scheduled = pair_ratios(args.seq, chunk, args.window)
     causal = min(times["causal"])
-    return [[args.seq, name, args.chunks, min(t) * 1e3, f"{min(t) / causal:.3f}",
-             f"{ideal:.3f}" if window else "1", f"{scheduled:.3f}" if window else "1"]
-            for (name, window), t in zip(variants.items(), times.values())]
+    rows = []
+    for (name, window), t in zip(variants.items(), times.values()):
+        ideal, scheduled, calls = pair_ratios(args.seq, chunk, window, args.backend)
+        rows.append([args.seq, name, args.chunks, min(t) * 1e3, f"{min(t) / causal:.3f}", f"{ideal:.3f}",
+                     f"{scheduled:.3f}", calls])
+    return rows
 
 
 def main() -> None:
@@ -90,7 +101,7 @@ def main() -> None:
           f" float32, backend {args.backend}; one training step (projections + attention) per rank", flush=True)
     rows = run_on_ranks(_measure, args.world, args, **RANKS)[0]
     print_table(["tokens", "variant", "chunks", "ms step (best)", "x causal", "ideal FLOP ratio",
-                 "scheduled FLOP ratio"], rows)
+                 "scheduled FLOP ratio", "calls"], rows)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,16 @@ nowhere else (every backend obeys the answer):
 - **cut**: a causal diagonal, a window edge or a document boundary runs through the block. It becomes
   rectangles (:class:`Rect`), one per shared document, each trimmed to the rows that see at least one
   key and the keys some row sees, with at most a causal diagonal and a window edge left inside. The
-  kernels apply those two (``lightning_fpdt.attention.kernels``): ``math`` and ``sdpa`` with a mask on
-  cut rectangles only, ``flash_attn`` with its ``window_size``.
+  kernels apply those two (``lightning_fpdt.attention.kernels``): ``math`` with a mask, ``flash_attn``
+  with its ``window_size``, and ``sdpa`` on the rectangle's unmasked pieces (:func:`unmasked_pieces`).
+
+Why pieces: torch's fused CPU kernel computes every pair of a masked call, masked or not, and adds the
+mask on top, so a window edge left as a mask costs the whole rectangle (a 1024-token diagonal block with a
+window of 512 took twice its unmasked time). Cut along the window's edge into row bands of the window's
+height, a rectangle becomes whole rectangles and triangles: a triangle on the causal diagonal is a causal
+call, and one on the window's lower edge (row ``a`` sees keys ``b >= a``) is a causal call on reversed rows
+and keys. Bands of the window's height give the fewest and largest calls: per band, one triangle of each
+kind and nothing in between; a shorter band adds a whole rectangle between its triangles.
 
 Softcapping and attention sinks change the scores and the merge, not this schedule.
 
@@ -166,3 +174,60 @@ def plan_blocks(rules: BlockRules, ranges: list[Range]) -> dict[tuple[int, int],
             if rects is None or rects:
                 plan[(i, j)] = rects
     return plan
+
+
+# A causal diagonal with a window shorter than this many tokens keeps its mask: one masked call on the square
+# is cheaper than two kernel calls per band of a few rows (measured on CPU: ~50 us per call and piece).
+MIN_BAND = 32
+
+
+def unmasked_pieces(r: Rect, band: int | None = None, min_band: int = MIN_BAND) -> list[Rect]:
+    """``r`` cut along its window edge into rectangles a kernel computes without a mask: whole ones
+    (``causal=False``, ``lower=None``), causal squares (``causal=True``, ``lower=None``) and squares on the
+    window's lower edge (``causal=False``, ``lower=0``: row ``a`` sees keys ``b >= a``, a causal kernel on
+    reversed rows and keys). Together they cover exactly the pairs ``r`` sees, each once; each piece's rows
+    see at least one of its keys; pieces of one row band share rows, so their results are merged.
+
+    Args:
+        r: a rectangle of :meth:`BlockRules.rects`; one without an edge, or a square on the edge of at most
+            ``band`` rows, is returned as it is.
+        band: the most rows per band (``None``: the window's height, the fewest calls); a kernel whose large
+            calls run slower per pair asks for shorter bands (``SdpaKernel.edge_band``).
+        min_band: a causal square whose window (``1 - r.lower`` tokens) is shorter is returned whole, mask
+            and all (see :data:`MIN_BAND`).
+    """
+    n_q, n_k, lower = r.q_hi - r.q_lo, r.k_hi - r.k_lo, r.lower
+    if lower is None or (lower == 0 and not r.causal and n_q == n_k and n_q <= (band or n_q)):
+        return [r]
+
+    def piece(a0: int, a1: int, b0: int, b1: int, causal: bool = False, edge: int | None = None) -> list[Rect]:
+        """Rows ``a0:a1`` and keys ``b0:b1`` of ``r`` (local), or nothing when empty."""
+        if a1 <= a0 or b1 <= b0:
+            return []
+        return [Rect(r.batch, r.q_lo + a0, r.q_lo + a1, r.k_lo + b0, r.k_lo + b1, causal, edge)]
+
+    if not r.causal:
+        # row a sees keys a + lower .. n_k - 1: rows before -lower see every key; then per band, a triangle on
+        # the edge and the keys right of it, which every row of the band sees (rects() trimmed r to rows that
+        # see one, so the triangle ends inside r)
+        head = min(n_q, max(0, -lower))
+        pieces = piece(0, head, 0, n_k)
+        for a0 in range(head, n_q, band or n_q):
+            a1 = min(a0 + (band or n_q), n_q)
+            pieces += piece(a0, a1, a0 + lower, a1 + lower, edge=0) + piece(a0, a1, a1 + lower, n_k)
+        return pieces
+    window = 1 - lower  # a causal square with an edge: row a sees keys a - window + 1 .. a
+    if window < min_band:
+        return [r]
+    height = min(window, band or window)
+    # bands of `height` rows from row 0 and again from row `window`, so that no band straddles the first row
+    # whose window leaves key 0 behind: before it, keys 0 .. a0 - 1 are seen by the whole band, from it on,
+    # keys a0 + lower .. a1 - 2 + lower are the edge's triangle (the band's last row sees none of them); then
+    # keys every row sees (none when a band is a whole window), then the diagonal's triangle
+    pieces = []
+    for a0 in [*range(0, min(window, n_q), height), *range(window, n_q, height)]:
+        a1 = min(a0 + height, window if a0 < window else n_q, n_q)
+        if a0 >= window:
+            pieces += piece(a0, a1 - 1, a0 + lower, a1 - 1 + lower, edge=0)
+        pieces += piece(a0, a1, max(0, a1 - 1 + lower), a0) + piece(a0, a1, a0, a1, causal=True)
+    return pieces

@@ -14,8 +14,9 @@ online merge over all key blocks, attention sinks included), which is what makes
 ``lower`` is a sliding window's edge inside the block (``lightning_fpdt.attention.blocks``): row ``a``
 sees key ``b`` only if ``b - a >= lower``; every row must see at least one key. ``softcap`` is Gemma-2's
 attention-logit cap, ``cap * tanh(s / cap)`` on the scaled scores ``s`` before the softmax. ``math``
-computes both; ``sdpa`` takes the edge as a mask and runs a softcapped block on ``math`` (its fused ops
-cannot cap), in the block's own memory; ``flash_attn`` passes ``window_size`` and ``softcap``.
+computes both; ``sdpa`` is handed a cut rectangle in unmasked pieces (``edge_band``: its fused ops compute
+every pair of a masked call) and runs a softcapped block on ``math`` (its fused ops cannot cap), in the
+block's own memory; ``flash_attn`` passes ``window_size`` and ``softcap``.
 
 Backends: ``math`` (pure torch, any dtype: the reference), ``sdpa`` (torch's fused kernels through
 the aten ops that return the log-sum-exp), ``flash_attn`` (the flash-attn package, CUDA).
@@ -80,6 +81,9 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
 
 class AttentionKernel(Protocol):
     name: str
+    # rows per band when cut rectangles reach the kernel as blocks.unmasked_pieces (None: the kernel takes
+    # the window edge itself, as a mask or flash-attn's window_size)
+    edge_band: int | None
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None = None,
@@ -96,6 +100,7 @@ class MathKernel:
     """Plain torch attention in the accumulation dtype. The reference every other path is tested against."""
 
     name = "math"
+    edge_band = None  # the reference: masks exactly what the block rules say
 
     @staticmethod
     def _scores(
@@ -158,12 +163,22 @@ class SdpaKernel:
     head count (it supports GQA, as torch's sdpa with ``enable_gqa`` relies on), and the memory-efficient
     op for float32, which needs equal head counts; float64 falls back to ``math``.
 
-    A window's edge (``lower``) is an additive mask, on cut blocks only: to the CPU op, and on CUDA to the
-    memory-efficient op (the flash op takes none) for every dtype it runs. A softcapped block runs on
-    ``math``: none of these ops can cap the scores.
+    A window's edge (``lower``) reaches it cut into pieces (``blocks.unmasked_pieces``): whole rectangles,
+    causal squares, and squares on the edge (``lower=0``, row ``a`` sees keys ``b >= a``), which run as causal
+    calls on reversed rows and keys, since these ops compute every pair of a masked call. Any other edge (a
+    window shorter than ``blocks.MIN_BAND``, a direct call) is an additive mask: to the CPU op, and on CUDA
+    to the memory-efficient op (the flash op takes none) for every dtype it runs. A softcapped block runs
+    on ``math``: none of these ops can cap the scores.
     """
 
     name = "sdpa"
+    # torch's CPU op tiles 256 query rows from 768 rows on (64 below), and those tiles ran 2-4x slower per pair
+    # (1024 rows: 9-12 ns forward, 36-42 ns backward; 512 rows: 4.4 and 11.6), and a causal call saves only
+    # whole 512-key tiles. One training step over causal's (fpdt_attention, 2 heads of 64, one thread, the
+    # shared 2-core machine), bands of the window's height / 512 / 256 rows: 8K tokens, window 512, chunks of
+    # 1024: 0.35 / 0.35 / 0.29; 16K, 1024, 2048: 0.26 / 0.23 / 0.23. On CUDA a shorter band only adds calls,
+    # and any band beats the mask, which costs the whole rectangle.
+    edge_band = 256
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None = None,
@@ -172,6 +187,9 @@ class SdpaKernel:
         _check_shapes(q, k, v, causal)
         if softcap is not None or (q.device.type != "cpu" and q.dtype not in (*HALF_DTYPES, torch.float32)):
             return MathKernel().forward(q, k, v, causal, scale, lower, softcap)
+        if _edge_triangle(q, k, causal, lower):  # reversed, keys b >= a become b <= a: a causal call, no mask
+            out, lse = self.forward(q.flip(1), k.flip(1), v.flip(1), True, scale)
+            return out.flip(1), lse.flip(-1)
         if q.device.type == "cpu":
             h = q.shape[2]
             # aten wants [b, h, s, d]
@@ -192,6 +210,9 @@ class SdpaKernel:
         _check_shapes(q, k, v, causal)
         if softcap is not None or (q.device.type != "cpu" and q.dtype not in (*HALF_DTYPES, torch.float32)):
             return MathKernel().backward(dout, q, k, v, out, lse, causal, scale, lower, softcap)
+        if _edge_triangle(q, k, causal, lower):
+            dq, dk, dv = self.backward(*(x.flip(1) for x in (dout, q, k, v, out)), lse.flip(-1), True, scale)
+            return dq.flip(1), dk.flip(1), dv.flip(1)
         if q.device.type == "cpu":
             h, g = q.shape[2], k.shape[2]
             qt, kt, vt, ot, dot = (
@@ -209,6 +230,11 @@ class SdpaKernel:
         return efficient_op_backward(dout, q, k, v, out, lse, causal, scale, efficient_bias(q, k, lower))
 
 
+def _edge_triangle(q: Tensor, k: Tensor, causal: bool, lower: int | None) -> bool:
+    """Whether the block is a square on a window's lower edge: row ``a`` sees exactly the keys ``b >= a``."""
+    return lower == 0 and not causal and q.shape[1] == k.shape[1]
+
+
 class FlashAttnKernel:
     """The flash-attn package (CUDA, float16/bfloat16, ``FLASH_ATTN_REQUIREMENT``); supports GQA natively.
 
@@ -220,6 +246,7 @@ class FlashAttnKernel:
     """
 
     name = "flash_attn"
+    edge_band = None  # window_size: the edge inside one call
 
     def __init__(self, interface: ModuleType | None = None) -> None:
         if interface is None:
