@@ -1,8 +1,9 @@
 """``HFCausalLM``: Hugging Face causal LMs trained under FPDT equal plain transformers in one process.
 
 The oracle is the plain transformers model with the same weights in float64, ``attn_implementation="sdpa"``
-(or, for families without sdpa such as Gemma-2, the textbook attention of ``tests.reference`` registered as
-``float64_reference``: transformers' ``eager`` computes its softmax in float32, about 1e-8 off), the logits of
+(or, for families without sdpa such as Gemma-2 and gpt-oss, an eager attention in float64 registered as
+``float64_reference`` with transformers' own eager masks: transformers' ``eager`` computes its softmax in float32,
+about 1e-8 off), the logits of
 its own forward (softcapped where the family is) and the mean cross-entropy over the same targets computed
 here in float64; HF's own loss is not used. Weights are redrawn with std ``1/sqrt(fan_in)`` (norm weights
 around 1 with noise, biases small) so a wrong scale, rotary fraction or mask cannot hide.
@@ -24,21 +25,20 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 from transformers import (
     AttentionInterface,
+    AttentionMaskInterface,
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
     GPTNeoXConfig,
-    GptOssConfig,
     LlamaConfig,
     MistralConfig,
-    MixtralConfig,
     Olmo2Config,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
-    Qwen3MoeConfig,
 )
+from transformers.masking_utils import eager_mask
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
@@ -48,7 +48,6 @@ from lightning_fpdt.callbacks import FPDTMonitor
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.models.hf_attention import ATTN_IMPLEMENTATION
 from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader, step_errors
-from tests.reference import naive_attention
 
 VOCAB, SEQ, HEADS = 64, 32, 4
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=HEADS)
@@ -56,7 +55,8 @@ FULL = ["full_attention", "full_attention"]
 
 
 def _config(family: str, kv_heads: int = 2, **overrides: Any) -> PretrainedConfig:
-    """A tiny random config of ``family`` with the features FPDT refuses switched off (unless overridden)."""
+    """A tiny random config of ``family`` with full causal attention in every layer (unless overridden); the
+    released forms, windows and softcaps on, are in ``tests/test_hf_families.py``."""
     gqa = dict(SIZES, num_key_value_heads=kv_heads)
     configs: dict[str, Callable[[], PretrainedConfig]] = {
         "llama": lambda: LlamaConfig(**gqa),
@@ -67,9 +67,10 @@ def _config(family: str, kv_heads: int = 2, **overrides: Any) -> PretrainedConfi
         "olmo2": lambda: Olmo2Config(**gqa),  # q/k norms over all heads, post-norms
         # partial rotary (half of each head), parallel residual; multi-head only
         "gpt_neox": lambda: GPTNeoXConfig(rotary_pct=0.5, use_parallel_residual=True, **SIZES),
-        # final-logit softcapping kept (the loss applies it); attention softcapping and windows off
+        # final-logit softcapping (the loss applies it); attention softcapping off, no sliding layer (Gemma-2's
+        # mask code, run by the float64 reference, needs sliding_window set even then)
         "gemma2": lambda: Gemma2Config(head_dim=8, attn_logit_softcapping=None, final_logit_softcapping=3.0,
-                                       sliding_window=None, layer_types=FULL, query_pre_attn_scalar=16, **gqa),
+                                       sliding_window=512, layer_types=FULL, query_pre_attn_scalar=16, **gqa),
         # no sliding layer (transformers' own mask code needs sliding_window set even then)
         "gemma3": lambda: Gemma3TextConfig(head_dim=8, sliding_window=512, layer_types=FULL,
                                            query_pre_attn_scalar=16, **gqa),
@@ -108,15 +109,29 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
 
 
 def _reference_attention(
-    module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
-    scaling: float, **kwargs: Any,
+    module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor,
+    scaling: float, softcap: float | None = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    # whole sequences only (no mask is made for an unregistered mask name): causal over [b, h, s, d]
-    assert attention_mask is None and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
-    out, _ = naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, scale=scaling)
-    return out, None
+    """Eager attention in the input's dtype (transformers' ``eager`` softmaxes in float32): ``[b, h, s, d]`` in,
+    ``[b, s, h, d]`` out. The mask is transformers' own (``eager_mask``: causal, with the sliding window of a
+    sliding layer, as the model's mask code builds it), so the window is not read from the call's kwarg the FPDT
+    path reads; softcapping as Gemma-2's eager applies it (before the mask); sinks as gpt-oss's eager reads
+    them (the layer's ``sinks`` joins each row's softmax, then is dropped)."""
+    b, h, s, _ = q.shape
+    k = k.repeat_interleave(h // k.shape[1], dim=1)
+    v = v.repeat_interleave(h // v.shape[1], dim=1)
+    scores = q @ k.transpose(2, 3) * scaling  # [b, h, s, s]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores + attention_mask  # [b, 1, s, s]: 0 where attended, the dtype's minimum elsewhere
+    sinks = getattr(module, "sinks", None)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.reshape(1, h, 1, 1).expand(b, h, s, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :s]
+    return (probs @ v).transpose(1, 2), None
 
 
+AttentionMaskInterface.register("float64_reference", eager_mask)
 AttentionInterface.register("float64_reference", _reference_attention)
 
 
@@ -391,23 +406,13 @@ def test_model_from_a_local_path(tmp_path, fresh_seed: int) -> None:
 
 # ---- refused features: a clear error at construction, naming the feature and the layer ----------------------
 
-REFUSED = {
-    "sliding-window": lambda: _config("mistral", sliding_window=4096),
-    "sliding-window-layer-types": lambda: _config("gemma3", sliding_window=512,
-                                                  layer_types=["full_attention", "sliding_attention"]),
-    "attention-logit softcapping": lambda: _config("gemma2", attn_logit_softcapping=50.0),
+REFUSED = {  # sliding windows, attention softcapping and sinks are computed: tests/test_hf_families.py
     "bidirectional": lambda: _config("gemma3", use_bidirectional_attention=True, sliding_window=512),
     "attention dropout": lambda: _config("llama", attention_dropout=0.1),
-    "attention sinks": lambda: GptOssConfig(num_local_experts=2, num_experts_per_tok=1, head_dim=8, layer_types=FULL,
-                                            sliding_window=None, **dict(SIZES, num_key_value_heads=2)),
 }
 MESSAGES = {
-    "sliding-window": r"layer model\.layers\.0\.self_attn .*sliding-window attention \(sliding_window=4096",
-    "sliding-window-layer-types": r"layer model\.layers\.1\.self_attn .*sliding-window attention",
-    "attention-logit softcapping": r"layers\.0\.self_attn .*attention-logit softcapping \(attn_logit_softcapping=50",
-    "bidirectional": r"layers\.0\.self_attn .*bidirectional attention \(is_causal=False\)",
-    "attention dropout": r"layers\.0\.self_attn .*attention dropout 0\.1",
-    "attention sinks": r"layers\.0\.self_attn .*attention sinks",
+    "bidirectional": r"layers\.0\.self_attn .*bidirectional attention \(is_causal=False\).* causal only",
+    "attention dropout": r"layers\.0\.self_attn .*attention dropout 0\.1 .*draws no dropout mask",
 }
 
 
@@ -417,24 +422,20 @@ def test_unsupported_feature_raises_naming_it_and_the_layer(feature: str) -> Non
         HFCausalLM(REFUSED[feature]())
 
 
-MOE = {
-    "qwen3_moe": lambda: Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8,
-                                        **dict(SIZES, num_key_value_heads=2)),
-    "mixtral": lambda: MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
-                                     **dict(SIZES, num_key_value_heads=2)),
-}
-
-
-@pytest.mark.parametrize("family", list(MOE))
-def test_mixture_of_experts_is_refused_naming_the_layer(family: str) -> None:
-    with pytest.raises(NotImplementedError, match=r"layer model\.model\.layers\.0 \(\w+DecoderLayer\) is a"
-                                                  r" mixture-of-experts layer .*auxiliary \(load-balancing\) loss"):
-        HFCausalLM(MOE[family]())
+def test_experts_without_a_declared_router_are_refused_naming_the_layer() -> None:
+    """Mixtral, Qwen3-MoE and OLMoE train (tests/test_hf_moe.py); experts whose router the model does not
+    declare (no router_logits output) cannot have their auxiliary loss reproduced."""
+    model = AutoModelForCausalLM.from_config(_config("llama"))
+    model.model.layers[0].mlp.experts = type("SparseExperts", (torch.nn.Module,), {})()
+    with pytest.raises(NotImplementedError, match=r"layer model\.model\.layers\.0 \(LlamaDecoderLayer\) has experts"
+                                                  r" \(mlp\.experts: SparseExperts\) but LlamaForCausalLM declares no"
+                                                  r" router_logits output"):
+        HFCausalLM(model)
 
 
 def test_experts_in_the_config_or_attention_outside_decoder_layers_are_refused() -> None:
-    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM's config has experts \(num_experts=4\)\."
-                                                  r" Mixture-of-experts models are not supported"):
+    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM's config has experts \(num_experts=4\) but the"
+                                                  r" model declares no router; its routing cannot be reproduced"):
         HFCausalLM(_config("llama", num_experts=4))
     model = AutoModelForCausalLM.from_config(_config("llama"))
     layer = model.model.layers[1]  # a decoder layer class the memory stack would not recognise

@@ -13,7 +13,9 @@ attention layers, so nothing is stored on the transformers modules and nothing i
 Mask creation: transformers builds no mask for an implementation missing from its
 ``AttentionMaskInterface`` (``masking_utils._preprocess_mask_arguments`` returns early), which is what we
 want: a ``[seq, seq]`` mask over sharded lengths would be wrong and large; causality and documents are the
-pipeline's.
+pipeline's. So are sliding windows: a sliding layer's window arrives as the ``sliding_window``
+argument of its call (``lightning_fpdt.models.hf_masks`` refuses a layer whose mask has a window its call does
+not pass).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.binding import AttentionRecord, SequenceParallelContext
 from lightning_fpdt.layout import PackedDocuments
+from lightning_fpdt.models.hf_masks import check_mask_windows
 
 ATTN_IMPLEMENTATION = "lightning_fpdt"
 
@@ -59,8 +62,11 @@ def fpdt_attention_forward(
         documents: the batch's packed documents (``None``: one per sample).
         fpdt_records: where this call leaves its :class:`~lightning_fpdt.binding.AttentionRecord` (chunks, offload
             statistics), under the layer's ``layer_idx``, for ``FPDTMonitor``; ``None``: nowhere.
-        **kwargs: other transformers arguments; ``sliding_window``, ``softcap`` and ``s_aux`` (sinks) must
-            be unset.
+        **kwargs: other transformers arguments. Read: ``sliding_window`` (the layer's window, which
+            transformers passes only to sliding layers: a query at position ``i`` sees keys ``i - W + 1 .. i``,
+            as its ``sliding_window_overlay`` mask counts it), ``softcap`` (attention-logit softcapping) and
+            ``s_aux`` (attention sinks ``[n_heads]``; else the layer's own ``sinks`` parameter, which
+            transformers' eager attention reads). Refused: ``is_causal=False`` and a ``position_bias``.
 
     Returns:
         ``([batch, s_local, n_heads, head_dim], None)``: the output and no attention weights.
@@ -86,6 +92,7 @@ def fpdt_attention_forward(
     out = fpdt_attention(
         q, k, v, group=ctx.group, chunk_size=ctx.chunk_size, causal=True, backend=ctx.attention_backend,
         scale=scaling, offload=ctx.offload, documents=documents, stats_sink=record.sink,
+        window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), sinks=_sinks(module, kwargs),
     )
     return out, None  # [b, s_local, h, d], as transformers' own functions return it
 
@@ -94,21 +101,34 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, fpdt_attention_forward)
 
 
 def _refuse_call_features(where: str, module: nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
-    # the same features check_supported refuses at construction, in case a config was changed afterwards
-    if not getattr(module, "is_causal", True):
-        raise NotImplementedError(f"HFCausalLM: {where} is bidirectional (is_causal=False); FPDT is causal only.")
-    for name, feature in (("sliding_window", "sliding-window attention"), ("softcap", "attention-logit softcapping"),
-                          ("s_aux", "attention sinks")):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"HFCausalLM: {where} asks for {feature} ({name}={_short(kwargs[name])}), which the FPDT pipeline"
-                " does not compute; switch it off in the model's config."
-            )
+    # what transformers' own attention functions would compute and the pipeline does not, read from this call
+    # (a config may have been changed after construction, and a layer may pass is_causal per call)
+    causal = kwargs.get("is_causal")
+    if not (getattr(module, "is_causal", True) if causal is None else causal):
+        raise NotImplementedError(
+            f"HFCausalLM: {where} is bidirectional (is_causal=False), which the FPDT pipeline does not compute:"
+            " it is causal only (each rank's later chunks are never sent to earlier queries)."
+        )
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError(
+            f"HFCausalLM: {where} adds a position bias ({_short(kwargs['position_bias'])}) to its attention"
+            " logits, which the FPDT pipeline does not compute: a [heads, seq, seq] bias over the whole sequence"
+            " is what chunking avoids. Use a family with rotary positions."
+        )
     if dropout > 0:
         raise NotImplementedError(
             f"HFCausalLM: {where} uses attention dropout {dropout} in training, which the FPDT pipeline does not"
             " compute; set the config's attention dropout to 0."
         )
+
+
+def _sinks(module: nn.Module, kwargs: dict[str, Any]) -> Tensor | None:
+    """The layer's attention sinks: ``s_aux`` (what transformers passes flash kernels), else ``module.sinks``
+    (what its eager attention reads)."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    return sinks if isinstance(sinks, Tensor) else None
 
 
 def _short(value: Any) -> str:
@@ -126,64 +146,44 @@ def attention_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
 
 
 def check_supported(model: PreTrainedModel) -> None:
-    """Refuse, naming the feature and the layer, what the FPDT pipeline cannot compute exactly.
+    """Refuse, naming the feature and the layer, what a layer computes and the FPDT pipeline cannot.
 
-    Called at construction, so every rank raises before any collective.
+    Read from each attention layer (what its forward passes to the attention function), not from config
+    fields a layer may ignore (a Llama config's ``sliding_window``). Sliding windows, attention-logit
+    softcapping and attention sinks are computed (:func:`fpdt_attention_forward`); refused are bidirectional
+    layers (FPDT is causal) and attention dropout (the pipeline draws no dropout mask). Called at
+    construction, so every rank raises before any collective.
 
     Raises:
-        NotImplementedError: sliding-window attention, attention-logit softcapping, attention sinks,
-            bidirectional (non-causal) layers, or attention dropout > 0, on any layer.
+        NotImplementedError: a bidirectional (``is_causal=False``) layer, attention dropout > 0, or a layer
+            whose transformers mask has a window its attention call does not pass
+            (:func:`~lightning_fpdt.models.hf_masks.check_mask_windows`).
         ValueError: a model without recognisable attention layers.
     """
-    config = model.config.get_text_config()
     layers = attention_layers(model)
     if not layers:
         raise ValueError(
             f"HFCausalLM: found no attention layers in {type(model).__name__} (modules named '*Attention' with"
             " a 'layer_idx'); this model family is not supported."
         )
-    layer_types = getattr(config, "layer_types", None) or []
     for name, m in layers:
-        index = getattr(m, "layer_idx", 0)
-        layer_type = layer_types[index] if index is not None and index < len(layer_types) else None
-        window = _sliding_window(config, m, layer_type)
         problems = []
-        if window is not None:
-            problems.append((f"sliding-window attention (sliding_window={window}, layer type {layer_type!r})",
-                             "make every layer full attention (config.layer_types entries 'full_attention', or"
-                             " sliding_window=None where the config has no layer_types); the model then attends"
-                             " to the whole causal context, which equals the window only for sequences no"
-                             " longer than it"))
-        if getattr(m, "attn_logit_softcapping", None) is not None or (
-            getattr(config, "attn_logit_softcapping", None) is not None and hasattr(m, "attn_logit_softcapping")
-        ):
-            cap = getattr(m, "attn_logit_softcapping", None) or config.attn_logit_softcapping
-            problems.append((f"attention-logit softcapping (attn_logit_softcapping={cap})",
-                             "set attn_logit_softcapping=None in the config (this changes the model)"))
-        if getattr(m, "sinks", None) is not None:
-            problems.append(("attention sinks (a 'sinks' parameter)", "use a family without sinks"))
         if not getattr(m, "is_causal", True):
-            problems.append(("bidirectional attention (is_causal=False)",
-                             "use causal layers (e.g. use_bidirectional_attention=False)"))
+            problems.append(("bidirectional attention (is_causal=False), where every token sees later ones",
+                             "the FPDT pipeline is causal only; use causal layers (e.g."
+                             " use_bidirectional_attention=False)"))
         drop = getattr(m, "attention_dropout", 0.0)
         if isinstance(drop, float) and drop > 0:
-            problems.append((f"attention dropout {drop} in training", "set attention_dropout=0.0 in the config"))
+            problems.append((f"attention dropout {drop} in training",
+                             "the FPDT pipeline draws no dropout mask over its blocks; set attention_dropout=0.0"
+                             " in the config"))
         if problems:
             feature, fix = problems[0]
             raise NotImplementedError(
                 f"HFCausalLM: layer {name} ({type(m).__name__}) uses {feature}, which the FPDT attention pipeline"
-                f" does not compute; {fix}."
+                f" does not compute: {fix}."
             )
-
-
-def _sliding_window(config: Any, layer: nn.Module, layer_type: str | None) -> int | None:
-    if layer_type is not None and "sliding" in layer_type:
-        return getattr(config, "sliding_window", None) or -1
-    if hasattr(layer, "sliding_window"):  # families that resolve the window per layer (Qwen2, Gemma)
-        return layer.sliding_window
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return getattr(config, "sliding_window", None)  # families that read it from the config (Mistral)
+    check_mask_windows(model, layers)  # a window the mask has and the call does not pass
 
 
 def install(model: PreTrainedModel) -> None:

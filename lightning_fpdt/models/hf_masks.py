@@ -1,0 +1,107 @@
+"""Which keys each attention layer of a transformers model lets a query see, read from the model itself.
+
+Under FPDT transformers builds no attention mask (the registered implementation has no mask function), so a
+sliding layer's window reaches the pipeline only as the ``sliding_window`` argument of its attention call.
+Most families pass it; a few build a sliding-window mask for a layer whose call carries no window (PhiMoE,
+Qwen2-MoE, Doge, BLT in transformers 5.24), and would silently attend to the whole causal context. A probe
+finds them: the model runs two tokens with an attention implementation whose mask function does not build a
+mask but reads the rule transformers' mask function encodes (causal, and the window: the first distance a
+query far into the sequence no longer sees), and whose attention function records each layer's call. A
+layer whose call disagrees with its own mask is refused, naming both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
+
+_PROBE = "lightning_fpdt_mask_probe"
+_FAR = 1 << 40  # a query position beyond any window: the rule read there holds for every position
+
+
+@dataclass(frozen=True)
+class MaskRule:
+    """The keys a query at position ``i`` sees under a layer's transformers mask: ``i - window + 1 .. i`` (causal,
+    ``window=None``: ``0 .. i``), or ``pattern=False`` when the mask is not of that form (e.g. chunked)."""
+
+    causal: bool
+    window: int | None
+    pattern: bool = True
+
+
+def read_mask_rule(mask_function: Any) -> MaskRule:
+    """The rule of a transformers mask function ``(batch, head, q_idx, kv_idx) -> bool``, from its values at
+    positions far into the sequence (binary search for the window, then checked at other positions)."""
+
+    def sees(q: int, kv: int) -> bool:
+        zero = torch.tensor(0)
+        return bool(mask_function(zero, zero, torch.tensor(q), torch.tensor(kv)))
+
+    causal = not sees(_FAR, _FAR + 1)
+    window = None
+    if not sees(_FAR, 0):
+        lo, hi = 1, _FAR  # sees distance lo - 1, not distance hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if sees(_FAR, _FAR - mid) else (lo, mid)
+        window = lo
+    rule = MaskRule(causal=causal, window=window)
+    for q in (_FAR + 7, 3 * _FAR // 2 + 1):  # the same rule at other positions, or not a window at all
+        for d in {0, 1, 2, *(() if window is None else (window - 1, window, window + 1))}:
+            if q - d >= 0 and sees(q, q - d) != (window is None or d < window):
+                return MaskRule(causal=causal, window=window, pattern=False)
+    return rule
+
+
+def _probe_mask(*args: Any, mask_function: Any = None, **kwargs: Any) -> MaskRule:
+    return read_mask_rule(mask_function)
+
+
+def _probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                     **kwargs: Any) -> tuple[Tensor, None]:
+    module.__dict__["_fpdt_probed"] = (attention_mask, kwargs.get("sliding_window"))
+    # [b, h, s, d] -> [b, s, h, d] of the value's width, as attention functions return it
+    return torch.zeros_like(value[:, :1]).expand(-1, query.shape[1], -1, -1).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(_PROBE, _probe_attention)
+AttentionMaskInterface.register(_PROBE, _probe_mask)
+
+
+def check_mask_windows(model: PreTrainedModel, layers: list[tuple[str, nn.Module]]) -> None:
+    """Refuse a layer whose transformers mask has a window (or another pattern) its attention call does not pass.
+
+    Runs ``model`` on two tokens with the probe implementation, then restores its implementation. Nothing is
+    checked for a model on the meta device (sizing only) or where transformers makes no mask for the probe.
+
+    Raises:
+        NotImplementedError: a layer whose mask and call disagree, naming both.
+    """
+    param = next(model.parameters(), None)
+    if param is None or param.device.type == "meta":
+        return
+    before = model.config._attn_implementation
+    model.set_attn_implementation(_PROBE)
+    try:
+        with torch.no_grad():
+            model.base_model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=param.device), use_cache=False)
+        probed = {name: m.__dict__.pop("_fpdt_probed", None) for name, m in layers}
+    finally:
+        model.set_attn_implementation(before)
+    for name, m in layers:
+        rule, window = probed[name] if probed[name] is not None else (None, None)
+        if not isinstance(rule, MaskRule) or not rule.causal:  # no mask made, or bidirectional (refused by is_causal)
+            continue
+        if not rule.pattern or rule.window != window:
+            mask = f"a sliding window of {rule.window}" if rule.pattern and rule.window else (
+                "full causal attention" if rule.pattern else "a pattern that is not a sliding window (e.g. chunked)")
+            raise NotImplementedError(
+                f"HFCausalLM: layer {name} ({type(m).__name__}): transformers' mask for this layer has {mask}, but"
+                f" its attention call passes sliding_window={window}. Under FPDT no mask is built and the pipeline"
+                " computes what the call says, so it would attend differently from the model; this family is not"
+                " supported (a layer that passes its window to the attention call is)."
+            )
