@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,22 +54,31 @@ def load_tokenizer(path: str) -> Any:
     return _TOKENIZERS[path]
 
 
-def _tokenize_row(row: dict[str, Any], tokenizer_path: str, field: str, chat: bool) -> dict[str, Any]:
-    """One row to ``input_ids`` (and ``labels``); a bad row gives its reason in ``problem``, never raises
-    (a worker's exception would reach the user as a raw traceback without the row)."""
+def _tokenize_rows(rows: dict[str, list[Any]], tokenizer_path: str, field: str, chat: bool) -> dict[str, list]:
+    """A batch of rows to ``input_ids`` (and ``labels``); a bad row gives its reason in ``problem``, never
+    raises (a worker's exception would reach the user as a raw traceback without the row)."""
     tokenizer = load_tokenizer(tokenizer_path)
-    out: dict[str, Any] = {"input_ids": [], "labels": [], "problem": "", "skipped": False}
-    try:
-        if chat:
-            made = chat_tokens(tokenizer, row[field])
+    values = rows[field]
+    out: dict[str, list] = {"input_ids": [[] for _ in values], "labels": [[] for _ in values],
+                            "problem": [""] * len(values), "skipped": [False] * len(values)}
+    if not chat:  # one call of the Rust tokenizer for the batch's good rows
+        good = [i for i, text in enumerate(values) if isinstance(text, str) and text]
+        encoded = tokenizer([values[i] for i in good])["input_ids"] if good else []
+        for i, ids in zip(good, encoded):
+            out["input_ids"][i] = list(ids) + [tokenizer.eos_token_id]
+    for i, value in enumerate(values):
+        try:
+            if not chat:
+                if not out["input_ids"][i]:
+                    text_tokens(tokenizer, value)  # raises the reason
+                continue
+            made = chat_tokens(tokenizer, value)
             if made is None:
-                out["skipped"] = True
+                out["skipped"][i] = True
             else:
-                out["input_ids"], out["labels"] = made
-        else:
-            out["input_ids"] = text_tokens(tokenizer, row[field])
-    except ValueError as err:
-        out["problem"] = str(err)
+                out["input_ids"][i], out["labels"][i] = made
+        except ValueError as err:
+            out["problem"][i] = str(err)
     return out
 
 
@@ -216,7 +226,9 @@ class HFDataModule(pl.LightningDataModule):
             )
         if tokenizer.eos_token_id is None:
             raise DataError(f"{OWNER}the tokenizer at {self.tokenizer_path()!r} has no eos_token; set one and save it.")
+        start = time.perf_counter()
         docs = {split: self._tokenize(paths, split) for split, paths in self._sources().items()}
+        self.stats["tokenize_s"], start = time.perf_counter() - start, time.perf_counter()
         if "val" not in docs and self.val_fraction > 0:
             train, n = docs["train"], len(docs["train"][0])
             held = set(np.random.default_rng(self.seed).permutation(n)[:int(n * self.val_fraction)].tolist())
@@ -238,6 +250,7 @@ class HFDataModule(pl.LightningDataModule):
                 np.save(building / f"{split}_{k}.npy", samples[k])
             meta[split] = {"documents": len(ids), "samples": len(samples["input_ids"]),
                            "tokens": int((~samples["pad"]).sum()), "fill": fill(samples["input_ids"], samples["pad"])}
+        self.stats["pack_s"] = time.perf_counter() - start  # with the .npy writes
         (building / "meta.json").write_text(json.dumps({**meta, **self.stats}))
         shutil.rmtree(target, ignore_errors=True)
         os.replace(building, target)
@@ -254,8 +267,8 @@ class HFDataModule(pl.LightningDataModule):
             rows += len(data)
             if len(data) == 0:
                 continue
-            made = data.map(_tokenize_row, fn_kwargs={"tokenizer_path": self.tokenizer_path(), "field": self.field,
-                                                      "chat": self.format == "chat"},
+            kwargs = {"tokenizer_path": self.tokenizer_path(), "field": self.field, "chat": self.format == "chat"}
+            made = data.map(_tokenize_rows, batched=True, batch_size=256, fn_kwargs=kwargs,
                             remove_columns=data.column_names, num_proc=min(self.num_proc, len(data)),
                             desc=f"HFDataModule: tokenizing {Path(path).name}")
             problems = made["problem"]
