@@ -34,6 +34,21 @@ def cross_entropy_sum(logits: Tensor, shift_labels: Tensor, ignore_index: int = 
     return loss_sum, (shift_labels != ignore_index).sum()
 
 
+def world_totals(loss_sum: Tensor, num_tokens: Tensor) -> tuple[Tensor, Tensor, int]:
+    """This rank's summed loss and target count, summed over every rank of the world; a collective (one
+    all-reduce of two scalars) when there are several ranks.
+
+    Returns:
+        ``(total_loss, total_tokens, world)``: detached scalars in ``loss_sum``'s dtype (identical on every
+        rank) and the world size (1 without a process group).
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        totals = torch.stack([loss_sum.detach(), num_tokens.to(loss_sum.dtype)])
+        dist.all_reduce(totals)
+        return totals[0], totals[1], dist.get_world_size()
+    return loss_sum.detach(), num_tokens.to(loss_sum.dtype), 1
+
+
 def token_weighted_loss(loss_sum: Tensor, num_tokens: Tensor) -> tuple[Tensor, Tensor]:
     """Turn this rank's summed loss into the one to back-propagate, plus the true mean for logging.
 
@@ -42,19 +57,17 @@ def token_weighted_loss(loss_sum: Tensor, num_tokens: Tensor) -> tuple[Tensor, T
     token count. Gradient synchronisation (DDP, FSDP) *averages* over the ``W`` ranks of the
     world, so each rank back-propagates ``W * loss_sum / N``: the average of those gradients is
     exactly the single-process gradient of the global mean. In one process this is
-    ``loss_sum / num_tokens``.
+    ``loss_sum / num_tokens``. Training steps that accumulate gradients over several micro-batches
+    use :class:`lightning_fpdt.accumulation.TokenWindow`, which divides by the window's count instead.
 
     Returns:
         ``(loss_for_backward, mean_loss)``; ``mean_loss`` is detached and identical on every rank.
     """
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        world = dist.get_world_size()
-        totals = torch.stack([loss_sum.detach(), num_tokens.to(loss_sum.dtype)])
-        dist.all_reduce(totals)
-        total_loss, total_tokens = totals[0], totals[1].clamp_min(1)
-        return loss_sum * (world / total_tokens), total_loss / total_tokens
-    count = num_tokens.clamp_min(1).to(loss_sum.dtype)
-    return loss_sum / count, (loss_sum / count).detach()
+    total_loss, total_tokens, world = world_totals(loss_sum, num_tokens)
+    count = total_tokens.clamp_min(1)  # no target anywhere: loss 0 and zero gradients, not 0 / 0
+    if world > 1:
+        return loss_sum * (world / count), total_loss / count
+    return loss_sum / count, total_loss / count
 
 
 def tiled_cross_entropy_sum(

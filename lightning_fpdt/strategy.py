@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
 from lightning_fpdt import checkpoint_files as ckpt
+from lightning_fpdt.accumulation import scale_window_gradients
 from lightning_fpdt.activation_checkpoint import new_checkpoint_store
 from lightning_fpdt.batches import BatchGate, input_vocab_size, target_tokens
 from lightning_fpdt.binding import SequenceParallelContext, bind
@@ -55,7 +56,8 @@ class FPDTStrategy(DDPStrategy):
 
     Gradients are averaged over the whole world (DDP, or FSDP2 with ``shard_parameters``); with the
     token-weighted loss of :func:`lightning_fpdt.loss.token_weighted_loss` this is exactly the
-    single-process gradient.
+    single-process gradient, and over an accumulation window of a module with a
+    :class:`~lightning_fpdt.accumulation.TokenWindow` the gradient of the window's tokens as one batch.
 
     Args: the fields of :class:`lightning_fpdt.options.FPDTOptions` (``sequence_parallel_size``,
     ``chunk_size``, ``memory_budget``, ``attention_backend``, ``offload``, ``activation_checkpointing``,
@@ -281,6 +283,7 @@ class FPDTStrategy(DDPStrategy):
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         step = self.lightning_module.trainer.global_step if self.lightning_module._trainer else -1
         grads = [p.grad for p in parameters if p.grad is not None]
+        scale_window_gradients(self.lightning_module, grads)  # the window's token mean, before guard and clipping
         if not self._guard.allows_step(grads, step, self.global_rank, self.world_size, self.root_device):
             optimizer.zero_grad(set_to_none=True)
             return result

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from lightning_fpdt.accumulation import TokenWindow, scale_window_gradients
 from lightning_fpdt.layout import PackedDocuments, default_position_ids, shard_batch
 from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
 
@@ -141,7 +142,9 @@ class CausalLM(pl.LightningModule):
     when it is assigned (:func:`check_decoder_model`). Batches are dicts with ``input_ids`` ``[batch, seq]``
     and optionally ``labels`` (Hugging Face convention: unshifted, -100 ignored), ``shift_labels``
     (already shifted, as ``FPDTStrategy`` produces them) and ``position_ids``. The loss is token-weighted
-    across every rank, so sequence and data parallel training give the single-process gradient.
+    across every rank, so sequence and data parallel training give the single-process gradient, and across
+    the micro-batches of an accumulation window (``accumulate_grad_batches``; :attr:`token_window`, a
+    :class:`~lightning_fpdt.accumulation.TokenWindow`), so the optimizer gets the window's gradient as one batch.
 
     Args:
         loss_tiles: token tiles of the output projection + cross-entropy, each recomputed in backward, so
@@ -178,6 +181,7 @@ class CausalLM(pl.LightningModule):
         self.model: DecoderModel
         self.model_takes_documents = True
         self.val_answer_accuracy = AnswerAccuracy()
+        self.token_window = TokenWindow()  # training losses: one token mean per accumulation window
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "model" and isinstance(value, nn.Module):  # the contract, checked where a model arrives
@@ -269,9 +273,22 @@ class CausalLM(pl.LightningModule):
             ids = batch["input_ids"]
             global_seq = ids.shape[1] * self.sequence_parallel_size()
             self.flops_per_batch = self.model.flops_per_token(global_seq) * ids.numel()
-        loss, mean = token_weighted_loss(*self.loss_terms(batch))
+        loss_sum, num_tokens = self.loss_terms(batch)
+        trainer = self._trainer
+        if trainer is not None and self.automatic_optimization:  # one token mean per accumulation window
+            loss, mean = self.token_window.add(loss_sum, num_tokens, trainer.global_step,
+                                               trainer.accumulate_grad_batches)
+        else:
+            loss, mean = token_weighted_loss(loss_sum, num_tokens)
+        # the window's mean so far: at the window's last micro-batch, the mean of all its target tokens
         self.log("train/loss", mean, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Finish the accumulation window's gradient (before clipping), unless ``FPDTStrategy`` already did
+        (before the step guard): the path for every other strategy. An override must call this."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        scale_window_gradients(self, grads)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         batch = self.prepared(batch)
