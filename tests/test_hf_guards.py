@@ -204,7 +204,7 @@ def test_the_delivery_ends_with_the_call(fresh_seed: int) -> None:
     module = HFCausalLM(FAMILIES["stablelm"](), mlp_tiles=1, loss_tiles=1)
     module.bind_sequence_parallel(SequenceParallelContext(chunk_size=8, attention_backend="math"))
     module.loss_terms(TokenDataset(2, SEQ, VOCAB, fresh_seed).full_batch())
-    assert sorted(module.records) == [0, 1]  # both layers ran with the context, which only the delivery brings
+    assert sorted(module.records.by_layer) == [0, 1]  # both layers ran with the context, which only the delivery brings
     assert not any(_DELIVERED in m.__dict__ for m in module.modules())
 
 

@@ -7,8 +7,12 @@ registered once under :data:`ATTN_IMPLEMENTATION` (a name no other model uses) a
 (:func:`install`), so other models in the process keep their own attention.
 
 The sequence-parallel context and the batch's documents reach the function as forward keyword arguments
-(``fpdt_context``, ``documents``): every supported family passes a model's ``**kwargs`` down to its
-attention layers, so nothing is stored on the transformers modules and nothing is global.
+(``fpdt_context``, ``documents``, ``fpdt_records``) where a family passes a model's ``**kwargs`` down to
+its attention layers. Where its decoder layers call their attention without them (StableLM), they are
+delivered on the attention layers themselves for the duration of the call that carries them
+(:func:`delivered_to`: around the base model's forward, and around each decoder layer's forward and its
+recomputation in backward, :func:`delivering`), and cleared after: nothing global, and a model used
+outside ``HFCausalLM`` never sees them. ``lightning_fpdt.models.hf_guards`` refuses a layer they still miss.
 
 Mask creation: transformers builds no mask for an implementation missing from its
 ``AttentionMaskInterface`` (``masking_utils._preprocess_mask_arguments`` returns early), which is what we
@@ -20,6 +24,8 @@ not pass).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor, nn
@@ -34,6 +40,81 @@ ATTN_IMPLEMENTATION = "lightning_fpdt"
 
 _ONE_PROCESS = SequenceParallelContext()
 
+# ---- context delivery (hf_guards checks that it arrived) -------------------------------------------------
+
+FPDT_KEYWORDS = ("fpdt_context", "documents", "fpdt_records")
+
+
+class LayerRecords:
+    """Where each attention call leaves its :class:`~lightning_fpdt.binding.AttentionRecord`, by ``layer_idx``.
+
+    Not a dict (nor a dataclass) on purpose: FSDP2 rebuilds dict and dataclass keyword arguments when it casts
+    a layer's forward inputs (mixed precision), and records left in such a copy would never reach the model.
+    """
+
+    def __init__(self) -> None:
+        self.by_layer: dict[int, AttentionRecord] = {}
+
+    def leave(self, module: nn.Module, record: AttentionRecord) -> None:
+        """Keep ``record`` as the latest call of attention layer ``module``."""
+        self.by_layer[getattr(module, "layer_idx", len(self.by_layer))] = record
+
+    def clear(self) -> None:
+        self.by_layer.clear()
+
+    def __contains__(self, layer_idx: object) -> bool:
+        return layer_idx in self.by_layer
+
+    def in_layer_order(self) -> list[AttentionRecord]:
+        """The records, by increasing ``layer_idx``."""
+        return [self.by_layer[index] for index in sorted(self.by_layer)]
+_DELIVERED = "_fpdt_delivered"  # an attention layer's attribute while a call that carries the keywords runs
+
+
+def is_attention_layer(module: nn.Module) -> bool:
+    """A transformers self-attention layer: its class name ends in ``Attention`` and it knows its ``layer_idx``
+    (the transformers convention for the layer that calls the attention function)."""
+    return type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx")
+
+
+@contextmanager
+def delivered_to(modules: Iterable[nn.Module], keywords: dict[str, Any]) -> Iterator[None]:
+    """Deliver the FPDT keywords of ``keywords`` (``fpdt_context``, ``documents``, ``fpdt_records``) on each
+    attention layer of ``modules`` until the block ends, for layers that are called without them; nothing
+    when ``keywords`` carries no ``fpdt_context``. Nested deliveries restore the outer one."""
+    if "fpdt_context" not in keywords:
+        yield
+        return
+    values = {k: keywords.get(k) for k in FPDT_KEYWORDS}
+    saved = [(m, m.__dict__.get(_DELIVERED)) for m in modules]
+    for m, _ in saved:
+        m.__dict__[_DELIVERED] = values
+    try:
+        yield
+    finally:
+        for m, outer in saved:
+            if outer is None:
+                m.__dict__.pop(_DELIVERED, None)
+            else:
+                m.__dict__[_DELIVERED] = outer
+
+
+def delivering(layer: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` of decoder layer ``layer``, delivering the FPDT keywords of each call to ``layer``'s attention
+    layers while it runs: so a recomputation in backward (activation checkpointing), which calls it with the
+    keywords its forward had, delivers them again after the base model's own delivery has ended."""
+    attention = [m for m in layer.modules() if is_attention_layer(m)]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with delivered_to(attention, kwargs):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def _delivered(module: Any) -> dict[str, Any]:
+    return getattr(module, "__dict__", {}).get(_DELIVERED) or {}
+
 
 def fpdt_attention_forward(
     module: nn.Module,
@@ -45,7 +126,7 @@ def fpdt_attention_forward(
     dropout: float = 0.0,
     fpdt_context: SequenceParallelContext | None = None,
     documents: PackedDocuments | None = None,
-    fpdt_records: dict[int, AttentionRecord] | None = None,
+    fpdt_records: LayerRecords | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """The attention of one Hugging Face attention layer through :func:`lightning_fpdt.attention.fpdt_attention`.
@@ -83,12 +164,15 @@ def fpdt_attention_forward(
             " and packed documents travel as 'attention_mask' / 'position_ids' in the batch dict, which the"
             " strategy turns into documents. Do not pass a mask to the model yourself."
         )
+    if fpdt_context is None:  # a layer that does not pass its keywords on: delivered on the layer (delivered_to)
+        delivered = _delivered(module)
+        fpdt_context, documents, fpdt_records = (delivered.get(k) for k in FPDT_KEYWORDS)
     ctx = fpdt_context or _ONE_PROCESS
     # [b, h, s_local, d] -> [b, s_local, h, d]: the pipeline's layout (s_local = S // sp)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     record = AttentionRecord.for_call(q.shape[1], ctx)
     if fpdt_records is not None:
-        fpdt_records[getattr(module, "layer_idx", len(fpdt_records))] = record
+        fpdt_records.leave(module, record)
     out = fpdt_attention(
         q, k, v, group=ctx.group, chunk_size=ctx.chunk_size, causal=True, backend=ctx.attention_backend,
         scale=scaling, offload=ctx.offload, documents=documents, stats_sink=record.sink,
@@ -141,8 +225,7 @@ def attention_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
     An attention layer is a module whose class name ends in ``Attention`` and that knows its ``layer_idx``
     (the transformers convention for the layer that calls the attention function).
     """
-    return [(name, m) for name, m in model.named_modules()
-            if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    return [(name, m) for name, m in model.named_modules() if is_attention_layer(m)]
 
 
 def check_supported(model: PreTrainedModel) -> None:

@@ -27,9 +27,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from lightning_fpdt.binding import AttentionRecord, DecoderLayer, SequenceParallelContext
 from lightning_fpdt.layout import IGNORE_INDEX
 from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum
-from lightning_fpdt.models.hf_attention import attention_layers, check_supported, install
-from lightning_fpdt.models.hf_layers import check_dense, check_recomputable, install_memory_stack
+from lightning_fpdt.models.hf_attention import LayerRecords, attention_layers, check_supported, delivered_to, install
+from lightning_fpdt.models.hf_guards import check_context_arrived, find_head_transform
+from lightning_fpdt.models.hf_layers import check_decoder_layers, check_recomputable, install_memory_stack
 from lightning_fpdt.models.hf_layers import decoder_layers as hf_decoder_layers
+from lightning_fpdt.models.hf_moe import check_experts, router_loss_for
 from lightning_fpdt.models.lm import CausalLM
 from lightning_fpdt.tiling import tiled_call
 
@@ -51,8 +53,13 @@ class HFCausalLM(CausalLM):
     Raises:
         NotImplementedError: the model uses a feature the FPDT pipeline does not compute (sliding-window
             attention, attention-logit softcapping, attention sinks, bidirectional layers, attention dropout),
-            is a mixture-of-experts model, or has dropout in a tiled MLP; the message names the feature and
-            the layer.
+            has experts whose routing or auxiliary loss cannot be reproduced
+            (:func:`~lightning_fpdt.models.hf_moe.check_experts`), or has dropout in a tiled MLP; the message
+            names the feature and the layer. Also a head whose forward transforms the logits in a way the loss
+            cannot reproduce
+            (:func:`~lightning_fpdt.models.hf_guards.find_head_transform`), and, at the first forward under a
+            bound context, an attention layer that ran without it
+            (:func:`~lightning_fpdt.models.hf_guards.check_context_arrived`).
         TypeError: ``model`` of another type.
         ValueError: ``mlp_tiles`` below 1.
     """
@@ -69,14 +76,18 @@ class HFCausalLM(CausalLM):
         if mlp_tiles is not None and (isinstance(mlp_tiles, bool) or not isinstance(mlp_tiles, int) or mlp_tiles < 1):
             raise ValueError(f"HFCausalLM: mlp_tiles must be a positive int or None (automatic), got {mlp_tiles!r}.")
         self.model = _build(model, from_pretrained_kwargs or {})
+        layers = check_decoder_layers(self.model)  # first: the probes below run the layers
         check_supported(self.model)
-        check_dense(self.model)
+        check_experts(self.model, layers)
+        self.head_transform = find_head_transform(self.model)  # what its forward does after the output embedding
         check_recomputable(self.model, mlp_tiled=mlp_tiles != 1, checkpointing=False)
         install(self.model)
-        install_memory_stack(self.model, mlp_tiles)
+        self.router_loss = router_loss_for(self.model)  # the auxiliary loss of a mixture of experts, or None
+        install_memory_stack(self.model, mlp_tiles, self.router_loss)
         self.mlp_tiles = mlp_tiles
         self.context = SequenceParallelContext()
-        self.records: dict[int, AttentionRecord] = {}  # layer_idx -> its attention's latest call
+        self._bound = False  # whether a strategy bound self.context (hf_guards.check_context_arrived)
+        self.records = LayerRecords()  # each attention layer's latest call
         saved = model if isinstance(model, str) else self.model.config.to_dict()  # a module is not a hyper-parameter
         self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, "mlp_tiles": mlp_tiles, **kwargs})
 
@@ -97,7 +108,7 @@ class HFCausalLM(CausalLM):
         """
         if context.activation_checkpointing:
             check_recomputable(self.model, mlp_tiled=self.mlp_tiles != 1, checkpointing=True)
-        self.context = context
+        self.context, self._bound = context, True
 
     def attention_heads(self) -> list[tuple[str, int, int]]:
         """``(layer name, n_heads, n_kv_heads)`` of every attention layer, from the model's config."""
@@ -111,7 +122,7 @@ class HFCausalLM(CausalLM):
 
     def attention_records(self) -> list[AttentionRecord]:
         """What each attention layer did in its latest call (chunks, offload statistics), in layer order."""
-        return [self.records[index] for index in sorted(self.records)]
+        return self.records.in_layer_order()
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """The transformers decoder layers, as the strategy shards them and the memory model reads them."""
@@ -131,43 +142,72 @@ class HFCausalLM(CausalLM):
     # ---- forward and loss ----------------------------------------------------------------------------------
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        """Logits ``[batch, seq, vocab]`` of whole sequences in one process (softcapped where the model is)."""
+        """Logits ``[batch, seq, vocab]`` of whole sequences in one process (with the family's logit transform)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         return self.logits(self.hidden_states({"input_ids": input_ids, "position_ids": position_ids}))
 
     def hidden_states(self, batch: dict[str, Any]) -> Tensor:
-        """Final hidden states ``[batch, s_local, hidden]`` of this rank's part of a dict batch."""
+        """Final hidden states ``[batch, s_local, hidden]`` of this rank's part of a dict batch.
+
+        Raises:
+            NotImplementedError: an attention layer ran without the bound context
+                (:func:`~lightning_fpdt.models.hf_guards.check_context_arrived`).
+        """
         batch = self.prepared(batch)
-        out = self.model.base_model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-            # read by fpdt_attention_forward: transformers passes these kwargs down to every attention layer
-            fpdt_context=self.context, documents=batch["documents"], fpdt_records=self.records,
-        )
+        self._start_router_pass(batch)
+        # read by fpdt_attention_forward: passed down as keywords by most families, delivered on the attention
+        # layers for those whose layers do not pass them on; every layer must have run with them (hf_guards)
+        keywords = {"fpdt_context": self.context, "documents": batch["documents"], "fpdt_records": self.records}
+        self.records.clear()
+        with delivered_to([m for _, m in attention_layers(self.model)], keywords):
+            out = self.model.base_model(
+                input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **keywords,
+            )
+        check_context_arrived(self.model, self.context, self._bound, batch["documents"], self.records)
         return out.last_hidden_state
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """``hidden`` ``[..., hidden]`` through the output embedding, with final-logit softcapping
-        (``cap * tanh(logits / cap)``, Gemma-2) where the config sets it: ``[..., vocab]``."""
-        logits = self.model.get_output_embeddings()(hidden)
-        cap = self._final_logit_cap()
-        return logits if cap is None else cap * torch.tanh(logits / cap)
-
-    def _final_logit_cap(self) -> float | None:
-        return getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        """``hidden`` ``[..., hidden]`` through the output embedding and the family's own per-logit transform
+        (:attr:`head_transform`: Granite's scaling, Gemma-2's final softcap, ...): ``[..., vocab]``."""
+        return self.head_transform(self.model.get_output_embeddings()(hidden))
 
     def loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """``(loss_sum, num_tokens)`` of this rank's part of the batch, on pre-shifted targets."""
+        """``(loss_sum, num_tokens)`` of this rank's part of the batch, on pre-shifted targets. For a mixture
+        of experts whose config sets ``output_router_logits``, ``loss_sum`` also holds this rank's share of
+        ``router_aux_loss_coef * aux`` over the whole batch (:meth:`~lightning_fpdt.models.hf_moe.RouterLoss.add_to`;
+        a collective over the world), so the token-weighted loss is transformers' loss with the auxiliary loss."""
+        loss_sum, num_tokens = self._token_loss_terms(batch, hidden)
+        if self.router_loss is not None:
+            loss_sum = self.router_loss.add_to(loss_sum, num_tokens)
+        return loss_sum, num_tokens
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """A mixture of experts counts the tokens of ``attention_mask`` in its auxiliary loss: a batch without
+        one gets ones before the strategy pads it (its padding then gets zeros, as no token of one process)."""
+        if self.router_loss is not None and isinstance(batch, dict) and "attention_mask" not in batch:
+            ids = batch.get("input_ids")
+            if isinstance(ids, Tensor) and ids.dim() == 2:
+                batch = {**batch, "attention_mask": torch.ones_like(ids)}
+        return batch
+
+    def _start_router_pass(self, batch: dict[str, Any]) -> None:
+        """Open the router statistics of a forward pass over this rank's tokens (1: counted, 0: padding)."""
+        if self.router_loss is not None:
+            mask = batch.get("attention_mask")
+            self.router_loss.start(None if mask is None else mask.ne(0))
+
+    def _token_loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The token-weighted cross-entropy's ``(loss_sum, num_tokens)``."""
         batch = self.prepared(batch)  # once: hidden_states and targets then find it prepared
         hidden = self.hidden_states(batch) if hidden is None else hidden
         targets = self.targets(batch)
         if self.loss_tiles == 1:  # no tiling: full logits, kept for backward by autograd
             return cross_entropy_sum(self.logits(hidden), targets)
         head = self.model.get_output_embeddings()
-        cap = self._final_logit_cap()
-        if isinstance(head, nn.Linear) and head.bias is None and cap is None:
+        if isinstance(head, nn.Linear) and head.bias is None and self.head_transform.is_identity:
             return tiled_cross_entropy_sum(hidden, head.weight, targets, self.loss_tiles)
-        # a head with a bias or softcapping: token tiles over batch x seq, each recomputed in backward, so only
+        # a head with a bias or a logit transform: token tiles over batch x seq, each recomputed in backward, so only
         # one tile's logits exist at a time
         b, s, h = hidden.shape  # s = this rank's tokens
         total = tiled_call(self._tile_loss_sum, hidden.reshape(1, b * s, h), targets.reshape(1, b * s),

@@ -33,9 +33,9 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from lightning_fpdt.binding import AttentionRecord, SequenceParallelContext
+from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.layout import PackedDocuments
-from lightning_fpdt.models.hf_attention import attention_layers
+from lightning_fpdt.models.hf_attention import LayerRecords, attention_layers
 
 # A forward that casts its logits to float32 (some families do) is reproduced to float32 rounding per logit;
 # any real transform (a scale, a cap, a bias) differs by far more.
@@ -268,7 +268,7 @@ def check_context_arrived(
     context: SequenceParallelContext,
     bound: bool,
     documents: PackedDocuments | None,
-    records: dict[int, AttentionRecord],
+    records: LayerRecords,
 ) -> None:
     """Refuse, right after a forward, the attention layers that ran without the FPDT context.
 

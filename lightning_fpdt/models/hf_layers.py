@@ -16,8 +16,10 @@ forwards (the object is copied with the module it belongs to):
 
 A decoder layer is a transformers ``GradientCheckpointingLayer`` (the base class of every decoder layer
 in transformers 5) that holds an attention layer. Recomputation must see the same computation twice,
-so dropout inside the recomputed modules is refused (:func:`check_recomputable`), as are mixture-of-experts
-layers (:func:`check_dense`), whose router loss the project's token-weighted loss does not include.
+so dropout inside the recomputed modules is refused (:func:`check_recomputable`). A mixture-of-experts
+``mlp`` (:mod:`lightning_fpdt.models.hf_moe`) is tiled like a dense one (its routing is per token) and
+returns its router's probabilities beside its output; a checkpointed layer carries them out of its
+recomputed call as extra columns of its hidden states.
 """
 
 from __future__ import annotations
@@ -25,18 +27,17 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lightning_fpdt.activation_checkpoint import checkpointed_call
 from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.models.hf_attention import attention_layers
+from lightning_fpdt.models.hf_attention import attention_layers, delivering
+from lightning_fpdt.models.hf_moe import RouterLoss, install_experts, split_captured
 from lightning_fpdt.recompute import needs_backward
 from lightning_fpdt.tiling import TiledForward
-
-_MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_MOE_CLASS_WORDS = ("moe", "expert", "router")
 
 
 def decoder_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
@@ -47,28 +48,22 @@ def decoder_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
             if isinstance(m, GradientCheckpointingLayer) and any(id(c) in attention for c in m.modules())]
 
 
-def check_dense(model: PreTrainedModel) -> None:
-    """Refuse mixture-of-experts models, naming the layer.
+def check_decoder_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
+    """``model``'s decoder layers (:func:`decoder_layers`), refusing a model with attention layers outside them.
 
     Raises:
-        NotImplementedError: a decoder layer with experts or a router (Mixtral, Qwen3-MoE, GPT-OSS, ...).
+        NotImplementedError: attention layers outside recognisable decoder layers (the memory stack would
+            silently not apply to them, and the construction probes could not run them).
     """
-    why = ("Mixture-of-experts models are not supported: their router's auxiliary (load-balancing) loss is"
-           " computed by transformers from every token's router logits in one process, and the token-weighted loss"
-           " under sequence parallelism does not include it, so training would silently drop it. Use a dense model.")
-    for name, layer in decoder_layers(model):
-        moe = [f"{sub}: {type(m).__name__}" for sub, m in layer.named_modules()
-               if any(word in type(m).__name__.lower() for word in _MOE_CLASS_WORDS)]
-        if moe:
-            raise NotImplementedError(
-                f"HFCausalLM: layer model.{name} ({type(layer).__name__}) is a mixture-of-experts layer ({moe[0]})."
-                f" {why}"
-            )
-    config = model.config.get_text_config()
-    experts = {name: getattr(config, name) for name in _MOE_CONFIG_FIELDS if getattr(config, name, None)}
-    if experts:
-        settings = ", ".join(f"{k}={v}" for k, v in experts.items())
-        raise NotImplementedError(f"HFCausalLM: {type(model).__name__}'s config has experts ({settings}). {why}")
+    layers = decoder_layers(model)
+    attention = attention_layers(model)
+    if len(layers) != len(attention):
+        raise NotImplementedError(
+            f"HFCausalLM: {type(model).__name__} has {len(attention)} attention layers but {len(layers)} decoder"
+            " layers that hold them (transformers GradientCheckpointingLayer modules); activation checkpointing,"
+            " MLP tiling and per-layer sharding are applied to decoder layers, so this model cannot get them."
+        )
+    return layers
 
 
 def check_recomputable(model: PreTrainedModel, mlp_tiled: bool, checkpointing: bool) -> None:
@@ -99,11 +94,13 @@ class CheckpointedForward:
     """A decoder layer instance's ``forward``: its class's forward, checkpointed when the ``fpdt_context``
     keyword asks for it and a backward will follow."""
 
-    def __init__(self, layer: nn.Module, name: str) -> None:
-        self.layer, self.name = layer, name
+    def __init__(self, layer: nn.Module, name: str, router_loss: RouterLoss | None = None) -> None:
+        self.layer, self.name, self.router_loss = layer, name, router_loss
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        run = partial(type(self.layer).forward, self.layer)
+        # its attention gets the FPDT keywords even where the layer does not pass them on (StableLM), in this
+        # forward and in the recomputation, which calls run with the same keywords (hf_attention.delivering)
+        run = delivering(self.layer, partial(type(self.layer).forward, self.layer))
         context: SequenceParallelContext | None = kwargs.get("fpdt_context")
         if context is None or not context.activation_checkpointing:
             return run(*args, **kwargs)
@@ -120,43 +117,48 @@ class CheckpointedForward:
                     " lost. Train this model with activation_checkpointing=False."
                 )
 
+        loss, widths = self.router_loss, []
+
         def layer_forward(x: Tensor) -> Tensor:
-            out = run(x, *args, **kwargs)
+            if loss is None:
+                out = run(x, *args, **kwargs)
+            else:  # the router probabilities leave the recomputed call beside the hidden states (hf_moe)
+                with loss.capture() as captured:
+                    out = run(x, *args, **kwargs)
             if not isinstance(out, Tensor):
                 raise NotImplementedError(
                     f"HFCausalLM: decoder layer model.{self.name} ({type(self.layer).__name__}) returns"
                     f" {type(out).__name__}, not one hidden-states tensor; activation checkpointing supports"
                     " layers that return their hidden states only. Use activation_checkpointing=False."
                 )
-            return out
+            if loss is None or not captured:
+                return out
+            widths[:] = [p.shape[-1] for p in captured]
+            return torch.cat([out, *(p.to(out.dtype) for p in captured)], dim=-1)
 
-        return checkpointed_call(self.layer, layer_forward, hidden, context.checkpoint_store)
+        y = checkpointed_call(self.layer, layer_forward, hidden, context.checkpoint_store)
+        return y if loss is None or not widths else split_captured(y, hidden.shape[-1], widths, loss)
 
 
-def install_memory_stack(model: PreTrainedModel, mlp_tiles: int | None) -> None:
+def install_memory_stack(model: PreTrainedModel, mlp_tiles: int | None, router_loss: RouterLoss | None = None) -> None:
     """Give every decoder layer of ``model`` its :class:`CheckpointedForward` and its MLP a
-    :class:`~lightning_fpdt.tiling.TiledForward` of ``mlp_tiles`` (``None``: automatic; ``1``: off).
+    :class:`~lightning_fpdt.tiling.TiledForward` of ``mlp_tiles`` (``None``: automatic; ``1``: off), or, for a
+    mixture-of-experts MLP, an :class:`~lightning_fpdt.models.hf_moe.ExpertsForward` feeding ``router_loss``.
 
     Raises:
         NotImplementedError: attention layers outside recognisable decoder layers (the stack would silently
             not apply to them).
         ValueError: a decoder layer without an ``mlp`` module to tile (when ``mlp_tiles != 1``).
     """
-    layers = decoder_layers(model)
-    attention = attention_layers(model)
-    if len(layers) != len(attention):
-        raise NotImplementedError(
-            f"HFCausalLM: {type(model).__name__} has {len(attention)} attention layers but {len(layers)} decoder"
-            " layers that hold them (transformers GradientCheckpointingLayer modules); activation checkpointing,"
-            " MLP tiling and per-layer sharding are applied to decoder layers, so this model cannot get them."
-        )
+    layers = check_decoder_layers(model)
     for name, layer in layers:  # everything checked before anything is changed
         if mlp_tiles != 1 and not isinstance(getattr(layer, "mlp", None), nn.Module):
             raise ValueError(
                 f"HFCausalLM: decoder layer model.{name} ({type(layer).__name__}) has no 'mlp' module to tile;"
                 " use mlp_tiles=1."
             )
+    moe = {id(block) for block in install_experts(model, layers, mlp_tiles, router_loss)}
     for name, layer in layers:
-        layer.forward = CheckpointedForward(layer, name)
-        if isinstance(getattr(layer, "mlp", None), nn.Module):
+        layer.forward = CheckpointedForward(layer, name, router_loss)
+        if isinstance(getattr(layer, "mlp", None), nn.Module) and id(layer.mlp) not in moe:
             layer.mlp.forward = TiledForward(layer.mlp, mlp_tiles)
