@@ -52,11 +52,6 @@ class TokenWindow:
         self._unit: Tensor | None = None  # u: the first non-zero global target count of the window
         self._applied = False
 
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batches added to the current window."""
-        return self._micro_batches
-
     def add(self, loss_sum: Tensor, num_tokens: Tensor, step: int, normalize: int) -> tuple[Tensor, Tensor]:
         """Account one micro-batch; a collective (all-reduce of two scalars) when the world has several ranks.
 
