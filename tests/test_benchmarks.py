@@ -69,3 +69,16 @@ def test_training_benchmark_smoke() -> None:
                 row = rows[(model, variant, seq)]
                 assert float(row[4]) > 0 and float(row[6]) > 0 and float(row[7]) > 0, row  # tokens/s, tensors, estimate
     assert "| fpdt_full | 2     | 512 " in out  # the longest-sequence search reached its limit
+
+
+def test_window_benchmark_smoke() -> None:
+    out = _run("window.py", "--seq", "512", "--window", "64", "--chunks", "4", "--hidden", "64", "--heads", "4",
+               "--repeats", "1")
+    rows = {r[1]: r for r in _table_rows(out)}
+    causal, window = rows["causal"], rows["window 64"]
+    assert causal[4] == "1.000" and float(window[3]) > 0 and float(window[4]) > 0, out
+    seq, w = 512, 64  # a query at i sees min(i + 1, w) keys, against causal's i + 1
+    ideal = (w * seq - w * (w - 1) / 2) / (seq * (seq + 1) / 2)
+    # sdpa's pieces compute exactly the pairs the window keeps: a masked rectangle would count whole
+    assert window[5] == window[6] == f"{ideal:.3f}", out
+    assert int(causal[7]) == 4 * 5 // 2 and int(window[7]) > 4, out  # causal's calls: one per block on or below
