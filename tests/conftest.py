@@ -14,8 +14,27 @@ import torch
 # first parallel matmul can block forever. One intra-op thread in the parent avoids that; the tests
 # are small, so nothing is lost.
 torch.set_num_threads(1)
+# Lightning's launchers set torch's threads to cores / processes in the launching process unless OMP_NUM_THREADS
+# is set (lightning.fabric.utilities.distributed._set_num_threads_if_needed): an in-process fit would turn the
+# pytest process multi-threaded, and every rank forked after it could hang in its first parallel kernel.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 SEED_VARIABLE = "FPDT_TEST_SEED"
+
+
+@pytest.fixture(autouse=True)
+def fork_safe_test_process() -> Iterator[None]:
+    """Keep the pytest process safe to fork after each test: one intra-op thread (see above), and no process group.
+
+    Destroys a process group a test left in the pytest process (an in-process ``Trainer.fit`` under a DDP-style
+    strategy initializes one and Lightning keeps it). A rank forked later would inherit it, and freeing a gloo
+    group whose threads did not survive the fork blocks forever (seen: ``init_process_group`` in a forked rank
+    hung in ``~ProcessGroupGloo``)."""
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if torch.get_num_threads() != 1:  # see the top of this file; too late for forks already made, not for later ones
+        torch.set_num_threads(1)
 
 
 @pytest.fixture
