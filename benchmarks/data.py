@@ -4,7 +4,7 @@ training step on the CPU example configs.
     python benchmarks/data.py --text-mb 50 --chat-mb 10 --num-proc 2 --steps 10
 
 1. Writes a jsonl corpus of ``--text-mb`` MB of documents and ``--chat-mb`` MB of conversations
-   (:mod:`lightning_fpdt.toy_data`, no download) and runs ``HFDataModule.prepare_data`` on each with
+   (:mod:`lightning_fpdt.data.toy`, no download) and runs ``HFDataModule.prepare_data`` on each with
    ``--num-proc`` tokenizer processes and a fresh cache: tokens per second per process for tokenization
    (reading, tokenizing, chat rendering) and for packing (with the cache writes), and the packed fill.
 2. Trains ``--steps`` steps of examples/configs/hf_sft_cpu.yaml and hf_text_cpu.yaml (2 CPU processes) and
@@ -29,9 +29,9 @@ import lightning as L  # noqa: E402
 
 from benchmarks.common import print_table  # noqa: E402
 from lightning_fpdt.cli import FPDTCLI  # noqa: E402
-from lightning_fpdt.hf_data import HFDataModule  # noqa: E402
+from lightning_fpdt.data.hf_datamodule import HFDataModule  # noqa: E402
+from lightning_fpdt.data.toy import conversations, documents  # noqa: E402
 from lightning_fpdt.models import CausalLM  # noqa: E402
-from lightning_fpdt.toy_data import conversations, documents  # noqa: E402
 
 TOKENIZER = str(ROOT / "examples" / "data" / "tokenizer")
 

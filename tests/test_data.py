@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_fpdt.data import PasskeyDataModule, PasskeyDataset
-from lightning_fpdt.tokenizer import ByteTokenizer
+from lightning_fpdt.data.byte_tokenizer import ByteTokenizer
 
 
 def _text(item: dict) -> str:

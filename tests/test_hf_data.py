@@ -3,7 +3,7 @@ samples are exactly the tokenizer's encoding; a killed run resumes to the same b
 refused with its file, row or field.
 
 The tokenizer is a byte-level BPE with a Llama-3-style chat template without ``{% generation %}`` markers,
-built in code (:mod:`lightning_fpdt.toy_data`): nothing is downloaded.
+built in code (:mod:`lightning_fpdt.data.toy`): nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.hf_data import HFDataModule, load_tokenizer
+from lightning_fpdt.data.hf_datamodule import HFDataModule, load_tokenizer
+from lightning_fpdt.data.packing import DataError, chat_tokens, pack_whole
+from lightning_fpdt.data.toy import build_tokenizer, conversations, documents, sentence, write_jsonl
 from lightning_fpdt.models import HFCausalLM
-from lightning_fpdt.packing import DataError, chat_tokens, pack_whole
 from lightning_fpdt.testing import run_in_fork
-from lightning_fpdt.toy_data import build_tokenizer, conversations, documents, sentence, write_jsonl
 from tests.helpers import CaptureStep, assert_same_step, step_errors
 from tests.test_hf_causal_lm import _config, _mean_ce, _plain, _redraw
 

@@ -3,7 +3,7 @@
     python examples/data/generate.py
 
 writes ``examples/data/tokenizer/`` (a byte-level BPE of 384 tokens with a Llama-3-style chat template,
-:func:`lightning_fpdt.toy_data.build_tokenizer`), ``chat.jsonl`` (conversations, ``{"messages": [...]}``) and
+:func:`lightning_fpdt.data.toy.build_tokenizer`), ``chat.jsonl`` (conversations, ``{"messages": [...]}``) and
 ``text.jsonl`` (documents, ``{"text": ...}``). The files ship with the repository; the output is the same
 every time.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from lightning_fpdt.toy_data import build_tokenizer, conversations, documents, write_jsonl  # noqa: E402
+from lightning_fpdt.data.toy import build_tokenizer, conversations, documents, write_jsonl  # noqa: E402
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 Life cycle (docs/data.md):
 
 1. ``prepare_data`` (one process per node): read the files, tokenize every row with ``num_proc`` workers
-   (:mod:`lightning_fpdt.packing`), pack, and write the samples to ``cache_dir/<key>/`` as ``.npy`` files. The
+   (:mod:`lightning_fpdt.data.packing`), pack, and write the samples to ``cache_dir/<key>/`` as ``.npy`` files. The
    key hashes the files (path, size, mtime), the tokenizer's files and every option that changes the samples,
    so other ranks and later runs reuse it. A bad input is not raised there but written next to the cache.
 2. ``setup`` (every rank): raise that error, or a check's own (the tokenizer's vocabulary against the
@@ -29,9 +29,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_fpdt import hf_files
 from lightning_fpdt.batches import input_vocab_size
-from lightning_fpdt.packing import OWNER, DataError, build_samples, chat_tokens, fill, text_tokens
+from lightning_fpdt.data import files
+from lightning_fpdt.data.packing import OWNER, DataError, build_samples, chat_tokens, fill, text_tokens
 
 KEYS = ("input_ids", "labels", "position_ids")
 VERSION = 1  # bump when the samples of the same inputs change
@@ -185,16 +185,16 @@ class HFDataModule(pl.LightningDataModule):
         )
 
     def _sources(self) -> dict[str, list[str]]:
-        sources = {"train": hf_files.resolve(self.train_files, "train_files")}
+        sources = {"train": files.resolve(self.train_files, "train_files")}
         if self.val_files is not None:
-            sources["val"] = hf_files.resolve(self.val_files, "val_files")
+            sources["val"] = files.resolve(self.val_files, "val_files")
         return sources
 
     def cache_key(self) -> str:
         """SHA-256 of the files (path, size, mtime), the tokenizer's files and the options (first 16 digits)."""
         options = {k: self.hparams[k] for k in ("format", "seq_len", "too_long", "val_fraction", "seed")}
-        key = {"version": VERSION, "files": {s: hf_files.fingerprint(p) for s, p in self._sources().items()},
-               "tokenizer": hf_files.directory_hash(self.tokenizer_path()), "field": self.field, **options}
+        key = {"version": VERSION, "files": {s: files.fingerprint(p) for s, p in self._sources().items()},
+               "tokenizer": files.directory_hash(self.tokenizer_path()), "field": self.field, **options}
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     # ---- prepare_data: one process per node --------------------------------------------------------------
@@ -262,8 +262,8 @@ class HFDataModule(pl.LightningDataModule):
         skipped = too_long = rows = 0
         option = "messages_field" if self.format == "chat" else "text_field"
         for path in paths:
-            data = hf_files.load(path, str(self.cache_dir / "datasets"))
-            hf_files.check_field(data, self.field, option, path)
+            data = files.load(path, str(self.cache_dir / "datasets"))
+            files.check_field(data, self.field, option, path)
             rows += len(data)
             if len(data) == 0:
                 continue

@@ -16,7 +16,7 @@ from typing import Any
 
 import datasets
 
-from lightning_fpdt.packing import OWNER, DataError
+from lightning_fpdt.data.packing import OWNER, DataError
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
