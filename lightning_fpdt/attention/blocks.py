@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_fpdt.layout import PackedDocuments, chunk_lengths
+from lightning_fpdt.layout import PackedDocuments, Segment, chunk_lengths
 
 BlockKind = Literal["skip", "full", "cut"]
 Range = tuple[int, int]  # global token range [start, end) of a chunk
@@ -51,21 +51,13 @@ def window_start(query: int, window: int) -> int:
 
 
 @dataclass(frozen=True)
-class Rect:
-    """One kernel call of a cut block: rows ``q_lo:q_hi`` of the query chunk attend to keys ``k_lo:k_hi`` of
-    the key chunk, for the samples ``batch``.
-
-    ``causal``: a square on the diagonal; local key ``b`` is seen by local row ``a`` only if ``b <= a``.
-    ``lower``: a window edge; only keys with ``b - a >= lower`` are seen (``None``: no edge). Every row
-    sees at least one key.
+class Rect(Segment):
+    """One kernel call of a cut block: a document's :class:`~lightning_fpdt.layout.Segment` (rows ``q_lo:q_hi``
+    of the query chunk attend to keys ``k_lo:k_hi`` of the key chunk, for the samples ``batch``; ``causal``: a
+    square on the diagonal, local key ``b`` seen by local row ``a`` only if ``b <= a``) with a window edge:
+    ``lower``, only keys with ``b - a >= lower`` are seen (``None``: no edge). Every row sees at least one key.
     """
 
-    batch: slice
-    q_lo: int
-    q_hi: int
-    k_lo: int
-    k_hi: int
-    causal: bool
     lower: int | None = None
 
 
