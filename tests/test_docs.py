@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import fnmatch
 import importlib
 import importlib.util
 import inspect
@@ -40,8 +41,12 @@ from typing import Any
 
 import lightning as L
 import pytest
-import tomllib
 import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 from lightning_fpdt.cli import main as cli_main
 from lightning_fpdt.memory.__main__ import main as memory_main
@@ -562,3 +567,24 @@ def test_the_checks_catch_drift(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     with pytest.raises(AssertionError, match="init_args of lightning_fpdt.FPDTStrategy"):
         check_yaml("trainer:\n  strategy:\n    class_path: lightning_fpdt.FPDTStrategy\n    init_args:\n"
                    "      chunk_sise: 4\n", "x")
+
+
+def _what_is_where() -> str:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## What is where")
+    return readme[start:readme.index("\n## ", start + 1) if "\n## " in readme[start + 1:] else len(readme)]
+
+
+def test_the_readme_table_names_every_module() -> None:
+    """README's "What is where" table is the map of the package: every module file is named in it (by its
+    path, its file name in a row that starts with its folder, or a pattern such as ``hf_*.py``)."""
+    table = _what_is_where()
+    named = set(re.findall(r"`([^`\s]+\.py)`", table))
+    missing = []
+    for path in sorted((ROOT / "lightning_fpdt").rglob("*.py")):
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        rel = path.relative_to(ROOT).as_posix()
+        if not any(fnmatch.fnmatch(rel, name) or fnmatch.fnmatch(path.name, name) for name in named):
+            missing.append(rel)
+    assert not missing, f"README's 'What is where' table names no row for {missing}"
