@@ -67,8 +67,8 @@ def _released(family: str, kv_heads: int) -> PretrainedConfig:
         "gemma3": lambda: Gemma3TextConfig(head_dim=8, sliding_window=7, query_pre_attn_scalar=16,
                                            **dict(gqa, num_hidden_layers=6), layer_types=[SLIDING] * 5 + [FULL]),
         "mistral": lambda: MistralConfig(sliding_window=5, **gqa),  # v0.1: every layer windowed
-        # three of four sliding (RoPE on those only); its head's logit_scale is issue 22's item 4, left at 1 here
-        "cohere2": lambda: Cohere2Config(sliding_window=9, logit_scale=1.0, **dict(gqa, num_hidden_layers=4),
+        # three of four sliding (RoPE on those only); the head's logit_scale as released (0.0625, hf_guards)
+        "cohere2": lambda: Cohere2Config(sliding_window=9, logit_scale=0.0625, **dict(gqa, num_hidden_layers=4),
                                          layer_types=[SLIDING] * 3 + [FULL]),
         "olmo3": lambda: Olmo3Config(sliding_window=10, **dict(gqa, num_hidden_layers=4),
                                      layer_types=[SLIDING] * 3 + [FULL]),
