@@ -11,7 +11,8 @@ The transformers model stays a plain transformers model (its parameters keep the
 - the memory stack (:mod:`lightning_fpdt.models.hf_layers`): the decoder MLPs run in sequence tiles, each
   decoder layer is checkpointed (its input optionally in host memory) when the strategy's
   ``activation_checkpointing`` says so, and ``shard_parameters`` shards each decoder layer (FSDP2) through
-  :meth:`HFCausalLM.decoder_layers`. The loss runs in token tiles, so no full logits tensor exists.
+  :meth:`HFCausalLM.decoder_layers`. The loss runs in token tiles, so no full logits tensor exists
+  (``loss_tiles=1`` turns the tiling off and keeps them).
 """
 
 from __future__ import annotations
