@@ -261,8 +261,9 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not fit this run; the message names the file and why."""
 
 
-def read(path: Path) -> dict[str, Any]:
-    """``torch.load`` of a checkpoint file (or a sharded directory's ``meta.pt``) with ``weights_only=True``.
+def read(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """``torch.load`` of a checkpoint file (or a sharded directory's ``meta.pt``) with ``weights_only=True``
+    (``mmap``: its tensors memory-mapped, read from disk when used).
 
     Checkpoints written by lightning-fpdt hold only tensors and plain Python values, so the safe loader
     reads them (as LightningCLI's does). Anything else is an error that names the file and what is wrong.
@@ -271,7 +272,7 @@ def read(path: Path) -> dict[str, Any]:
         CheckpointError: the file is truncated or corrupt, or holds objects the safe loader refuses.
     """
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         detail = next((line.strip() for line in str(err).splitlines() if "Unsupported global" in line
                        or "not an allowed global" in line), str(err).splitlines()[0])

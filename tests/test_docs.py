@@ -10,6 +10,7 @@ The rules, one per kind of example (a block no rule handles fails the test, name
 - ```bash / ```shell blocks, and inline `` `fpdt-train ...` ``, `` `python -m lightning_fpdt.memory ...` ``,
   `` `python benchmarks/...` `` and `` `pip install ...` `` spans in prose: each command by its program:
   ``fpdt-train`` parses with the CLI's own parser (``--print_config``; config files must exist),
+  ``fpdt-export`` parses with its own parser,
   ``python -m lightning_fpdt.memory`` runs (analytic, cheap; its own parser checks the flags)
   or, when listed in :data:`MEMORY_NOT_RUN`, only parses; ``python benchmarks/X.py`` is parsed by X's own
   parser and stopped there; ``pip install`` names only extras and dependencies pyproject.toml defines,
@@ -49,6 +50,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from lightning_fpdt.cli import main as cli_main
+from lightning_fpdt.export import main as export_main
 from lightning_fpdt.memory.__main__ import main as memory_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -458,6 +460,9 @@ def check_command(words: list[str], where: str, monkeypatch: pytest.MonkeyPatch,
     if program in ("python", "python3") and words[1] == "-c":
         check_python_statically(words[2], where)
         return "python -c"
+    if program == "fpdt-export":
+        parse_only(export_main, words[1:], program, where, monkeypatch, capsys)
+        return "fpdt-export"
     if program in TOOLS:
         assert program in _dependency_names(), f"{where}: {program} is not a dependency"
         return "tool"
