@@ -83,17 +83,31 @@ class TokenThroughputMonitor(ThroughputMonitor):
 
     Under sequence parallelism each rank counts its shard's tokens and Lightning multiplies by the
     world size, which gives the true tokens per second. The module's ``flops_per_batch`` (set by
-    :class:`~lightning_fpdt.models.lm.CausalLM` every step) gives FLOP/s and, on GPUs Lightning
-    knows, MFU.
+    :class:`~lightning_fpdt.models.lm.CausalLM` every step from its model's ``flops_per_token``, the bundled
+    models' and ``HFCausalLM``'s alike) gives FLOP/s (``train/flops_per_sec``, ``train/device/flops_per_sec``)
+    and MFU (``train/device/mfu``) against the device's peak: Lightning's table of GPUs, or ``available_flops``.
 
     Args:
         window_size: batches averaged over.
         separator: between the stage and the metric name in logged keys.
+        available_flops: peak FLOP/s of one device for MFU, where Lightning does not know the device (a CPU, a
+            GPU missing from its table) or to override it; ``None``: Lightning's figure (none on a CPU: no MFU).
     """
 
-    def __init__(self, window_size: int = 20, separator: str = "/") -> None:
+    def __init__(self, window_size: int = 20, separator: str = "/", available_flops: float | None = None) -> None:
         super().__init__(batch_size_fn=samples_in_batch, length_fn=tokens_in_batch, window_size=window_size,
                          separator=separator)
+        if available_flops is not None and not available_flops > 0:
+            raise ValueError(f"TokenThroughputMonitor: available_flops must be a positive peak FLOP/s per device,"
+                             f" got {available_flops!r}; leave it None to use Lightning's table of GPUs.")
+        self.peak_flops = available_flops
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.peak_flops is not None:  # the user's peak wins over Lightning's table
+            self.available_flops = self.peak_flops
+            for throughput in self._throughputs.values():
+                throughput.available_flops = self.peak_flops
 
 
 class LossPrinter(pl.Callback):

@@ -275,3 +275,32 @@ def test_cli_trains_a_hugging_face_checkpoint_from_a_local_path(tmp_path: Path) 
     assert "bound 2 attention layer(s) to the sequence-parallel group (activation_checkpointing=True," in out, out
     losses = {int(m[1]): float(m[2]) for m in re.finditer(r"step +(\d+) +loss ([-\w.]+)", out)}
     assert set(losses) == {1, 5} and all(math.isfinite(v) for v in losses.values()), out[-4000:]
+
+
+def test_hf_causal_lm_run_logs_flops_and_mfu_to_tensorboard(tmp_path: Path) -> None:
+    """``fpdt-train fit --config hf_tiny_cpu.yaml`` with a TensorBoard logger and ``TokenThroughputMonitor``:
+    ``HFCausalLM`` counts its FLOPs, so FLOP/s and MFU (against the given peak: a CPU is not in Lightning's
+    table of devices) are logged."""
+    overlay = tmp_path / "throughput.yaml"
+    overlay.write_text(
+        "trainer:\n"
+        "  logger:\n"
+        "    class_path: lightning.pytorch.loggers.TensorBoardLogger\n"
+        f"    init_args: {{save_dir: {str(tmp_path)!r}, name: hf}}\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_fpdt.callbacks.TokenThroughputMonitor\n"
+        "      init_args: {window_size: 2, available_flops: 1.0e+12}\n"
+    )
+    proc = fpdt_train_forked(
+        "fit", "--config", str(ROOT / "examples" / "configs" / "hf_tiny_cpu.yaml"), "--config", str(overlay),
+        "--trainer.max_steps=4", "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1",
+        "--data.init_args.seq_len=256", "--trainer.strategy.init_args.start_method=fork", cwd=tmp_path,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    event_dirs = {os.path.dirname(p) for p in glob.glob(str(tmp_path / "hf" / "*" / "events.out.tfevents.*"))}
+    assert len(event_dirs) == 1, event_dirs
+    scalars = _scalars(event_dirs.pop())
+    for tag in ("train/flops_per_sec", "train/device/flops_per_sec", "train/device/mfu"):
+        assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
+        assert scalars[tag] and all(math.isfinite(v) and v > 0 for v in scalars[tag]), (tag, scalars[tag])
+    assert scalars["train/device/mfu"][-1] == pytest.approx(scalars["train/device/flops_per_sec"][-1] / 1e12)

@@ -49,6 +49,9 @@ class HFCausalLM(CausalLM):
         mlp_tiles: sequence tiles of every decoder layer's MLP, each recomputed in backward (``None``: tiles
             of ``max(hidden, 1024)`` tokens; ``1``: off, the MLP's intermediates kept for backward).
         from_pretrained_kwargs: extra arguments of ``from_pretrained`` (e.g. ``{"dtype": "bfloat16"}``).
+        config_overrides: config attributes set before the weights load (a name, path, config or config dict
+            only), e.g. ``{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings":
+            32768}`` for context extension (:func:`apply_config_overrides`; docs/hf-models.md, "Context extension").
         **kwargs: the optimizer and schedule options of :class:`CausalLM`.
 
     Raises:
@@ -58,11 +61,13 @@ class HFCausalLM(CausalLM):
             (:func:`~lightning_fpdt.models.hf_moe.check_experts`), or has dropout in a tiled MLP; the message
             names the feature and the layer. Also a head whose forward transforms the logits in a way the loss
             cannot reproduce
-            (:func:`~lightning_fpdt.models.hf_guards.find_head_transform`), and, at the first forward under a
+            (:func:`~lightning_fpdt.models.hf_guards.find_head_transform`), or a RoPE schedule that changes with
+            the sequence length (:func:`check_static_rope`), and, at the first forward under a
             bound context, an attention layer that ran without it
             (:func:`~lightning_fpdt.models.hf_guards.check_context_arrived`).
         TypeError: ``model`` of another type.
-        ValueError: ``mlp_tiles`` below 1.
+        ValueError: ``mlp_tiles`` below 1; ``config_overrides`` with a built model, or naming an attribute the
+            config does not have (:func:`apply_config_overrides`).
     """
 
     def __init__(
@@ -71,12 +76,14 @@ class HFCausalLM(CausalLM):
         loss_tiles: int | None = None,
         mlp_tiles: int | None = None,
         from_pretrained_kwargs: dict[str, Any] | None = None,
+        config_overrides: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(loss_tiles=loss_tiles, **kwargs)
         if mlp_tiles is not None and (isinstance(mlp_tiles, bool) or not isinstance(mlp_tiles, int) or mlp_tiles < 1):
             raise ValueError(f"HFCausalLM: mlp_tiles must be a positive int or None (automatic), got {mlp_tiles!r}.")
-        self.model = _build(model, from_pretrained_kwargs or {})
+        self.model = _build(model, from_pretrained_kwargs or {}, config_overrides or {})
+        check_static_rope(self.model.config)
         layers = check_decoder_layers(self.model)  # first: the probes below run the layers
         check_supported(self.model)
         check_experts(self.model, layers)
@@ -90,7 +97,10 @@ class HFCausalLM(CausalLM):
         self._bound = False  # whether a strategy bound self.context (hf_guards.check_context_arrived)
         self.records = LayerRecords()  # each attention layer's latest call
         saved = model if isinstance(model, str) else self.model.config.to_dict()  # a module is not a hyper-parameter
-        self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, "mlp_tiles": mlp_tiles, **kwargs})
+        # a saved config already holds the overrides (applying them twice would re-default the original context)
+        overrides = {"config_overrides": config_overrides} if isinstance(model, str) and config_overrides else {}
+        self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, "mlp_tiles": mlp_tiles, **overrides,
+                                   **kwargs})
 
     def check_model(self, model: nn.Module) -> bool:
         """A transformers model, not a :class:`~lightning_fpdt.models.lm.DecoderModel`: its contract is checked
@@ -139,6 +149,32 @@ class HFCausalLM(CausalLM):
                 mlp_tiled=self.mlp_tiles != 1, norms=norms, chunked_projections=False,
             ))
         return layers
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at global sequence length ``seq_len`` (forward and backward, counted as
+        ``LlamaLM`` counts them): 6 x the parameters each token multiplies through (every parameter but the
+        input embeddings, the output embedding once even when tied, a routed expert's weights times
+        ``num_experts_per_tok / num_experts``), plus 12 x ``heads x head_dim`` x the keys a query attends to per
+        layer: ``seq_len / 2`` under causality, ``w - w^2 / (2 seq_len)`` in a layer with a sliding window
+        ``w < seq_len`` (``layer_types``/``sliding_window`` of the config)."""
+        config = self.model.config.get_text_config()
+        embeddings = {id(p) for m in self.model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+        scale = {}  # a routed expert's weights: only num_experts_per_tok of num_experts run per token
+        for m in self.model.modules():
+            if type(m).__name__.endswith("Experts") and isinstance(getattr(m, "num_experts", None), int):
+                scale.update({id(p): config.num_experts_per_tok / m.num_experts for p in m.parameters()})
+        active = sum(p.numel() * scale.get(id(p), 1) for p in self.model.parameters() if id(p) not in embeddings)
+        head = self.model.get_output_embeddings().weight
+        active += head.numel() if id(head) in embeddings else 0  # tied: the output embedding is still a matmul
+        n_heads, _ = self._head_counts()
+        width = n_heads * (getattr(config, "head_dim", None) or config.hidden_size // n_heads)
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+        keys = 0.0
+        for kind in layer_types[:config.num_hidden_layers]:
+            w = window if kind == "sliding_attention" and window else seq_len
+            keys += seq_len / 2 if w >= seq_len else w - w * w / (2 * seq_len)
+        return 6 * active + 12 * width * keys
 
     # ---- forward and loss ----------------------------------------------------------------------------------
 
@@ -229,8 +265,13 @@ class HFCausalLM(CausalLM):
         self.model.save_pretrained(path, **kwargs)
 
 
-def _build(model: Any, from_pretrained_kwargs: dict[str, Any]) -> PreTrainedModel:
+def _build(model: Any, from_pretrained_kwargs: dict[str, Any], overrides: dict[str, Any]) -> PreTrainedModel:
     if isinstance(model, PreTrainedModel):
+        if overrides:
+            raise ValueError(
+                f"HFCausalLM: config_overrides {sorted(overrides)} cannot apply to a built {type(model).__name__}"
+                " (its RoPE buffers are computed); pass its config, a config dict or its path instead."
+            )
         return model
     if isinstance(model, dict) and "class_path" in model:  # a YAML's config class, not resolved by a CLI
         module_name, _, class_name = model["class_path"].rpartition(".")
@@ -239,17 +280,101 @@ def _build(model: Any, from_pretrained_kwargs: dict[str, Any]) -> PreTrainedMode
         model = AutoConfig.for_model(**model)
     if isinstance(model, PretrainedConfig):
         # a copy: the model keeps the config object it is given, and setting our attention implementation
-        # on a config shared with another model would switch that model too
-        return AutoModelForCausalLM.from_config(copy.deepcopy(model))
+        # (or the overrides) on a config shared with another model would change that model too
+        return AutoModelForCausalLM.from_config(apply_config_overrides(copy.deepcopy(model), overrides))
     if isinstance(model, str):
         if torch.get_default_device().type == "meta":  # sizing only (the memory estimate): the config, no weights
             config = AutoConfig.from_pretrained(model, **_config_kwargs(from_pretrained_kwargs))
-            return AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(apply_config_overrides(config, overrides))
+        if overrides:  # into the config before the weights load: RoPE's buffers are computed from it at build
+            config = AutoConfig.from_pretrained(model, **_config_kwargs(from_pretrained_kwargs))
+            config = apply_config_overrides(config, overrides)
+            return AutoModelForCausalLM.from_pretrained(model, config=config, **from_pretrained_kwargs)
         return AutoModelForCausalLM.from_pretrained(model, **from_pretrained_kwargs)
     raise TypeError(
         f"HFCausalLM: model must be a transformers PreTrainedModel, a PretrainedConfig, a config dict with"
         f" 'model_type', or a name/local path for from_pretrained; got {type(model).__name__}."
     )
+
+
+ROPE_KEYS = ("rope_parameters", "rope_scaling")  # transformers 5's name and its deprecated alias
+
+
+def apply_config_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> PretrainedConfig:
+    """Set ``overrides`` on ``config`` (in place; returned) before a model is built from it.
+
+    ``rope_parameters`` (or its alias ``rope_scaling``) replaces the RoPE schedule: ``rope_theta`` (and
+    ``partial_rotary_factor``) are kept from the config unless given, and ``original_max_position_embeddings``
+    of ``llama3`` / ``yarn`` / ``longrope`` defaults to the config's ``max_position_embeddings`` *before* the
+    overrides (the pre-training context). For a config with one schedule per layer type (Gemma 3:
+    ``full_attention``, ``sliding_attention``), give a dict per layer type to change; the others are kept.
+    The new schedule is checked by transformers' own validation.
+
+    Raises:
+        ValueError: a key the config has no attribute for (named with the config class), or one flat RoPE
+            schedule for a config with one per layer type.
+        KeyError: a RoPE schedule without a field its type needs (transformers' validation).
+    """
+    unknown = [key for key in overrides if not hasattr(config, key)]
+    if unknown:
+        raise ValueError(
+            f"HFCausalLM: config_overrides {unknown} are not attributes of {type(config).__name__}"
+            f" (model_type {getattr(config, 'model_type', '?')!r}); check the names in its config.json."
+        )
+    original_max = getattr(config, "max_position_embeddings", None)
+    rope = [key for key in overrides if key in ROPE_KEYS]
+    for key, value in overrides.items():
+        if key not in ROPE_KEYS:
+            setattr(config, key, copy.deepcopy(value))
+    if rope:
+        config.rope_parameters = _new_rope_parameters(config, dict(overrides[rope[-1]]), original_max)
+        config.validate_rope()
+    return config
+
+
+def check_static_rope(config: PretrainedConfig) -> None:
+    """Refuse RoPE types whose frequencies follow the batch's largest position id (``dynamic``, ``longrope``):
+    transformers reads it from the ``position_ids`` its rotary embedding is given, which under sequence
+    parallelism are one rank's shard, so ranks would rotate with different frequencies.
+
+    Raises:
+        NotImplementedError: such a type, named with the layer type it is set for.
+    """
+    parameters = getattr(config.get_text_config(), "rope_parameters", None) or {}
+    nested = config.get_text_config().nested_rope_parameter_keys(parameters)
+    for layer_type, entry in ({t: parameters[t] for t in nested} if nested else {"all": parameters}).items():
+        rope_type = (entry or {}).get("rope_type", "default")
+        if rope_type in ("dynamic", "longrope"):
+            raise NotImplementedError(
+                f"HFCausalLM: RoPE type {rope_type!r} (layers: {layer_type}) picks its frequencies from the largest"
+                " position id of each forward, which under sequence parallelism is one rank's shard; set a fixed"
+                " schedule with config_overrides={'rope_parameters': {'rope_type': 'yarn', 'factor': ...}}"
+                " (docs/hf-models.md, Context extension)."
+            )
+
+
+def _new_rope_parameters(config: PretrainedConfig, new: dict[str, Any], original_max: int | None) -> dict[str, Any]:
+    old = copy.deepcopy(getattr(config, "rope_parameters", None) or {})
+    if not config.nested_rope_parameter_keys(old):
+        return _with_defaults(new, old, original_max)
+    layer_types = list(old)  # a nested schedule: every key is a layer type, used in the model or not
+    flat = [key for key in new if key not in layer_types]
+    if flat:
+        raise ValueError(
+            f"HFCausalLM: {type(config).__name__} has one RoPE schedule per layer type {layer_types}; give"
+            f" rope_parameters as {{layer_type: {{rope_type: ..., ...}}}}, not the keys {flat}."
+        )
+    return {**old, **{t: _with_defaults(dict(p), old[t] or {}, original_max) for t, p in new.items()}}
+
+
+def _with_defaults(new: dict[str, Any], old: dict[str, Any], original_max: int | None) -> dict[str, Any]:
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in old and key not in new:
+            new[key] = old[key]
+    new.setdefault("rope_type", new.pop("type", "default"))
+    if new["rope_type"] in ("llama3", "yarn", "longrope") and original_max is not None:
+        new.setdefault("original_max_position_embeddings", original_max)
+    return new
 
 
 def _config_kwargs(from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -268,11 +268,16 @@ class CausalLM(pl.LightningModule):
         mesh = self.device_mesh
         return 1 if mesh is None else mesh["sequence_parallel"].size()
 
+    def flops_per_token(self, seq_len: int) -> float | None:
+        """Training FLOPs per token at global sequence length ``seq_len``: the model's (:class:`CountsFlops`),
+        or ``None`` (no FLOP/s or MFU logged). A subclass whose model cannot count overrides this."""
+        return self.model.flops_per_token(seq_len) if isinstance(self.model, CountsFlops) else None
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        if isinstance(self.model, CountsFlops):  # read by ThroughputMonitor for FLOP/s and MFU
-            ids = batch["input_ids"]
-            global_seq = ids.shape[1] * self.sequence_parallel_size()
-            self.flops_per_batch = self.model.flops_per_token(global_seq) * ids.numel()
+        ids = batch["input_ids"]
+        flops = self.flops_per_token(ids.shape[1] * self.sequence_parallel_size())  # of the global sequence
+        if flops is not None:  # read by ThroughputMonitor for FLOP/s and MFU
+            self.flops_per_batch = flops * ids.numel()
         loss_sum, num_tokens = self.loss_terms(batch)
         trainer = self._trainer
         if trainer is not None and self.automatic_optimization:  # one token mean per accumulation window
