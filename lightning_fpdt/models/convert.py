@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_fpdt.models.gpt import GPT, GPTConfig
 from lightning_fpdt.models.llama import Llama, LlamaConfig
-from lightning_fpdt.rope import RotaryEmbedding
+from lightning_fpdt.rope import RopeScaling
 
 
 class Weight(NamedTuple):
@@ -89,8 +89,9 @@ def gpt2_weights(ours: GPT) -> list[Weight]:
 def llama_from_hf(model: Any, **overrides: Any) -> Llama:
     """A :class:`Llama` with the weights of a ``transformers`` ``LlamaForCausalLM``.
 
-    RMSNorm computes in float32 and RoPE uses the checkpoint's own frequencies (including scaled schedules
-    such as Llama 3's), exactly as ``transformers`` does.
+    RMSNorm computes in float32, and the RoPE schedule (``rope_theta``, the scaling in ``rope_parameters``:
+    linear, Llama 3 or YaRN) and ``max_position_embeddings`` are carried into :class:`LlamaConfig`, whose
+    frequencies equal transformers' bit for bit (:func:`lightning_fpdt.rope.rope_frequencies`).
 
     Args:
         model: a ``LlamaForCausalLM``, or the path of a local checkpoint directory (no downloads).
@@ -99,14 +100,16 @@ def llama_from_hf(model: Any, **overrides: Any) -> Llama:
     Raises:
         FileNotFoundError: no directory at the path.
         TypeError: another model class.
-        NotImplementedError: a ``head_dim`` other than ``hidden_size / heads``.
+        NotImplementedError: a ``head_dim`` other than ``hidden_size / heads``, or a RoPE type other than
+            default, linear, llama3 and yarn (:meth:`~lightning_fpdt.rope.RopeScaling.from_hf`).
     """
     hf = _resolve(model, "LlamaForCausalLM")
     c = hf.config
     config = LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, rope_theta=_rope_theta(c), rms_norm_eps=c.rms_norm_eps,
+        num_key_value_heads=c.num_key_value_heads, rope_theta=_rope_theta(c), rope_scaling=_rope_scaling(c),
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(c, "attention_bias", False)), mlp_bias=bool(getattr(c, "mlp_bias", False)),
         norm_compute_dtype="float32",  # transformers' LlamaRMSNorm always computes in float32
@@ -116,12 +119,6 @@ def llama_from_hf(model: Any, **overrides: Any) -> Llama:
         raise NotImplementedError(f"llama_from_hf: head_dim={c.head_dim} != hidden_size / heads is not supported.")
     ours = Llama(config).to(next(hf.parameters()).dtype)
     _load(ours, llama_weights(ours), hf)
-    rotary = hf.model.rotary_emb
-    for layer in ours.layers:
-        # the checkpoint's own frequencies: covers scaled schedules (Llama 3, linear, dynamic at init)
-        layer.attention.rope = RotaryEmbedding(
-            config.head_dim, config.rope_theta, rotary.inv_freq.detach().cpu(), float(rotary.attention_scaling)
-        )
     return ours
 
 
@@ -171,10 +168,10 @@ def to_hf(model: Llama | GPT) -> Any:
             num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
             num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps,
             tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias,
-            rope_theta=c.rope_theta,
+            max_position_embeddings=c.max_position_embeddings,
+            rope_parameters={"rope_type": "default", **(c.rope_scaling.to_hf() if c.rope_scaling else {}),
+                             "rope_theta": c.rope_theta},
         )
-        if getattr(hf_config, "rope_parameters", None) is not None:  # transformers >= 5
-            hf_config.rope_parameters = {**hf_config.rope_parameters, "rope_theta": c.rope_theta}
         hf, table = transformers.LlamaForCausalLM(hf_config), llama_weights(model)
     elif isinstance(model, GPT):
         c = model.config
@@ -233,6 +230,13 @@ def _copy(dst: Tensor, src: Tensor, name: str) -> None:
         raise ValueError(f"Hugging Face weight {name}: shape {tuple(src.shape)} does not fit {tuple(dst.shape)}.")
     with torch.no_grad():
         dst.copy_(src.to(dst.dtype))
+
+
+def _rope_scaling(cfg: Any) -> RopeScaling | None:
+    parameters = dict(getattr(cfg, "rope_parameters", None) or {})
+    if parameters.get("rope_type") == "yarn" and parameters.get("factor") is None:  # transformers' fallback
+        parameters["factor"] = cfg.max_position_embeddings / parameters["original_max_position_embeddings"]
+    return RopeScaling.from_hf(parameters)
 
 
 def _rope_theta(cfg: Any) -> float:

@@ -17,7 +17,7 @@ from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layout import PackedDocuments, default_position_ids
 from lightning_fpdt.models.init import init_weights
 from lightning_fpdt.models.lm import CausalLM, config_and_options
-from lightning_fpdt.rope import RotaryEmbedding
+from lightning_fpdt.rope import RopeScaling, RotaryEmbedding, rope_frequencies
 from lightning_fpdt.tiling import TiledMLP
 
 
@@ -33,6 +33,11 @@ class LlamaConfig:
         num_attention_heads: query heads.
         num_key_value_heads: key/value heads (GQA); ``None`` means ``num_attention_heads``.
         rope_theta: RoPE base.
+        rope_scaling: a scaled RoPE schedule for context extension (linear, Llama 3 or YaRN; a
+            :class:`~lightning_fpdt.rope.RopeScaling` or its fields as a dict, transformers' ``rope_parameters``
+            names); ``None``: unscaled.
+        max_position_embeddings: the context the model is meant for (Hugging Face's field; carried to and from
+            ``transformers``, where YaRN reads it when ``factor`` is unset; the own model has no length limit).
         rms_norm_eps: RMSNorm epsilon.
         tie_word_embeddings: share the input embedding with the output projection.
         attention_bias: biases on the q/k/v/o projections.
@@ -53,6 +58,8 @@ class LlamaConfig:
     num_attention_heads: int = 32
     num_key_value_heads: int | None = 8
     rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 8192
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -62,10 +69,12 @@ class LlamaConfig:
     norm_compute_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # from a YAML or a checkpoint's hyper-parameters
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads"):
+                     "num_key_value_heads", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}.")
         if self.hidden_size % self.num_attention_heads != 0:
@@ -135,12 +144,13 @@ class Llama(nn.Module):
         super().__init__()
         self.config = c = config
         norm_dtype = getattr(torch, c.norm_compute_dtype) if c.norm_compute_dtype else None
+        inv_freq, attention_scaling = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
             FPDTBlock(
                 attention=FPDTAttention(
                     c.hidden_size, c.num_attention_heads, c.num_key_value_heads, bias=c.attention_bias,
-                    rope=RotaryEmbedding(c.head_dim, c.rope_theta),
+                    rope=RotaryEmbedding(c.head_dim, c.rope_theta, inv_freq, attention_scaling),
                 ),
                 mlp=TiledMLP(SwiGLU(c.hidden_size, c.intermediate_size, c.mlp_bias), c.mlp_tiles),
                 attention_norm=RMSNorm(c.hidden_size, c.rms_norm_eps, norm_dtype),
