@@ -193,7 +193,8 @@ def export(ckpt: str | Path, out: str | Path, config: str | Path | None = None, 
     cls = getattr(importlib.import_module(module_name), class_name)
     if issubclass(cls, HFCausalLM):  # the transformers model alone: no FPDT checks need to run on meta tensors
         with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(_hf_config(args["model"], args.get("from_pretrained_kwargs")))
+            hf = AutoModelForCausalLM.from_config(
+                _hf_config(args["model"], args.get("from_pretrained_kwargs"), args.get("config_overrides")))
         plan = hf_plan(hf, "model.", tokenizer or _source_dir(args["model"]))
     else:
         with torch.device("meta"):
@@ -336,8 +337,11 @@ def _class_from(hparams: dict[str, Any]) -> str:
     return "lightning_fpdt.models.GPTLM" if "n_embd" in config else "lightning_fpdt.models.LlamaLM"
 
 
-def _hf_config(model: Any, from_pretrained_kwargs: dict[str, Any] | None) -> PretrainedConfig:
-    """The transformers config of ``HFCausalLM``'s ``model`` argument (a path, a config dict, a class_path dict)."""
+def _hf_config(model: Any, from_pretrained_kwargs: dict[str, Any] | None,
+               overrides: dict[str, Any] | None = None) -> PretrainedConfig:
+    """The transformers config of ``HFCausalLM``'s ``model`` argument (a path, a config dict, a class_path dict);
+    a path's ``config_overrides`` (RoPE scaling, ``max_position_embeddings``) applied as the run applied them
+    (a built config was saved with them)."""
     if isinstance(model, PretrainedConfig):
         return model
     if isinstance(model, dict) and "class_path" in model:
@@ -345,7 +349,8 @@ def _hf_config(model: Any, from_pretrained_kwargs: dict[str, Any] | None) -> Pre
     if isinstance(model, dict):
         return AutoConfig.for_model(**model)
     keep = ("local_files_only", "revision", "trust_remote_code", "cache_dir", "subfolder")
-    return AutoConfig.from_pretrained(model, **{k: v for k, v in (from_pretrained_kwargs or {}).items() if k in keep})
+    kwargs = {k: v for k, v in (from_pretrained_kwargs or {}).items() if k in keep}
+    return AutoConfig.from_pretrained(model, **kwargs, **(overrides or {}))
 
 
 def _instantiated(value: Any) -> Any:
