@@ -116,6 +116,11 @@ class FPDTOptions:
     the ranks and loss versus gradients; ``"skip"`` drops the update of that accumulation window on every
     rank and warns (it runs the closure once before ``optimizer.step``: not for optimizers that call it
     several times, such as LBFGS)."""
+    gradient_as_bucket_view: bool = True
+    """Without ``shard_parameters``: DDP's ``gradient_as_bucket_view``, which ``FPDTStrategy`` passes on (a value
+    given to the strategy wins). ``True``: each ``.grad`` is a view into DDP's all-reduce buckets, so the
+    gradients exist once, not twice (the buckets are the size of all gradients). Exact: the reduced values are
+    the same; the strategy scales, checks and clips gradients in place and never rebinds a ``.grad``."""
 
     def __post_init__(self) -> None:
         # accept the strategy's spellings (True/False/"emulate", any sequence of keys), store one form

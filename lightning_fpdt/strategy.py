@@ -64,7 +64,9 @@ class FPDTStrategy(DDPStrategy):
     ``offload_checkpoints``, ``sequence_keys``, ``pad_token_id``, ``shard_parameters``,
     ``offload_optimizer``, ``nonfinite_loss``), each documented and validated there, then
     :class:`~lightning.pytorch.strategies.DDPStrategy`'s (``process_group_backend``, ``timeout``,
-    ``start_method``, ``**kwargs``). A value that is wrong on its own raises ``ValueError`` here.
+    ``start_method``, ``**kwargs``). A value that is wrong on its own raises ``ValueError`` here. Of the
+    ``**kwargs`` passed on to ``DistributedDataParallel``, ``gradient_as_bucket_view`` defaults to ``True``
+    (see :attr:`~lightning_fpdt.options.FPDTOptions.gradient_as_bucket_view`).
     """
 
     strategy_name = "fpdt"
@@ -88,6 +90,7 @@ class FPDTStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("gradient_as_bucket_view", True)  # DDP's gradients as views into its buckets: one copy
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
         )
@@ -96,6 +99,7 @@ class FPDTStrategy(DDPStrategy):
             attention_backend=attention_backend, offload=offload, activation_checkpointing=activation_checkpointing,
             offload_checkpoints=offload_checkpoints, sequence_keys=sequence_keys, pad_token_id=pad_token_id,
             shard_parameters=shard_parameters, offload_optimizer=offload_optimizer, nonfinite_loss=nonfinite_loss,
+            gradient_as_bucket_view=kwargs["gradient_as_bucket_view"],
         )
         self._device_mesh: DeviceMesh | None = None
         self._planner: ChunkPlanner | None = None  # chunk_size="auto": made in setup_environment

@@ -225,6 +225,24 @@ def test_estimate_options_follow_the_strategys_rules() -> None:
         EstimateOptions(precision="fp8")
 
 
+def test_ddp_gradient_buckets_are_views_by_default_and_counted_when_not() -> None:
+    """``FPDTStrategy`` passes ``gradient_as_bucket_view=True`` to DDP unless told otherwise; the estimate counts
+    DDP's buckets (a second copy of the gradients) only when they are not views, and never under FSDP2."""
+    assert FPDTStrategy()._ddp_kwargs["gradient_as_bucket_view"] is True
+    assert FPDTStrategy().estimate_options.gradient_as_bucket_view is True
+    copies = FPDTStrategy(gradient_as_bucket_view=False)
+    assert copies._ddp_kwargs["gradient_as_bucket_view"] is False
+    assert copies.estimate_options.gradient_as_bucket_view is False
+    yaml_init = {"trainer": {"strategy": {"init_args": {"gradient_as_bucket_view": False}}}}
+    assert EstimateOptions.from_yaml(yaml_init).gradient_as_bucket_view is False
+    gradient_bytes = SHAPE.num_params * 4
+    for sharded, extra in ((False, gradient_bytes), (True, 0)):
+        views, buckets = (estimate(SHAPE, 1024, EstimateOptions(shard_parameters=sharded, gradient_as_bucket_view=v))
+                          for v in (True, False))
+        assert buckets.device_peak - views.device_peak == extra, sharded
+        assert buckets.gradients - views.gradients == extra, sharded
+
+
 def _measured_and_estimated(rank: int, world: int, seq: int, full: bool, model: str = "llama") -> tuple[int, int]:
     """One training step of a small Llama (``model="own_model"``: an :class:`OwnLM`, whose loss is never tiled;
     ``"hf"``: ``HFCausalLM`` around a transformers Llama of the same shape) at sp=``world``: measured peak of

@@ -7,8 +7,8 @@
 The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-works.md): per rank,
 ``T = batch x S / sp`` tokens of every sample.
 
-- parameters, gradients and AdamW state (every rank holds all of them, or ``1 / world`` of them and the
-  gathered layers in use with ``shard_parameters``);
+- parameters, gradients (twice under DDP without ``gradient_as_bucket_view``: its buckets) and AdamW state
+  (every rank holds all of them, or ``1 / world`` of them and the gathered layers in use with ``shard_parameters``);
 - saved activations per layer (block input, norm outputs, the attention pipeline's head-sharded
   q/k/v/out chunks and lse, the o_proj input, the MLP intermediates unless tiled); with
   checkpointing only the block input (on the host with ``offload_checkpoints``);
@@ -269,6 +269,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     shards = max(1, options.data_parallel_size * p) if options.shard_parameters else 1
     params = shape.num_params * pe // shards
     grads = shape.num_params * pe // shards
+    buckets = 0 if options.shard_parameters or options.gradient_as_bucket_view else grads  # DDP's, between steps
     opt = OPTIMIZER_STATES[options.optimizer] * shape.num_params * max(pe, 4) // shards  # float32 or wider
     notes: list[str] = []
     gathered = 0
@@ -338,11 +339,11 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     if options.activation_checkpointing and options.offload_checkpoints:
         host += shape.num_layers * checkpoint
     # gradients are created during backward; AdamW's update adds about half a parameter set
-    device_peak = gathered + max(params + grads + opt + shape.num_params * pe // 2 // shards,
-                                 params + opt + saved + transient)
+    device_peak = gathered + buckets + max(params + grads + opt + shape.num_params * pe // 2 // shards,
+                                           params + opt + saved + transient)
     if p > 1 and shape.num_heads % p:
         notes.append(f"num_heads={shape.num_heads} is not divisible by sp={p}: the run will be refused")
-    return MemoryEstimate(params, grads, opt, saved, chunk_buffers, transient, host, device_peak, notes)
+    return MemoryEstimate(params, grads + buckets, opt, saved, chunk_buffers, transient, host, device_peak, notes)
 
 
 def auto_chunk_size(
@@ -393,8 +394,7 @@ def report(shape: ModelShape, seq_len: int, options: EstimateOptions, budget_gib
             lines.append("chunk_size='auto' is picked at the first batch from the device's free memory;"
                          " estimated here as one chunk (give a budget to resolve it)")
     settings = ", ".join(f"{f.name}={getattr(options, f.name)}" for f in dataclasses.fields(options))
-    lines.insert(
-        0, f"memory estimate per rank: {shape.num_params / 1e6:.1f}M parameters, seq_len {seq_len}, {settings}"
-    )
+    lines.insert(0, f"memory estimate per rank: {shape.num_params / 1e6:.1f}M parameters, seq_len {seq_len},"
+                    f" {settings}")
     lines.append(estimate(shape, seq_len, options).table())
     return "\n".join(lines)

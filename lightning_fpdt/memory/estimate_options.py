@@ -65,6 +65,9 @@ class EstimateOptions:
     """Parameters, gradients and optimizer state sharded over every rank (FSDP2)."""
     offload_optimizer: bool = False
     """With ``shard_parameters``: the shards and optimizer state live in host memory."""
+    gradient_as_bucket_view: bool = True
+    """Without ``shard_parameters``: DDP's gradients are views into its buckets; ``False``: the buckets are a
+    second copy of the gradients, kept between steps."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISION_BYTES:
@@ -100,7 +103,8 @@ class EstimateOptions:
             chunk_size=options.chunk_size, sequence_parallel_size=sp, data_parallel_size=dp,
             offload=options.offload == "on", activation_checkpointing=options.activation_checkpointing,
             offload_checkpoints=options.offload_checkpoints == "on", attention_backend=options.attention_backend,
-            shard_parameters=options.shard_parameters, offload_optimizer=options.offload_optimizer, **run,
+            shard_parameters=options.shard_parameters, offload_optimizer=options.offload_optimizer,
+            gradient_as_bucket_view=options.gradient_as_bucket_view, **run,
         )
 
     @classmethod
