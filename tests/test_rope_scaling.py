@@ -15,6 +15,7 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.models import HFCausalLM, LlamaLM, llama_from_hf, to_hf
 from lightning_fpdt.models.llama import LlamaConfig
 from lightning_fpdt.rope import RopeScaling, rope_frequencies
@@ -111,8 +112,18 @@ def test_length_dependent_rope_is_refused(rope_type: str) -> None:
     config = HFLlamaConfig(**SIZES, num_key_value_heads=2, max_position_embeddings=ORIGINAL)
     half = SIZES["hidden_size"] // SIZES["num_attention_heads"] // 2
     fields = {"factor": 2.0} if rope_type == "dynamic" else {"short_factor": [1.0] * half, "long_factor": [2.0] * half}
+    module = HFCausalLM(config, config_overrides={"rope_parameters": {"rope_type": rope_type, **fields}})
+    module.bind_sequence_parallel(SequenceParallelContext(chunk_size=8))  # one process sees every position
     with pytest.raises(NotImplementedError, match=rf"RoPE type '{rope_type}' \(layers: all\) picks its frequencies"):
-        HFCausalLM(config, config_overrides={"rope_parameters": {"rope_type": rope_type, **fields}})
+        module.bind_sequence_parallel(_TwoRanks(chunk_size=8))
+
+
+class _TwoRanks(SequenceParallelContext):
+    """A context that reports two ranks without a process group (what the strategy binds at sp=2)."""
+
+    @property
+    def size(self) -> int:
+        return 2
 
 
 def test_overrides_apply_before_the_weights_load_from_a_path(tmp_path, fresh_seed: int) -> None:

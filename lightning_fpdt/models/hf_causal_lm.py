@@ -61,8 +61,9 @@ class HFCausalLM(CausalLM):
             (:func:`~lightning_fpdt.models.hf_moe.check_experts`), or has dropout in a tiled MLP; the message
             names the feature and the layer. Also a head whose forward transforms the logits in a way the loss
             cannot reproduce
-            (:func:`~lightning_fpdt.models.hf_guards.find_head_transform`), or a RoPE schedule that changes with
-            the sequence length (:func:`check_static_rope`), and, at the first forward under a
+            (:func:`~lightning_fpdt.models.hf_guards.find_head_transform`); when bound to more than one rank, a
+            RoPE schedule that changes with the sequence length (:func:`check_static_rope`); and, at the first
+            forward under a
             bound context, an attention layer that ran without it
             (:func:`~lightning_fpdt.models.hf_guards.check_context_arrived`).
         TypeError: ``model`` of another type.
@@ -83,7 +84,6 @@ class HFCausalLM(CausalLM):
         if mlp_tiles is not None and (isinstance(mlp_tiles, bool) or not isinstance(mlp_tiles, int) or mlp_tiles < 1):
             raise ValueError(f"HFCausalLM: mlp_tiles must be a positive int or None (automatic), got {mlp_tiles!r}.")
         self.model = _build(model, from_pretrained_kwargs or {}, config_overrides or {})
-        check_static_rope(self.model.config)
         layers = check_decoder_layers(self.model)  # first: the probes below run the layers
         check_supported(self.model)
         check_experts(self.model, layers)
@@ -115,8 +115,12 @@ class HFCausalLM(CausalLM):
         forward.
 
         Raises:
-            NotImplementedError: ``context.activation_checkpointing`` with dropout in a decoder layer.
+            NotImplementedError: ``context.activation_checkpointing`` with dropout in a decoder layer; a
+                ``dynamic`` or ``longrope`` RoPE schedule on a group of more than one rank (one process sees
+                every position, so those train exactly there).
         """
+        if context.size > 1:  # every rank binds the same config: every rank raises together
+            check_static_rope(self.model.config)
         if context.activation_checkpointing:
             check_recomputable(self.model, mlp_tiled=self.mlp_tiles != 1, checkpointing=True)
         self.context, self._bound = context, True
