@@ -231,6 +231,19 @@ def _fit(module: HFCausalLM, data: Dataset, case: Case, tmp_path, precision: str
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(case.sp)]
 
 
+def each_sample_alone(ref: torch.nn.Module, data: TokenDataset) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The plain model's mean token loss (and gradients) over ``data``'s samples, each run alone."""
+    return _mean_ce(ref, [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))])
+
+
+def one_process_step(module: HFCausalLM, data: TokenDataset) -> dict[str, Any]:
+    """``module``'s token-weighted loss over the whole of ``data`` in this process, back-propagated: the result
+    ``assert_same_step`` compares."""
+    loss_sum, count = module.loss_terms(data.full_batch())
+    (loss_sum / count).backward()
+    return {"loss": (loss_sum / count).detach(), "grads": {n: p.grad for n, p in module.named_parameters()}}
+
+
 def _max_error(results: list[dict], loss: torch.Tensor, grads: dict) -> float:
     """The largest relative error (loss, every gradient), as ``assert_same_step`` measures them."""
     return max(err for _, _, err in step_errors(results, loss, grads))
@@ -244,7 +257,7 @@ def test_fit_step_equals_plain_transformers(case: Case, tmp_path, fresh_seed: in
     ref = _plain(module)
     data = TokenDataset(2, SEQ, VOCAB, fresh_seed)
     results = _fit(module, data, case, tmp_path)
-    ref_loss, ref_grads = _mean_ce(ref, [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))])
+    ref_loss, ref_grads = each_sample_alone(ref, data)
     print(f"{case.name}: max rel. error {_max_error(results, ref_loss, ref_grads):.2e}")
     assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"{case.name} seed={fresh_seed}")
     layers = module.model.config.num_hidden_layers
@@ -268,7 +281,7 @@ def test_bf16_mixed_memory_stack_is_close_to_float64(tmp_path, fresh_seed: int) 
     ref = _plain(module)
     data = TokenDataset(2, SEQ, VOCAB, fresh_seed)
     results = _fit(module, data, case, tmp_path, precision="bf16-mixed")
-    ref_loss, ref_grads = _mean_ce(ref, [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))])
+    ref_loss, ref_grads = each_sample_alone(ref, data)
     results = [{**r, "loss": r["loss"].double(), "grads": {n: g.double() for n, g in r["grads"].items()}}
                for r in results]
     error = _max_error(results, ref_loss, ref_grads)
@@ -330,10 +343,8 @@ def test_unbound_one_process_loss_and_grads_equal_plain_transformers(chunk_size:
         module.bind_sequence_parallel(SequenceParallelContext(chunk_size=chunk_size, attention_backend="math"))
     ref = _plain(module)
     data = TokenDataset(2, SEQ, VOCAB, fresh_seed)
-    loss_sum, count = module.loss_terms(data.full_batch())
-    (loss_sum / count).backward()
-    result = {"loss": (loss_sum / count).detach(), "grads": {n: p.grad for n, p in module.named_parameters()}}
-    ref_loss, ref_grads = _mean_ce(ref, [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))])
+    result = one_process_step(module, data)
+    ref_loss, ref_grads = each_sample_alone(ref, data)
     assert_same_step([result], ref_loss, ref_grads, tol=1e-10, label=f"one process C{chunk_size} seed={fresh_seed}")
 
 

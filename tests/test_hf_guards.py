@@ -57,7 +57,9 @@ from tests.test_hf_causal_lm import (
     _mean_ce,
     _plain,
     _redraw,
+    each_sample_alone,
     gemma_norms_in_float64,  # noqa: F401 (an autouse fixture: Gemma's norms in float64 here too)
+    one_process_step,
 )
 
 GQA = dict(SIZES, num_key_value_heads=1)
@@ -286,10 +288,8 @@ def test_the_head_transform_is_found_and_the_loss_equals_the_models_own(family: 
     _redraw(module.model, fresh_seed)
     ref = copy.deepcopy(module.model)  # the model's own forward, its logits transformed as the family does
     data = TokenDataset(2, SEQ, VOCAB, fresh_seed)
-    loss_sum, count = module.loss_terms(data.full_batch())
-    (loss_sum / count).backward()
-    result = {"loss": (loss_sum / count).detach(), "grads": {n: p.grad for n, p in module.named_parameters()}}
-    ref_loss, ref_grads = _mean_ce(ref, [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))])
+    result = one_process_step(module, data)
+    ref_loss, ref_grads = each_sample_alone(ref, data)
     assert_same_step([result], ref_loss, ref_grads, tol=1e-10, label=f"{family} tiles={loss_tiles} seed={fresh_seed}")
 
 

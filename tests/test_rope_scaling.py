@@ -22,7 +22,7 @@ from lightning_fpdt.rope import RopeScaling, rope_frequencies
 from tests.helpers import TokenDataset, assert_same_step
 from tests.reference import rel_error
 from tests.test_cli import fpdt_train_here
-from tests.test_hf_causal_lm import SIZES, VOCAB, Case, _fit, _mean_ce, _redraw
+from tests.test_hf_causal_lm import SIZES, VOCAB, Case, _fit, _redraw, each_sample_alone
 
 ORIGINAL, LONG = 16, 48  # the pre-training context, and a training sequence 3x beyond it
 SCHEDULES: dict[str, dict[str, Any]] = {
@@ -93,7 +93,7 @@ def test_hf_yarn_fit_step_beyond_the_original_context_equals_plain_transformers(
     assert module.model.model.rotary_emb.attention_scaling == ref.model.rotary_emb.attention_scaling > 1
     data = TokenDataset(2, LONG, VOCAB, fresh_seed)
     results = _fit(module, data, case, tmp_path)
-    ref_loss, ref_grads = _mean_ce(ref, [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))])
+    ref_loss, ref_grads = each_sample_alone(ref, data)
     assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"yarn sp2 C8 seq{LONG} seed={fresh_seed}")
 
 
