@@ -32,6 +32,7 @@ from torch.distributed.fsdp import (
 )
 
 from lightning_fpdt.binding import decoder_layers
+from lightning_fpdt.errors import PREFIX
 
 # Lightning calls these instead of forward: FSDP must gather the root's parameters around them
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -48,17 +49,42 @@ def setup_sharded(strategy: Any, trainer: pl.Trainer, offload_optimizer: bool) -
         offload_optimizer: keep the shards and the optimizer step in pinned host memory (CUDA).
     """
     strategy.accelerator.setup(trainer)
-    strategy.precision_plugin.convert_module(strategy.model)
-    strategy.model_to_device()
+    strategy.precision_plugin.convert_module(strategy.model)  # on the meta device too: a dtype, no copy
+    on_meta = any(p.is_meta for p in strategy.model.parameters())
+    if not on_meta:
+        strategy.model_to_device()
     mesh = init_device_mesh(strategy.root_device.type, (strategy.world_size,), mesh_dim_names=("data_sequence",))
     precision = str(strategy.precision_plugin.precision)
     shard_module(strategy.lightning_module, mesh, precision, offload_optimizer)
+    if on_meta:
+        load_shards_of(strategy.lightning_module, strategy.root_device)
     fitting = trainer.state.fn == TrainerFn.FITTING
     if fitting:
         strategy.setup_optimizers(trainer)
     strategy.setup_precision_plugin()
     if fitting:
         _optimizers_to_device(strategy.optimizers, strategy.root_device)
+
+
+def load_shards_of(module: pl.LightningModule, device: torch.device) -> None:
+    """Fill the shards of a module built on the meta device (``HFCausalLM`` of a local safetensors checkpoint)
+    through its ``load_sharded_weights(device)``: each rank reads only the rows it owns.
+
+    Raises:
+        ValueError: a module on the meta device without ``load_sharded_weights``, or with parameters still on
+            the meta device after it (named).
+    """
+    load = getattr(module, "load_sharded_weights", None)
+    if load is None:
+        raise ValueError(
+            f"{PREFIX}{type(module).__name__} has parameters on the meta device and no load_sharded_weights(device)"
+            " to fill its shards with; build it with real tensors (or give it that method)."
+        )
+    load(device)
+    left = [name for name, p in module.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"{PREFIX}{type(module).__name__}.load_sharded_weights left {len(left)} parameter(s) on the"
+                         f" meta device, e.g. {left[:3]}.")
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:

@@ -121,6 +121,12 @@ class FPDTStrategy(DDPStrategy):
         return self.num_nodes * self.num_processes
 
     @property
+    def shard_parameters(self) -> bool:
+        """Whether parameters are sharded over every rank (FSDP2); a model built on the meta device then reads
+        only its shards in ``setup`` (``HFCausalLM.load_sharded_weights``)."""
+        return self._options.shard_parameters
+
+    @property
     def sequence_parallel_size(self) -> int:
         """Ranks per sequence-parallel group (``"auto"`` resolved to the processes per node)."""
         return self._options.mesh_shape(self.num_nodes, self.num_processes)[1]

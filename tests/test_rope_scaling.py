@@ -133,6 +133,9 @@ def test_overrides_apply_before_the_weights_load_from_a_path(tmp_path, fresh_see
     plain = HFCausalLM(str(tmp_path), from_pretrained_kwargs={"local_files_only": True})
     module = HFCausalLM(str(tmp_path), from_pretrained_kwargs={"local_files_only": True},
                         config_overrides={"rope_parameters": YARN, "max_position_embeddings": 4 * ORIGINAL})
+    assert plain.weights_pending and module.weights_pending  # built on the meta device: read where needed
+    plain.load_weights()
+    module.load_weights()  # the computed RoPE buffers follow the overridden config
     c = module.model.config
     assert c.max_position_embeddings == 4 * ORIGINAL and c.rope_parameters["original_max_position_embeddings"] == 16
     expected, scaling = rope_frequencies(SIZES["hidden_size"] // SIZES["num_attention_heads"], 10000.0,

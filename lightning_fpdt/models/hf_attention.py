@@ -228,8 +228,9 @@ def attention_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if is_attention_layer(m)]
 
 
-def check_supported(model: PreTrainedModel) -> None:
-    """Refuse, naming the feature and the layer, what a layer computes and the FPDT pipeline cannot.
+def check_supported(model: PreTrainedModel) -> bool:
+    """Refuse, naming the feature and the layer, what a layer computes and the FPDT pipeline cannot; return
+    whether the mask probe ran (``False``: a meta-device model to probe again once its weights are in).
 
     Read from each attention layer (what its forward passes to the attention function), not from config
     fields a layer may ignore (a Llama config's ``sliding_window``). Sliding windows, attention-logit
@@ -266,7 +267,7 @@ def check_supported(model: PreTrainedModel) -> None:
                 f"HFCausalLM: layer {name} ({type(m).__name__}) uses {feature}, which the FPDT attention pipeline"
                 f" does not compute: {fix}."
             )
-    check_mask_windows(model, layers)  # a window the mask has and the call does not pass
+    return check_mask_windows(model, layers)  # a window the mask has and the call does not pass
 
 
 def install(model: PreTrainedModel) -> None:

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lightning_fpdt.binding import AttentionRecord, DecoderLayer, SequenceParallelContext
@@ -32,7 +35,17 @@ from lightning_fpdt.models.hf_attention import LayerRecords, attention_layers, c
 from lightning_fpdt.models.hf_guards import check_context_arrived, find_head_transform
 from lightning_fpdt.models.hf_layers import check_decoder_layers, check_recomputable, install_memory_stack
 from lightning_fpdt.models.hf_layers import decoder_layers as hf_decoder_layers
+from lightning_fpdt.models.hf_masks import check_mask_windows
 from lightning_fpdt.models.hf_moe import check_experts, router_loss_for
+from lightning_fpdt.models.hf_weights import (
+    SafetensorsCheckpoint,
+    build_on_meta,
+    checkpoint_dtype,
+    load_shards,
+    load_whole,
+    materialize,
+    unmatched,
+)
 from lightning_fpdt.models.lm import CausalLM
 from lightning_fpdt.tiling import tiled_call
 
@@ -83,9 +96,10 @@ class HFCausalLM(CausalLM):
         super().__init__(loss_tiles=loss_tiles, **kwargs)
         if mlp_tiles is not None and (isinstance(mlp_tiles, bool) or not isinstance(mlp_tiles, int) or mlp_tiles < 1):
             raise ValueError(f"HFCausalLM: mlp_tiles must be a positive int or None (automatic), got {mlp_tiles!r}.")
-        self.model = _build(model, from_pretrained_kwargs or {}, config_overrides or {})
+        self.model, self._checkpoint = _build(model, from_pretrained_kwargs or {}, config_overrides or {})
         layers = check_decoder_layers(self.model)  # first: the probes below run the layers
-        check_supported(self.model)
+        # the mask probe runs the model (on the meta device where its forward allows, else once the weights are in)
+        self._masks_probed = check_supported(self.model)
         check_experts(self.model, layers)
         self.head_transform = find_head_transform(self.model)  # what its forward does after the output embedding
         check_recomputable(self.model, mlp_tiled=mlp_tiles != 1, checkpointing=False)
@@ -101,6 +115,71 @@ class HFCausalLM(CausalLM):
         overrides = {"config_overrides": config_overrides} if isinstance(model, str) and config_overrides else {}
         self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, "mlp_tiles": mlp_tiles, **overrides,
                                    **kwargs})
+
+    # ---- weights: read where they are needed (lightning_fpdt.models.hf_weights) --------------------------
+
+    @property
+    def weights_pending(self) -> bool:
+        """Whether the model is still on the meta device, its checkpoint's weights not yet read (a local
+        safetensors checkpoint: :meth:`load_weights`, :meth:`configure_model`, :meth:`load_sharded_weights`)."""
+        return self._checkpoint is not None
+
+    def load_weights(self, device: torch.device | str = "cpu") -> None:
+        """Read the checkpoint's weights into the meta-device model: one copy on ``device``, in the dtypes the
+        model was built in (nothing happens when no weights are pending). The first forward does this on the
+        input's device when nothing did before.
+
+        Raises:
+            NotImplementedError: the mask probe's refusal (:func:`~lightning_fpdt.models.hf_attention.check_supported`),
+                for a model whose forward could not be probed on the meta device at construction.
+        """
+        if self._checkpoint is None:
+            return
+        load_whole(self.model, self._checkpoint, device)
+        self._checkpoint = None
+        if not self._masks_probed:
+            self._masks_probed = check_mask_windows(self.model, attention_layers(self.model))
+
+    def load_sharded_weights(self, device: torch.device | str) -> None:
+        """Read into each FSDP2 shard the rows of its checkpoint tensor this rank owns, after ``fully_shard``
+        was applied to the meta-device model (``FPDTStrategy(shard_parameters=True)`` calls this in ``setup`` on
+        every rank together). A model whose forward could not be probed on the meta device at construction is
+        probed now, through the root's FSDP hooks: every layer's weights are gathered once, in turn."""
+        if self._checkpoint is None:
+            return
+        load_shards(self, self.model, self._checkpoint, device)
+        self._checkpoint = None
+        if self._masks_probed:
+            return
+        if isinstance(self, FSDPModule):  # through the root's hooks: FSDP2 initialises from its first forward
+            register_fsdp_forward_method(self, "_check_mask_windows")
+        try:
+            self._check_mask_windows()
+        finally:  # every module sharded again (FSDP2 keeps the last layer gathered after a forward)
+            for module in self.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def _check_mask_windows(self) -> None:
+        self._masks_probed = check_mask_windows(self.model, attention_layers(self.model))
+
+    def configure_model(self) -> None:
+        """Read pending weights (Lightning calls this on every rank before the strategy's setup): on the
+        strategy's device, converted to a ``*-true`` precision's dtype first; left to the strategy when it
+        shards the parameters (``shard_parameters``: :meth:`load_sharded_weights`)."""
+        if self._checkpoint is None or getattr(self.trainer.strategy, "shard_parameters", False):
+            return
+        self.trainer.precision_plugin.convert_module(self.model)  # on the meta device: no copy
+        self.load_weights(self.trainer.strategy.root_device)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """As ``nn.Module.load_state_dict``; pending weights are not read when ``strict`` (every tensor comes
+        from ``state_dict``: the model is only materialised on the CPU), and read first otherwise."""
+        if self._checkpoint is not None and strict:
+            materialize(self.model, "cpu")
+            self._checkpoint = None
+        self.load_weights()
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def check_model(self, model: nn.Module) -> bool:
         """A transformers model, not a :class:`~lightning_fpdt.models.lm.DecoderModel`: its contract is checked
@@ -196,6 +275,7 @@ class HFCausalLM(CausalLM):
                 (:func:`~lightning_fpdt.models.hf_guards.check_context_arrived`).
         """
         batch = self.prepared(batch)
+        self.load_weights(batch["input_ids"].device)  # used without a Trainer: the weights at the first forward
         self._start_router_pass(batch)
         # read by fpdt_attention_forward: passed down as keywords by most families, delivered on the attention
         # layers for those whose layers do not pass them on; every layer must have run with them (hf_guards)
@@ -266,10 +346,48 @@ class HFCausalLM(CausalLM):
     def save_pretrained(self, path: str, **kwargs: Any) -> None:
         """Export the transformers model (weights and config) to ``path``; loads with plain transformers
         (``from_pretrained``), which picks its own attention implementation."""
+        self.load_weights()
         self.model.save_pretrained(path, **kwargs)
 
 
-def _build(model: Any, from_pretrained_kwargs: dict[str, Any], overrides: dict[str, Any]) -> PreTrainedModel:
+def _build(model: Any, from_pretrained_kwargs: dict[str, Any],
+           overrides: dict[str, Any]) -> tuple[PreTrainedModel, SafetensorsCheckpoint | None]:
+    """The transformers model of ``HFCausalLM``'s ``model`` argument, and the checkpoint whose weights it still
+    has to read (a local safetensors checkpoint: the model is built on the meta device) or ``None``."""
+    if isinstance(model, str) and torch.get_default_device().type != "meta":
+        deferred = _on_meta(model, from_pretrained_kwargs, overrides)
+        if deferred is not None:
+            return deferred
+    return _build_now(model, from_pretrained_kwargs, overrides), None
+
+
+def _on_meta(path: str, from_pretrained_kwargs: dict[str, Any],
+             overrides: dict[str, Any]) -> tuple[PreTrainedModel, SafetensorsCheckpoint] | None:
+    """``path``'s model on the meta device with its checkpoint, or ``None`` where ``from_pretrained`` has to load
+    it: not a local directory of safetensors files, ``from_pretrained`` options other than the dtype, or tensor
+    names the checkpoint does not hold as they are (transformers converts them on load; logged)."""
+    if not os.path.isdir(path) or set(from_pretrained_kwargs) - _META_KWARGS:
+        return None
+    checkpoint = SafetensorsCheckpoint.find(path)
+    if checkpoint is None:
+        return None
+    config = apply_config_overrides(AutoConfig.from_pretrained(path, local_files_only=True), overrides)
+    dtype = from_pretrained_kwargs.get("dtype", from_pretrained_kwargs.get("torch_dtype"))
+    model = build_on_meta(config, checkpoint_dtype(config, dtype))
+    problems = unmatched(model, checkpoint)
+    if problems:
+        rank_zero_info(f"HFCausalLM: {path} holds tensors under other names or shapes than"
+                       f" {type(model).__name__}'s ({len(problems)}, e.g. {problems[0]}); loading it whole through"
+                       " from_pretrained, which converts them (every rank holds the whole model until it is sharded).")
+        return None
+    return model, checkpoint
+
+
+# from_pretrained options a meta-device build honours (others, e.g. device_map or quantization, need from_pretrained)
+_META_KWARGS = frozenset({"dtype", "torch_dtype", "local_files_only", "attn_implementation"})
+
+
+def _build_now(model: Any, from_pretrained_kwargs: dict[str, Any], overrides: dict[str, Any]) -> PreTrainedModel:
     if isinstance(model, PreTrainedModel):
         if overrides:
             raise ValueError(

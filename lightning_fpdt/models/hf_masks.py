@@ -72,24 +72,40 @@ AttentionInterface.register(_PROBE, _probe_attention)
 AttentionMaskInterface.register(_PROBE, _probe_mask)
 
 
-def check_mask_windows(model: PreTrainedModel, layers: list[tuple[str, nn.Module]]) -> None:
+def check_mask_windows(model: PreTrainedModel, layers: list[tuple[str, nn.Module]]) -> bool:
     """Refuse a layer whose transformers mask has a window (or another pattern) its attention call does not pass.
 
-    Runs ``model`` on two tokens with the probe implementation, then restores its implementation. Nothing is
-    checked for a model on the meta device (sizing only) or where transformers makes no mask for the probe.
+    Runs ``model`` on two tokens with the probe implementation, then restores its implementation. On the meta
+    device (a model whose weights load later) the two tokens come with an all-ones ``attention_mask``, so
+    transformers does not look at their values to detect packed sequences; a forward that still needs values
+    there (a mixture of experts routes by them) is not probed, and the caller probes again once the weights
+    are in. Nothing is checked where transformers makes no mask for the probe.
+
+    Returns:
+        Whether the probe ran (``False``: on the meta device, a forward that needs real tensors).
 
     Raises:
         NotImplementedError: a layer whose mask and call disagree, naming both.
     """
     param = next(model.parameters(), None)
-    if param is None or param.device.type == "meta":
-        return
+    if param is None:
+        return True
+    on_meta = param.device.type == "meta"
+    inputs = {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=param.device)}
+    if on_meta:
+        inputs["attention_mask"] = torch.ones(1, 2, dtype=torch.long, device=param.device)
     before = model.config._attn_implementation
     model.set_attn_implementation(_PROBE)
     try:
         with torch.no_grad():
-            model.base_model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=param.device), use_cache=False)
+            model.base_model(**inputs, use_cache=False)
         probed = {name: m.__dict__.pop("_fpdt_probed", None) for name, m in layers}
+    except (RuntimeError, NotImplementedError):
+        if not on_meta:
+            raise
+        for _, m in layers:
+            m.__dict__.pop("_fpdt_probed", None)
+        return False  # a value-dependent step on the meta device: probed once the weights are in
     finally:
         model.set_attn_implementation(before)
     for name, m in layers:
@@ -105,3 +121,4 @@ def check_mask_windows(model: PreTrainedModel, layers: list[tuple[str, nn.Module
                 " computes what the call says, so it would attend differently from the model; this family is not"
                 " supported (a layer that passes its window to the attention call is)."
             )
+    return True
