@@ -110,6 +110,11 @@ def test_load_state_dict_of_a_pending_model(tmp_path: Path, fresh_seed: int) -> 
     strict = HFCausalLM(str(tmp_path))
     strict.load_state_dict(state)
     assert all(torch.equal(strict.state_dict()[k], v) for k, v in state.items())
+    complete = HFCausalLM(str(tmp_path))  # non-strict, but every tensor given: nothing is read
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SafetensorsCheckpoint, "read", lambda *args: pytest.fail("read a tensor the state dict has"))
+        complete.load_state_dict(state, strict=False)
+    assert all(torch.equal(complete.state_dict()[k], v) for k, v in state.items())
     partial = HFCausalLM(str(tmp_path))
     partial.load_state_dict({"model.model.norm.weight": state["model.model.norm.weight"]}, strict=False)
     assert torch.equal(partial.model.model.norm.weight, state["model.model.norm.weight"])

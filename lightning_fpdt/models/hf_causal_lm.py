@@ -44,6 +44,7 @@ from lightning_fpdt.models.hf_weights import (
     load_shards,
     load_whole,
     materialize,
+    tensor_names,
     unmatched,
 )
 from lightning_fpdt.models.lm import CausalLM
@@ -173,11 +174,14 @@ class HFCausalLM(CausalLM):
         self.load_weights(self.trainer.strategy.root_device)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """As ``nn.Module.load_state_dict``; pending weights are not read when ``strict`` (every tensor comes
-        from ``state_dict``: the model is only materialised on the CPU), and read first otherwise."""
-        if self._checkpoint is not None and strict:
-            materialize(self.model, "cpu")
-            self._checkpoint = None
+        """As ``nn.Module.load_state_dict``. Pending weights are not read when ``state_dict`` holds every tensor
+        (or ``strict`` makes sure it does): the model is only materialised on the CPU; otherwise they are read
+        first (Lightning's fork/spawn launcher loads the workers' full weights into the parent non-strictly)."""
+        if self._checkpoint is not None:
+            names = [f"model.{name}" for name in tensor_names(self.model)]
+            if strict or all(name in state_dict for name in names):
+                materialize(self.model, "cpu")
+                self._checkpoint = None
         self.load_weights()
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
