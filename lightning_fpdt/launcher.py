@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
@@ -115,7 +116,8 @@ def explain_peer_failure(error: BaseException, peers: tuple[Peer, ...], rank: in
 
 
 class ShardAwareLauncher(_MultiProcessingLauncher):
-    """:class:`_MultiProcessingLauncher` whose result for the parent holds full, not sharded, weights, and
+    """:class:`_MultiProcessingLauncher` whose result for the parent holds full, not sharded, weights after
+    ``fit`` (gathered on rank 0: with ``start_method="fork"``/``"spawn"`` only; ``"popen"`` sends nothing), and
     whose ranks name a dead peer (:func:`explain_peer_failure`) in the error they send to the parent."""
 
     @override
@@ -129,7 +131,8 @@ class ShardAwareLauncher(_MultiProcessingLauncher):
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         module = trainer.lightning_module
-        if not isinstance(module, FSDPModule):
+        # Lightning sends weights back only after fit: validate/test/predict never gather the whole model
+        if not isinstance(module, FSDPModule) or trainer.state.fn != TrainerFn.FITTING:
             return super()._collect_rank_zero_results(trainer, results)
         full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         module.state_dict = lambda *args, **kwargs: full  # what the base launcher sends to the parent
