@@ -10,11 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from safetensors import safe_open
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
 from transformers import (
     AttentionInterface,
     AutoModelForCausalLM,
@@ -28,6 +30,7 @@ from transformers import (
     PretrainedConfig,
 )
 
+from lightning_fpdt import FPDTStrategy, launcher
 from lightning_fpdt.models import HFCausalLM, hf_attention, hf_masks
 from lightning_fpdt.models import hf_causal_lm as hf_causal_lm_module
 from lightning_fpdt.models.hf_weights import SafetensorsCheckpoint, owned_rows
@@ -233,3 +236,21 @@ def test_fit_from_a_checkpoint_path_equals_plain_transformers(stack: bool, tmp_p
     assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"from path, stack={stack} seed={fresh_seed}")
     for r in results:
         assert r["sharded_layers"] == [stack] * ref.config.num_hidden_layers
+
+
+@pytest.mark.distributed
+def test_validate_of_a_sharded_checkpoint_never_gathers_the_model(tmp_path: Path, fresh_seed: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Trainer.validate`` with the fork launcher reads each rank's shards and sends no weights back: nothing
+    gathers the full model (the gather the launcher does after ``fit`` raises here; forked ranks inherit it)."""
+    _saved(CONFIGS["llama-untied"](), tmp_path / "ckpt", fresh_seed)
+    monkeypatch.setattr(launcher, "get_model_state_dict",
+                        lambda *args, **kwargs: pytest.fail("the full model was gathered"))
+    module = HFCausalLM(str(tmp_path / "ckpt"))
+    trainer = L.Trainer(accelerator="cpu", devices=2, limit_val_batches=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path),
+                        strategy=FPDTStrategy(sequence_parallel_size=2, chunk_size=8, shard_parameters=True,
+                                              start_method="fork"))
+    data = TokenDataset(2, 16, SIZES["vocab_size"], fresh_seed)
+    trainer.validate(module, DataLoader(data, batch_size=2), verbose=False)
+    assert module.weights_pending  # this process got nothing: the ranks read their shards themselves
