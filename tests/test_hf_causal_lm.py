@@ -411,6 +411,8 @@ def test_model_from_a_local_path(tmp_path, fresh_seed: int) -> None:
     module = _module(Case("llama", sp=1, chunk_size=None), fresh_seed)
     module.save_pretrained(str(tmp_path))
     again = HFCausalLM(str(tmp_path), from_pretrained_kwargs={"local_files_only": True})
+    assert again.weights_pending  # built on the meta device (tests/test_hf_weights.py): read on demand
+    again.load_weights()
     for (n, p), (_, q) in zip(module.named_parameters(), again.named_parameters(), strict=True):
         assert torch.equal(p, q), n
 
