@@ -22,12 +22,18 @@ class TensorMemoryTracker(TorchDispatchMode):
     Tensors alive before the block are counted from the first op that touches them, unless passed to
     :meth:`track` first (do that for parameters and optimizer state, which a training step touches late:
     otherwise the peak during backward misses the optimizer's moments). Storages touched only on other
-    threads are not seen until an op here uses them.
+    threads are not seen until an op here uses them. A ``DTensor`` counts as its local shard.
+
+    Args:
+        resizable: re-read every live storage's size after each op, for storages resized in place outside the
+            dispatcher: FSDP2 frees and re-allocates its unsharded parameters that way. Slower; without it a
+            storage counts with the size it had when first seen.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, resizable: bool = False) -> None:
         super().__init__()
-        self._live: dict[tuple[int, int], tuple[StorageWeakRef, int]] = {}
+        self._resizable = resizable
+        self._live: dict[Any, tuple[StorageWeakRef, int]] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
 
@@ -52,10 +58,19 @@ class TensorMemoryTracker(TorchDispatchMode):
         return out
 
     def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
+        local = getattr(t, "_local_tensor", None)  # a DTensor: the wrapper has no storage, its shard has
+        storage = (local if isinstance(local, torch.Tensor) else t).untyped_storage()
         nbytes = storage.nbytes()
+        if self._resizable:  # by identity: the size may change (to 0 and back) while the storage lives
+            ref = StorageWeakRef(storage)
+            if ref.cdata not in self._live:
+                self._live[ref.cdata] = (ref, nbytes)
+                self.current_bytes += nbytes
+            return
+        if nbytes == 0:
+            return
         key = (storage.data_ptr(), nbytes)
-        if nbytes == 0 or key in self._live:
+        if key in self._live:
             return
         self._live[key] = (StorageWeakRef(storage), nbytes)
         self.current_bytes += nbytes
@@ -64,17 +79,25 @@ class TensorMemoryTracker(TorchDispatchMode):
         dead = [key for key, (ref, _) in self._live.items() if ref.expired()]
         for key in dead:
             self.current_bytes -= self._live.pop(key)[1]
+        if self._resizable:
+            for key, (ref, nbytes) in self._live.items():
+                now = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                if now != nbytes:
+                    self._live[key] = (ref, now)
+                    self.current_bytes += now - nbytes
 
 
 def peak_step_bytes(
-    step: Callable[[], Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    step: Callable[[], Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+    resizable: bool = False,
 ) -> int:
     """Peak bytes of live tensors while ``step()`` runs, counting ``module``'s parameters and
-    ``optimizer``'s state from the start (run one step before, so that the state exists)."""
+    ``optimizer``'s state from the start (run one step before, so that the state exists); ``resizable``: see
+    :class:`TensorMemoryTracker` (for a module sharded by FSDP2)."""
     alive = list(module.parameters())
     if optimizer is not None:
         alive += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    with TensorMemoryTracker() as tracker:
+    with TensorMemoryTracker(resizable) as tracker:
         tracker.track(*alive)
         tracker.reset_peak()
         step()

@@ -12,13 +12,16 @@ The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-w
 - saved activations per layer (block input, norm outputs, the attention pipeline's head-sharded
   q/k/v/out chunks and lse, the o_proj input, the MLP intermediates unless tiled); with
   checkpointing only the block input (on the host with ``offload_checkpoints``);
-- the largest transient: the loss (full logits unless tiled) or the recomputation of one block,
-  plus the attention working set of one chunk;
+- the largest transient: the loss (full logits unless tiled) or the backward of one block (recomputed
+  with checkpointing), plus the attention working set of one chunk;
+- the gradients made so far during backward: a block's backward is the peak when it runs late in the
+  backward, with the gradients of every later block (and, under ``shard_parameters``, the unsharded
+  gradients of the root's parameters and of one block, and a block's float32 reduce-scatter input) alive;
 - host memory: offloaded attention chunks (one layer's worth at a time: the pipeline keeps a layer's
   chunks from its forward to its backward only when it is not checkpointed) and block checkpoints.
 
-The sizes come from the module itself (:meth:`ModelShape.from_module`): its decoder layers
-(``FPDTBlock`` s, or the transformers decoder layers of ``HFCausalLM``), its output projection or token
+The sizes come from the module itself (:meth:`ModelShape.from_module`, :mod:`lightning_fpdt.memory.shape`): its
+decoder layers (``FPDTBlock`` s, or the transformers decoder layers of ``HFCausalLM``), its output projection or token
 embedding, and its parameters, so any model built from ``FPDTBlock`` or wrapped by ``HFCausalLM`` can be
 sized, not only the bundled ones; this package imports no model. How the run trains is one
 :class:`EstimateOptions` (built from a strategy's options or from a YAML). It is an estimate for planning.
@@ -30,184 +33,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from torch import nn
-
-from lightning_fpdt.binding import DecoderLayer, decoder_layers
 from lightning_fpdt.memory.estimate_options import OPTIMIZER_STATES, PRECISION_BYTES, EstimateOptions
-from lightning_fpdt.memory.experts import read_experts
-from lightning_fpdt.tiling import configured_tiles, largest_tile, mlp_tile_tokens
+from lightning_fpdt.memory.shape import ModelShape
+from lightning_fpdt.tiling import largest_tile, mlp_tile_tokens
 
 __all__ = ["GIB", "EstimateOptions", "MemoryEstimate", "ModelShape", "auto_chunk_size", "estimate", "format_bytes",
            "report"]
 
 GIB = 2**30
-
-_EXPLICIT = "set an explicit chunk_size instead of 'auto' (`python -m lightning_fpdt.memory` helps choose one)"
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the memory model needs to know about a decoder; :meth:`from_module` reads it from a model.
-
-    Attributes:
-        hidden_size: width of the residual stream (the blocks' input and output).
-        num_layers: FPDT blocks.
-        num_heads: query heads of each block's attention.
-        num_kv_heads: key/value heads of each block's attention.
-        intermediate_size: the MLP's inner width.
-        vocab_size: logits per token (the output projection's width).
-        num_params: parameters of the whole model, each shared (tied) parameter once.
-        tied_embeddings: the output projection shares the token embedding's weight.
-        head_dim: per-head width of q, k and v; ``None`` means ``hidden_size // num_heads``.
-        mlp_projections: linear layers producing the intermediate: 2 gated (SwiGLU's gate and up), 1 plain (GELU).
-        block_params: parameters of one block (FSDP2 gathers it; every expert); ``None``: from ``num_params``.
-        norm_extras: hidden-wide tensors a block's norms keep besides their input (LayerNorm 0, RMSNorm 1 each).
-        chunked_projections: q/k/v are projected chunk by chunk inside the attention pipeline (``FPDTBlock``);
-            ``False`` (Hugging Face layers): the whole local q/k/v exist while a layer runs.
-        mlp_tiles: the MLP's ``num_tiles`` when it is tiled, sized by the rule of :mod:`lightning_fpdt.tiling`;
-            ``None``: automatic (also for an untiled MLP: what an estimate with ``mlp_tiled`` assumes).
-        loss_tiles: the loss's ``num_tiles`` when it is tiled, likewise.
-        experts_per_token: an MoE layer's ``top_k`` (1: dense): MLP activations count once per routed expert.
-    """
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_size: int
-    num_params: int
-    tied_embeddings: bool = False
-    head_dim: int | None = None
-    mlp_projections: int = 2
-    block_params: int | None = None
-    norm_extras: int = 2
-    chunked_projections: bool = True
-    mlp_tiles: int | None = None
-    loss_tiles: int | None = None
-    experts_per_token: int = 1
-
-    def __post_init__(self) -> None:
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-
-    @property
-    def mlp_intermediates(self) -> int:
-        """Values an untiled MLP keeps per token for backward: two intermediate-wide tensors per projection
-        (SwiGLU: gate, up, silu(gate) and the product; GELU: fc's output and the activation's)."""
-        return 2 * self.mlp_projections * self.intermediate_size * self.experts_per_token
-
-    @classmethod
-    def from_module(cls, module: nn.Module) -> tuple[ModelShape, dict[str, bool]]:
-        """The shape of a model built from :class:`~lightning_fpdt.block.FPDTBlock` s or wrapping a Hugging
-        Face decoder (:class:`~lightning_fpdt.models.HFCausalLM`), and whether its MLP and loss are tiled
-        (``{"mlp_tiled": ..., "loss_tiled": ...}``, fields of :class:`EstimateOptions`).
-
-        What is read, and from where (``module`` may be the ``LightningModule`` or the model inside it):
-
-        - the decoder layers (:func:`~lightning_fpdt.binding.decoder_layers`: the FPDT blocks, or the
-          transformers decoder layers, sized from the model's config), which must all have the same shape:
-          ``hidden_size``, ``num_heads``, ``num_kv_heads`` and ``head_dim``;
-        - ``norm_extras``: 0 for each LayerNorm of a layer, 1 for any other norm (RMSNorm);
-        - the MLP (inside its tiling if tiled): its output projection is its last ``nn.Linear`` back to
-          ``hidden_size``; ``intermediate_size`` is that layer's ``in_features`` and ``mlp_projections`` is
-          the width of its other ``nn.Linear`` s over the intermediate (2 for a gated MLP, fused or not); an MoE
-          MLP's experts likewise, and its ``top_k`` (:mod:`lightning_fpdt.memory.experts`). It is tiled when
-          every layer's MLP is, in ``mlp_tiles`` tiles (:func:`~lightning_fpdt.tiling.configured_tiles`);
-        - ``vocab_size``: the ``out_features`` of the output projection, the widest ``nn.Linear`` outside
-          the layers that reads ``hidden_size``; without one, the ``num_embeddings`` of the first
-          ``nn.Embedding`` of width ``hidden_size`` outside the layers (the token embedding, taken as
-          tied). Embeddings are tied when the output projection's weight is such an embedding's weight;
-        - ``num_params``: every parameter of ``module``, shared ones once (position embeddings, norms
-          and biases included);
-        - ``loss_tiles``: the first ``loss_tiles`` attribute on ``module`` (``CausalLM``'s), a submodule or its
-          ``config`` (tiled unless 1); without one the loss is taken as untiled (the larger estimate).
-
-        Raises:
-            ValueError: when ``module`` cannot be sized (no decoder layer; layers of different shapes; an
-                MLP without an ``nn.Linear`` back to ``hidden_size``; no output projection and no token
-                embedding), naming what is missing.
-        """
-        name = type(module).__name__
-        layers = decoder_layers(module)
-        if not layers:
-            raise ValueError(
-                f"{name} has no FPDTBlock and no Hugging Face decoder layer (HFCausalLM), so its memory cannot be"
-                f" estimated (the memory model reads the layer shapes from them): build its layers from FPDTBlock,"
-                f" or {_EXPLICIT}."
-            )
-        read = [_read_layer(layer) for layer in layers]
-        shapes = sorted({dims for dims, _ in read})
-        if len(shapes) > 1:
-            raise ValueError(
-                f"{name}: its decoder layers differ in shape (hidden, heads, kv heads, head_dim, intermediate, MLP"
-                f" projections, parameters, norm extras): {shapes}; the memory model assumes one shape per layer:"
-                f" {_EXPLICIT}."
-            )
-        hidden, heads, kv_heads, head_dim, inter, projections, block_params, norm_extras, top_k = shapes[0]
-        in_layers = {id(m) for layer in layers for m in layer.module.modules()}
-        outside = [m for m in module.modules() if id(m) not in in_layers]
-        heads_out = [m for m in outside if isinstance(m, nn.Linear) and m.in_features == hidden]
-        embeddings = [m for m in outside if isinstance(m, nn.Embedding) and m.embedding_dim == hidden]
-        if heads_out:
-            head = max(heads_out, key=lambda m: m.out_features)
-            vocab, tied = head.out_features, any(e.weight is head.weight for e in embeddings)
-        elif embeddings:
-            vocab, tied = embeddings[0].num_embeddings, True
-        else:
-            raise ValueError(
-                f"{name} has neither an output projection (an nn.Linear from hidden_size={hidden} outside the"
-                f" decoder layers) nor a token embedding (an nn.Embedding of width {hidden}), so its vocabulary"
-                f" size, and with it the loss's memory, cannot be read: {_EXPLICIT}."
-            )
-        num_params = sum(p.numel() for p in module.parameters())  # parameters() yields a shared one once
-        mlp_tiles = {configured_tiles(layer.module) for layer in layers}
-        if len(mlp_tiles) > 1:
-            raise ValueError(f"{name}: its decoder layers' MLPs run in different tile counts ({mlp_tiles}); the"
-                             f" memory model assumes one: {_EXPLICIT}.")
-        mlp_count, loss_count = mlp_tiles.pop(), _loss_tiles(module)
-        shape = cls(hidden, len(layers), heads, kv_heads, inter, vocab, num_params, tied, head_dim, projections,
-                    block_params, norm_extras, all(layer.chunked_projections for layer in layers),
-                    mlp_tiles=None if mlp_count == 1 else mlp_count, loss_tiles=None if loss_count == 1 else loss_count,
-                    experts_per_token=top_k)
-        return shape, {"mlp_tiled": all(tiled for _, tiled in read), "loss_tiled": loss_count != 1}
-
-
-def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], bool]:
-    """``((hidden, heads, kv_heads, head_dim, intermediate, mlp_projections, parameters, norm_extras,
-    experts_per_token), mlp_tiled)``; an MoE MLP is read by :func:`~lightning_fpdt.memory.experts.read_experts`."""
-    hidden, mlp = layer.hidden_size, layer.mlp
-    if mlp is None:
-        raise ValueError(f"{layer.name} has no 'mlp' module, so its intermediate size cannot be read: {_EXPLICIT}.")
-    linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)]
-    back = [m for m in linears if m.out_features == hidden]
-    experts = None if back else read_experts(mlp, hidden)
-    if not back and experts is None:
-        raise ValueError(
-            f"{layer.name}: its MLP ({type(mlp).__name__}) has no nn.Linear back to hidden_size={hidden}, so its"
-            f" intermediate size cannot be read: {_EXPLICIT}."
-        )
-    if experts is None:
-        down = back[-1]  # the output projection; the intermediate is its input
-        # gate and up (SwiGLU: 2), a fused gate_up (Phi-3: 2), fc (GeLU: 1): their width over the intermediate's
-        widths = sum(m.out_features for m in linears if m is not down and m.out_features % down.in_features == 0)
-        experts = (down.in_features, max(1, widths // down.in_features), 1)
-    inter, projections, top_k = experts
-    params = sum(p.numel() for p in layer.module.parameters())
-    # LayerNorm's kernel keeps only its input (and per-token statistics); RMSNorm, torch's included, also
-    # keeps the normalized values
-    norm_extras = sum(not isinstance(norm, nn.LayerNorm) for norm in layer.norms)
-    dims = (hidden, layer.n_heads, layer.n_kv_heads, layer.head_dim, inter, projections, params, norm_extras, top_k)
-    return dims, layer.mlp_tiled
-
-
-def _loss_tiles(module: nn.Module) -> int | None:
-    """The first ``loss_tiles`` found (see :meth:`ModelShape.from_module`); ``1`` (untiled) without one."""
-    for sub in module.modules():
-        for owner in (sub, getattr(sub, "config", None)):
-            if owner is not None and hasattr(owner, "loss_tiles"):
-                return owner.loss_tiles
-    return 1
 
 
 def format_bytes(n: float) -> str:
@@ -220,7 +53,9 @@ def format_bytes(n: float) -> str:
 
 @dataclass
 class MemoryEstimate:
-    """Bytes per rank. ``device_peak`` is the estimated peak of live tensors on the compute device."""
+    """Bytes per rank. ``device_peak`` is the estimated peak of live tensors on the compute device;
+    ``gathered`` the parameters FSDP2 holds all-gathered (the root's and two blocks', with ``shard_parameters``;
+    printed only then)."""
 
     parameters: int
     gradients: int
@@ -231,12 +66,15 @@ class MemoryEstimate:
     host: int
     device_peak: int
     notes: list[str] = field(default_factory=list)
+    gathered: int = 0
 
     def table(self) -> str:
         rows = [("parameters", self.parameters), ("gradients", self.gradients), ("optimizer state", self.optimizer),
                 ("saved activations", self.saved_activations), ("attention chunk buffers", self.chunk_buffers),
                 ("peak transient", self.peak_transient), ("device peak", self.device_peak),
                 ("host (pinned)", self.host)]
+        if self.gathered:
+            rows.insert(3, ("gathered (FSDP)", self.gathered))
         width = max(len(r[0]) for r in rows)
         lines = [f"{name:<{width}}  {format_bytes(value):>11}" for name, value in rows]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
@@ -272,14 +110,23 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     buckets = 0 if options.shard_parameters or options.gradient_as_bucket_view else grads  # DDP's, between steps
     opt = OPTIMIZER_STATES[options.optimizer] * shape.num_params * max(pe, 4) // shards  # float32 or wider
     notes: list[str] = []
-    gathered = 0
+    layer = shape.block_params
+    if layer is None:
+        layer = (shape.num_params - shape.vocab_size * h * (1 if shape.tied_embeddings else 2)) // max(
+            1, shape.num_layers)
+    mixed = options.precision in ("bf16-mixed", "16-mixed")
+    gathered = unsharded_grads = 0
+    # the output projection's gradient is made in the loss's backward and lives through every block's
+    out_proj_grad = shape.vocab_size * h * pe
     if options.shard_parameters:
-        layer = shape.block_params
-        if layer is None:
-            layer = (shape.num_params - shape.vocab_size * h * (1 if shape.tied_embeddings else 2)) // max(
-                1, shape.num_layers)
         root = shape.num_params - layer * shape.num_layers
-        gathered = (root + 2 * layer) * (2 if options.precision in ("bf16-mixed", "16-mixed") else pe)
+        compute = 2 if mixed else pe  # FSDP2 gathers (and makes gradients) in the compute dtype
+        gathered = (root + 2 * layer) * compute
+        # FSDP2 reduce-scatters the root's gradients (the output projection's) at the end of backward: unsharded
+        # until then; a block's are unsharded while its backward runs, and its reduce-scatter input (in float32
+        # under mixed precision) is held until the next block's reduce-scatter is issued
+        out_proj_grad = shape.vocab_size * h * compute
+        unsharded_grads = layer * (compute + (4 if mixed else pe))
         if options.offload_optimizer:  # sharded parameters, gradients and optimizer state live on the host
             notes.append(f"offload_optimizer: {format_bytes(params + grads + opt)} of sharded state in host memory")
 
@@ -301,11 +148,15 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     if options.loss_tiled:  # a tile's logits and their softmax; the output-embedding gradient and d(hidden)
         loss_transient += shape.vocab_size * h * max(pe, 4) + t * h * e
 
-    # a tiled MLP recomputes one tile of tokens at a time in backward: its intermediates and their gradients
+    # the MLP's backward: a tiled MLP recomputes one tile of tokens at a time, its intermediates and their
+    # gradients; an untiled one keeps its intermediates (saved above) and makes their gradients for every token
     s_local = s_pad // p
     tile_tokens = batch_size * largest_tile(s_local, shape.mlp_tiles, mlp_tile_tokens(h))
-    mlp_tile_work = (shape.mlp_intermediates + 2 * shape.intermediate_size * shape.experts_per_token) * tile_tokens * e
-    mlp_tile_work = mlp_tile_work if options.mlp_tiled else 0
+    intermediate_grads = 2 * shape.intermediate_size * shape.experts_per_token * e
+    if options.mlp_tiled:
+        mlp_work = (shape.mlp_intermediates * e + intermediate_grads) * tile_tokens
+    else:
+        mlp_work = intermediate_grads * t
 
     # attention working set: the current and the prefetched chunk (one chunk: the whole local q/k/v
     # and their head-sharded copies)
@@ -318,18 +169,25 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # gradients exist while a layer's attention runs (forward, and its recomputation's backward)
     qkv_local = 0 if shape.chunked_projections else 2 * t * (qd + 2 * shape.num_kv_heads * hd) * e
 
+    # one block's backward: the incoming gradient and the larger of the attention chunk buffers (with the whole
+    # local q/k/v of a Hugging Face layer) and the MLP's backward
+    block_backward = t * h * e + max(chunk_buffers + qkv_local, mlp_work)
     if options.activation_checkpointing:
-        saved = shape.num_layers * (0 if options.offload_checkpoints else checkpoint) + final
-        # one block recomputed and its backward: the block's saved activations, the incoming gradient,
-        # and the larger of the attention chunk buffers and one MLP tile's forward and backward. The
-        # loss's saved logits are freed before the first block is recomputed: they count in the loss only.
-        recompute = layer_device + t * h * e + max(chunk_buffers + qkv_local, mlp_tile_work)
+        stored = 0 if options.offload_checkpoints else checkpoint  # one block's input on the device
+        saved = shape.num_layers * stored + final
+        # one block recomputed and its backward: its saved activations besides the above. The loss's saved
+        # logits are freed before the first block is recomputed (the final norm's activations are counted on:
+        # measured on CPU, one of them outlives the first recomputation)
+        recompute = layer_device + block_backward
         transient = max(loss_saved + loss_transient, recompute)
+        loss_phase = saved + loss_saved + loss_transient
     else:
+        stored = layer_device  # every block's activations, until its backward
         saved = shape.num_layers * layer_device + final + loss_saved
-        # the peak is at the start of backward, in the loss; with offload, the chunks of the layer being
-        # computed stay on the device
+        recompute = block_backward
+        # with offload, the chunks of the layer being computed stay on the device
         transient = max(loss_transient, chunk_buffers) if options.offload else loss_transient
+        loss_phase = saved + transient
     host = 0
     if options.shard_parameters and options.offload_optimizer:
         host += params + grads + opt
@@ -338,12 +196,21 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
         host += pipeline_saved * (1 if options.activation_checkpointing else shape.num_layers)
     if options.activation_checkpointing and options.offload_checkpoints:
         host += shape.num_layers * checkpoint
+    # the blocks' backward, from the last block to the first: the gradients made so far grow by one block's
+    # as the stored activations shrink by one block's, so the peak is at one end: the last block (the
+    # output projection's gradient, every block's activations) or the first (every block's gradients too, one
+    # block's activations). The input embedding's gradient comes after the first block's backward (under FSDP2
+    # the root's sharded gradients too: it reduce-scatters the root's at the very end).
+    layer_grads = 0 if grads == 0 else shape.num_layers * layer * pe // shards
+    backward_phase = unsharded_grads + final + recompute + out_proj_grad + max(
+        shape.num_layers * stored, layer_grads + stored)
     # gradients are created during backward; AdamW's update adds about half a parameter set
     device_peak = gathered + buckets + max(params + grads + opt + shape.num_params * pe // 2 // shards,
-                                           params + opt + saved + transient)
+                                           params + opt + max(loss_phase, backward_phase))
     if p > 1 and shape.num_heads % p:
         notes.append(f"num_heads={shape.num_heads} is not divisible by sp={p}: the run will be refused")
-    return MemoryEstimate(params, grads + buckets, opt, saved, chunk_buffers, transient, host, device_peak, notes)
+    return MemoryEstimate(params, grads + buckets, opt, saved, chunk_buffers, transient, host, device_peak, notes,
+                          gathered)
 
 
 def auto_chunk_size(

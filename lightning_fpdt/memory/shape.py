@@ -1,0 +1,184 @@
+"""The shape of a model as the memory model needs it, read from the module itself.
+
+:meth:`ModelShape.from_module` reads a model built from :class:`~lightning_fpdt.block.FPDTBlock` s or wrapping a
+Hugging Face decoder (:class:`~lightning_fpdt.models.HFCausalLM`): its decoder layers (through
+:func:`lightning_fpdt.binding.decoder_layers`), its output projection or token embedding, its parameters and
+whether its MLP and loss are tiled. No model class is imported: the rules are structural.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_fpdt.binding import DecoderLayer, decoder_layers
+from lightning_fpdt.memory.experts import read_experts
+from lightning_fpdt.tiling import configured_tiles
+
+_EXPLICIT = "set an explicit chunk_size instead of 'auto' (`python -m lightning_fpdt.memory` helps choose one)"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs to know about a decoder; :meth:`from_module` reads it from a model.
+
+    Attributes:
+        hidden_size: width of the residual stream (the blocks' input and output).
+        num_layers: FPDT blocks.
+        num_heads: query heads of each block's attention.
+        num_kv_heads: key/value heads of each block's attention.
+        intermediate_size: the MLP's inner width.
+        vocab_size: logits per token (the output projection's width).
+        num_params: parameters of the whole model, each shared (tied) parameter once.
+        tied_embeddings: the output projection shares the token embedding's weight.
+        head_dim: per-head width of q, k and v; ``None`` means ``hidden_size // num_heads``.
+        mlp_projections: linear layers producing the intermediate: 2 gated (SwiGLU's gate and up), 1 plain (GELU).
+        block_params: parameters of one block (FSDP2 gathers it; every expert); ``None``: from ``num_params``.
+        norm_extras: hidden-wide tensors a block's norms keep besides their input (LayerNorm 0, RMSNorm 1 each).
+        chunked_projections: q/k/v are projected chunk by chunk inside the attention pipeline (``FPDTBlock``);
+            ``False`` (Hugging Face layers): the whole local q/k/v exist while a layer runs.
+        mlp_tiles: the MLP's ``num_tiles`` when it is tiled, sized by the rule of :mod:`lightning_fpdt.tiling`;
+            ``None``: automatic (also for an untiled MLP: what an estimate with ``mlp_tiled`` assumes).
+        loss_tiles: the loss's ``num_tiles`` when it is tiled, likewise.
+        experts_per_token: an MoE layer's ``top_k`` (1: dense): MLP activations count once per routed expert.
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    num_params: int
+    tied_embeddings: bool = False
+    head_dim: int | None = None
+    mlp_projections: int = 2
+    block_params: int | None = None
+    norm_extras: int = 2
+    chunked_projections: bool = True
+    mlp_tiles: int | None = None
+    loss_tiles: int | None = None
+    experts_per_token: int = 1
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+
+    @property
+    def mlp_intermediates(self) -> int:
+        """Values an untiled MLP keeps per token for backward: two intermediate-wide tensors per projection
+        (SwiGLU: gate, up, silu(gate) and the product; GELU: fc's output and the activation's)."""
+        return 2 * self.mlp_projections * self.intermediate_size * self.experts_per_token
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> tuple[ModelShape, dict[str, bool]]:
+        """The shape of a model built from :class:`~lightning_fpdt.block.FPDTBlock` s or wrapping a Hugging
+        Face decoder (:class:`~lightning_fpdt.models.HFCausalLM`), and whether its MLP and loss are tiled
+        (``{"mlp_tiled": ..., "loss_tiled": ...}``, fields of :class:`EstimateOptions`).
+
+        What is read, and from where (``module`` may be the ``LightningModule`` or the model inside it):
+
+        - the decoder layers (:func:`~lightning_fpdt.binding.decoder_layers`: the FPDT blocks, or the
+          transformers decoder layers, sized from the model's config), which must all have the same shape:
+          ``hidden_size``, ``num_heads``, ``num_kv_heads`` and ``head_dim``;
+        - ``norm_extras``: 0 for each LayerNorm of a layer, 1 for any other norm (RMSNorm);
+        - the MLP (inside its tiling if tiled): its output projection is its last ``nn.Linear`` back to
+          ``hidden_size``; ``intermediate_size`` is that layer's ``in_features`` and ``mlp_projections`` is
+          the width of its other ``nn.Linear`` s over the intermediate (2 for a gated MLP, fused or not); an MoE
+          MLP's experts likewise, and its ``top_k`` (:mod:`lightning_fpdt.memory.experts`). It is tiled when
+          every layer's MLP is, in ``mlp_tiles`` tiles (:func:`~lightning_fpdt.tiling.configured_tiles`);
+        - ``vocab_size``: the ``out_features`` of the output projection, the widest ``nn.Linear`` outside
+          the layers that reads ``hidden_size``; without one, the ``num_embeddings`` of the first
+          ``nn.Embedding`` of width ``hidden_size`` outside the layers (the token embedding, taken as
+          tied). Embeddings are tied when the output projection's weight is such an embedding's weight;
+        - ``num_params``: every parameter of ``module``, shared ones once (position embeddings, norms
+          and biases included);
+        - ``loss_tiles``: the first ``loss_tiles`` attribute on ``module`` (``CausalLM``'s), a submodule or its
+          ``config`` (tiled unless 1); without one the loss is taken as untiled (the larger estimate).
+
+        Raises:
+            ValueError: when ``module`` cannot be sized (no decoder layer; layers of different shapes; an
+                MLP without an ``nn.Linear`` back to ``hidden_size``; no output projection and no token
+                embedding), naming what is missing.
+        """
+        name = type(module).__name__
+        layers = decoder_layers(module)
+        if not layers:
+            raise ValueError(
+                f"{name} has no FPDTBlock and no Hugging Face decoder layer (HFCausalLM), so its memory cannot be"
+                f" estimated (the memory model reads the layer shapes from them): build its layers from FPDTBlock,"
+                f" or {_EXPLICIT}."
+            )
+        read = [_read_layer(layer) for layer in layers]
+        shapes = sorted({dims for dims, _ in read})
+        if len(shapes) > 1:
+            raise ValueError(
+                f"{name}: its decoder layers differ in shape (hidden, heads, kv heads, head_dim, intermediate, MLP"
+                f" projections, parameters, norm extras): {shapes}; the memory model assumes one shape per layer:"
+                f" {_EXPLICIT}."
+            )
+        hidden, heads, kv_heads, head_dim, inter, projections, block_params, norm_extras, top_k = shapes[0]
+        in_layers = {id(m) for layer in layers for m in layer.module.modules()}
+        outside = [m for m in module.modules() if id(m) not in in_layers]
+        heads_out = [m for m in outside if isinstance(m, nn.Linear) and m.in_features == hidden]
+        embeddings = [m for m in outside if isinstance(m, nn.Embedding) and m.embedding_dim == hidden]
+        if heads_out:
+            head = max(heads_out, key=lambda m: m.out_features)
+            vocab, tied = head.out_features, any(e.weight is head.weight for e in embeddings)
+        elif embeddings:
+            vocab, tied = embeddings[0].num_embeddings, True
+        else:
+            raise ValueError(
+                f"{name} has neither an output projection (an nn.Linear from hidden_size={hidden} outside the"
+                f" decoder layers) nor a token embedding (an nn.Embedding of width {hidden}), so its vocabulary"
+                f" size, and with it the loss's memory, cannot be read: {_EXPLICIT}."
+            )
+        num_params = sum(p.numel() for p in module.parameters())  # parameters() yields a shared one once
+        mlp_tiles = {configured_tiles(layer.module) for layer in layers}
+        if len(mlp_tiles) > 1:
+            raise ValueError(f"{name}: its decoder layers' MLPs run in different tile counts ({mlp_tiles}); the"
+                             f" memory model assumes one: {_EXPLICIT}.")
+        mlp_count, loss_count = mlp_tiles.pop(), _loss_tiles(module)
+        shape = cls(hidden, len(layers), heads, kv_heads, inter, vocab, num_params, tied, head_dim, projections,
+                    block_params, norm_extras, all(layer.chunked_projections for layer in layers),
+                    mlp_tiles=None if mlp_count == 1 else mlp_count, loss_tiles=None if loss_count == 1 else loss_count,
+                    experts_per_token=top_k)
+        return shape, {"mlp_tiled": all(tiled for _, tiled in read), "loss_tiled": loss_count != 1}
+
+
+def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], bool]:
+    """``((hidden, heads, kv_heads, head_dim, intermediate, mlp_projections, parameters, norm_extras,
+    experts_per_token), mlp_tiled)``; an MoE MLP is read by :func:`~lightning_fpdt.memory.experts.read_experts`."""
+    hidden, mlp = layer.hidden_size, layer.mlp
+    if mlp is None:
+        raise ValueError(f"{layer.name} has no 'mlp' module, so its intermediate size cannot be read: {_EXPLICIT}.")
+    linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)]
+    back = [m for m in linears if m.out_features == hidden]
+    experts = None if back else read_experts(mlp, hidden)
+    if not back and experts is None:
+        raise ValueError(
+            f"{layer.name}: its MLP ({type(mlp).__name__}) has no nn.Linear back to hidden_size={hidden}, so its"
+            f" intermediate size cannot be read: {_EXPLICIT}."
+        )
+    if experts is None:
+        down = back[-1]  # the output projection; the intermediate is its input
+        # gate and up (SwiGLU: 2), a fused gate_up (Phi-3: 2), fc (GeLU: 1): their width over the intermediate's
+        widths = sum(m.out_features for m in linears if m is not down and m.out_features % down.in_features == 0)
+        experts = (down.in_features, max(1, widths // down.in_features), 1)
+    inter, projections, top_k = experts
+    params = sum(p.numel() for p in layer.module.parameters())
+    # LayerNorm's kernel keeps only its input (and per-token statistics); RMSNorm, torch's included, also
+    # keeps the normalized values
+    norm_extras = sum(not isinstance(norm, nn.LayerNorm) for norm in layer.norms)
+    dims = (hidden, layer.n_heads, layer.n_kv_heads, layer.head_dim, inter, projections, params, norm_extras, top_k)
+    return dims, layer.mlp_tiled
+
+
+def _loss_tiles(module: nn.Module) -> int | None:
+    """The first ``loss_tiles`` found (see :meth:`ModelShape.from_module`); ``1`` (untiled) without one."""
+    for sub in module.modules():
+        for owner in (sub, getattr(sub, "config", None)):
+            if owner is not None and hasattr(owner, "loss_tiles"):
+                return owner.loss_tiles
+    return 1
