@@ -65,7 +65,9 @@ class ExportPlan(NamedTuple):
 
 
 def plan_for(module: pl.LightningModule, tokenizer_dir: str | None = None) -> ExportPlan:
-    """The export plan of a (real, sharded or meta-device) ``HFCausalLM``, ``LlamaLM`` or ``GPTLM``.
+    """The export plan of a (real, sharded or meta-device) ``HFCausalLM``, ``LlamaLM`` or ``GPTLM``; the tokenizer
+    files come from ``tokenizer_dir``, else from the directory the model was read from (``HFCausalLM``'s path,
+    ``LlamaLM``/``GPTLM``'s ``hf_checkpoint``).
 
     Raises:
         TypeError: another LightningModule.
@@ -83,7 +85,8 @@ def plan_for(module: pl.LightningModule, tokenizer_dir: str | None = None) -> Ex
     for row in table:
         parts.setdefault(row.name, []).append(Part(names[id(row.ours)], row if row.transposed or row.rows else None))
     shapes = {name: p.shape for name, p in hf.named_parameters() if name in parts}
-    return ExportPlan(hf.config, parts, shapes, tokenizer_dir)
+    # a model read from a checkpoint directory (hf_checkpoint) keeps its tokenizer there
+    return ExportPlan(hf.config, parts, shapes, tokenizer_dir or _source_dir(module.hparams.get("hf_checkpoint")))
 
 
 def hf_plan(model: PreTrainedModel, prefix: str, tokenizer_dir: str | None) -> ExportPlan:
@@ -153,8 +156,8 @@ def export(ckpt: str | Path, out: str | Path, config: str | Path | None = None, 
         ckpt: the checkpoint (an interrupted swap's ``<ckpt>.old`` is taken, as when resuming).
         config: the fit's LightningCLI YAML (its ``model`` section); ``None``: the checkpoint's hyper-parameters.
         dtype: the export dtype (``None``: the trained one).
-        tokenizer: the directory to copy tokenizer files from (``None``: the model's source directory, or the
-            YAML's ``data.init_args.tokenizer``).
+        tokenizer: the directory to copy tokenizer files from (``None``: the model's source directory, ``HFCausalLM``'s
+            path or ``hf_checkpoint``, or the YAML's ``data.init_args.tokenizer``).
 
     Returns:
         ``out``.
@@ -219,7 +222,8 @@ class HFExport(pl.Callback):
         every_n_steps: also export every this many steps (``None``: only at the end).
         dtype: the export dtype (a torch dtype or its name; ``None``: the trained one).
         max_shard_size: bytes per safetensors file.
-        tokenizer: where to copy tokenizer files from (``None``: ``HFCausalLM``'s source directory).
+        tokenizer: where to copy tokenizer files from (``None``: the model's source directory, ``HFCausalLM``'s path
+            or ``hf_checkpoint``).
     """
 
     def __init__(self, dirpath: str, every_n_steps: int | None = None, dtype: str | torch.dtype | None = None,

@@ -239,7 +239,7 @@ def _run_as_script(target: Callable[[], Any], out_path: Path, err_path: Path) ->
     for logger in [logging.getLogger(), *map(logging.getLogger, list(logging.root.manager.loggerDict))]:
         for handler in logger.handlers:
             if type(handler) is logging.StreamHandler:
-                handler.setStream(err)
+                handler.stream = err  # not setStream: it flushes the old stream, which may be closed (pytest's capture)
     warnings.showwarning = _print_warning  # pytest records warnings; a script prints them
     code = 1
     try:

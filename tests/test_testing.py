@@ -120,6 +120,19 @@ def test_run_in_fork_reports_as_a_script_run() -> None:
     assert proc.stderr.endswith("the script's last words\n"), proc.stderr
 
 
+def test_run_in_fork_survives_a_handler_on_a_closed_stream(tmp_path: Path) -> None:
+    """A logging handler left on a stream that is closed by now (an earlier test's capture) is redirected, not
+    flushed: flushing it raised before the script ran, an exit status 1 with nothing in its output."""
+    closed = open(tmp_path / "gone", "w")
+    closed.close()
+    logging.getLogger("lightning_fpdt").addHandler(handler := logging.StreamHandler(closed))
+    try:
+        proc = run_in_fork(lambda: _script(""), ["script.py"], timeout=60)
+    finally:
+        logging.getLogger("lightning_fpdt").removeHandler(handler)
+    assert proc.returncode == 1 and "a logged warning" in proc.stderr, proc.stderr
+
+
 def test_run_in_fork_timeout_kills_the_session(tmp_path: Path) -> None:
     pid_file = tmp_path / "child"
     with pytest.raises(subprocess.TimeoutExpired) as info:

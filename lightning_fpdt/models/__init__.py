@@ -2,7 +2,8 @@
 
 Layers, each importing only those below it: ``init`` (shared weight initialisation) and ``lm`` (``CausalLM``
 and the :class:`DecoderModel` contract); ``llama`` and ``gpt``; ``convert`` (weights from and to
-``transformers``); ``hf_attention``, ``hf_layers`` and ``hf_causal_lm`` (``HFCausalLM``, needs transformers).
+``transformers``); ``hf_checkpoint`` (``LlamaLM``/``GPTLM(hf_checkpoint=...)``, imported by them when used: needs
+transformers); ``hf_attention``, ``hf_layers`` and ``hf_causal_lm`` (``HFCausalLM``, needs transformers).
 """
 
 from typing import Any

@@ -5,7 +5,10 @@ This module sits above the model files: it imports :mod:`~lightning_fpdt.models.
 :class:`Weight` rows (our parameter, its ``transformers`` name, how the two tensors are laid out), read in
 both directions, so an import and an export cannot disagree.
 
-Public entry points: :func:`llama_from_hf`, :func:`gpt_from_hf` and :func:`to_hf`.
+Public entry points: :func:`llama_from_hf`, :func:`gpt_from_hf` and :func:`to_hf`; the config mappings
+:func:`llama_config_from_hf` and :func:`gpt_config_from_hf` are shared with ``LlamaLM(hf_checkpoint=...)`` and
+``GPTLM(hf_checkpoint=...)`` (:mod:`~lightning_fpdt.models.hf_checkpoint`), which read the same tables from a
+checkpoint directory, row range by row range.
 """
 
 from __future__ import annotations
@@ -86,16 +89,77 @@ def gpt2_weights(ours: GPT) -> list[Weight]:
     return table
 
 
+def llama_config_from_hf(config: Any, **overrides: Any) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a ``transformers`` ``LlamaConfig`` (what :func:`llama_from_hf` and
+    ``LlamaLM(hf_checkpoint=...)`` build).
+
+    RMSNorm computes in float32, and the RoPE schedule (``rope_theta``, the scaling in ``rope_parameters``:
+    linear, Llama 3 or YaRN) and ``max_position_embeddings`` are carried, so the frequencies equal
+    transformers' bit for bit (:func:`lightning_fpdt.rope.rope_frequencies`).
+
+    Args:
+        config: a ``transformers`` ``LlamaConfig``.
+        **overrides: :class:`LlamaConfig` fields to set instead of the mapped ones (``mlp_tiles``, ...).
+
+    Raises:
+        NotImplementedError: a ``head_dim`` other than ``hidden_size / heads``, or a RoPE type other than
+            default, linear, llama3 and yarn (:meth:`~lightning_fpdt.rope.RopeScaling.from_hf`).
+    """
+    c = config
+    mapped = dict(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, rope_theta=_rope_theta(c), rope_scaling=_rope_scaling(c),
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(c, "attention_bias", False)), mlp_bias=bool(getattr(c, "mlp_bias", False)),
+        norm_compute_dtype="float32",  # transformers' LlamaRMSNorm always computes in float32
+    )
+    ours = LlamaConfig(**{**mapped, **overrides})
+    if getattr(c, "head_dim", ours.head_dim) != ours.head_dim:
+        raise NotImplementedError(f"llama_from_hf: head_dim={c.head_dim} != hidden_size / heads is not supported.")
+    return ours
+
+
+def gpt_config_from_hf(config: Any, **overrides: Any) -> GPTConfig:
+    """The :class:`GPTConfig` of a ``transformers`` ``GPT2Config`` (what :func:`gpt_from_hf` and
+    ``GPTLM(hf_checkpoint=...)`` build).
+
+    Args:
+        config: a ``transformers`` ``GPT2Config``.
+        **overrides: :class:`GPTConfig` fields to set instead of the mapped ones (``mlp_tiles``, ...).
+
+    Raises:
+        NotImplementedError: an activation other than tanh-GELU, or per-layer attention scaling.
+    """
+    c = config
+    if getattr(c, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise NotImplementedError(f"gpt_from_hf: activation_function={c.activation_function!r} is not supported.")
+    if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False):
+        raise NotImplementedError(
+            "gpt_from_hf: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported."
+        )
+    mapped = dict(
+        vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
+        n_inner=c.n_inner, layer_norm_epsilon=c.layer_norm_epsilon,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+    )
+    return GPTConfig(**{**mapped, **overrides})
+
+
 def llama_from_hf(model: Any, **overrides: Any) -> Llama:
-    """A :class:`Llama` with the weights of a ``transformers`` ``LlamaForCausalLM``.
+    """A :class:`Llama` with the weights of a ``transformers`` ``LlamaForCausalLM``, in its dtype (the config:
+    :func:`llama_config_from_hf`).
 
     RMSNorm computes in float32, and the RoPE schedule (``rope_theta``, the scaling in ``rope_parameters``:
     linear, Llama 3 or YaRN) and ``max_position_embeddings`` are carried into :class:`LlamaConfig`, whose
-    frequencies equal transformers' bit for bit (:func:`lightning_fpdt.rope.rope_frequencies`).
+    frequencies equal transformers' bit for bit (:func:`lightning_fpdt.rope.rope_frequencies`). To read a
+    checkpoint directory where its weights are needed (each rank only its shards), use
+    ``LlamaLM(hf_checkpoint=...)`` instead: this loads the whole transformers model first.
 
     Args:
         model: a ``LlamaForCausalLM``, or the path of a local checkpoint directory (no downloads).
-        **overrides: :class:`LlamaConfig` fields with no ``transformers`` counterpart (``mlp_tiles``, ...).
+        **overrides: :class:`LlamaConfig` fields to set instead of the mapped ones (``mlp_tiles``, ...).
 
     Raises:
         FileNotFoundError: no directory at the path.
@@ -104,30 +168,19 @@ def llama_from_hf(model: Any, **overrides: Any) -> Llama:
             default, linear, llama3 and yarn (:meth:`~lightning_fpdt.rope.RopeScaling.from_hf`).
     """
     hf = _resolve(model, "LlamaForCausalLM")
-    c = hf.config
-    config = LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, rope_theta=_rope_theta(c), rope_scaling=_rope_scaling(c),
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-        attention_bias=bool(getattr(c, "attention_bias", False)), mlp_bias=bool(getattr(c, "mlp_bias", False)),
-        norm_compute_dtype="float32",  # transformers' LlamaRMSNorm always computes in float32
-        **overrides,
-    )
-    if getattr(c, "head_dim", config.head_dim) != config.head_dim:
-        raise NotImplementedError(f"llama_from_hf: head_dim={c.head_dim} != hidden_size / heads is not supported.")
-    ours = Llama(config).to(next(hf.parameters()).dtype)
+    ours = Llama(llama_config_from_hf(hf.config, **overrides)).to(next(hf.parameters()).dtype)
     _load(ours, llama_weights(ours), hf)
     return ours
 
 
 def gpt_from_hf(model: Any, **overrides: Any) -> GPT:
-    """A :class:`GPT` with the weights of a ``transformers`` ``GPT2LMHeadModel``.
+    """A :class:`GPT` with the weights of a ``transformers`` ``GPT2LMHeadModel``, in its dtype (the config:
+    :func:`gpt_config_from_hf`). ``GPTLM(hf_checkpoint=...)`` reads a checkpoint directory where its weights
+    are needed instead.
 
     Args:
         model: a ``GPT2LMHeadModel``, or the path of a local checkpoint directory (no downloads).
-        **overrides: :class:`GPTConfig` fields with no ``transformers`` counterpart (``mlp_tiles``, ...).
+        **overrides: :class:`GPTConfig` fields to set instead of the mapped ones (``mlp_tiles``, ...).
 
     Raises:
         FileNotFoundError: no directory at the path.
@@ -135,19 +188,7 @@ def gpt_from_hf(model: Any, **overrides: Any) -> GPT:
         NotImplementedError: an activation other than tanh-GELU, or per-layer attention scaling.
     """
     hf = _resolve(model, "GPT2LMHeadModel")
-    c = hf.config
-    if getattr(c, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise NotImplementedError(f"gpt_from_hf: activation_function={c.activation_function!r} is not supported.")
-    if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False):
-        raise NotImplementedError(
-            "gpt_from_hf: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported."
-        )
-    config = GPTConfig(
-        vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
-        n_inner=c.n_inner, layer_norm_epsilon=c.layer_norm_epsilon,
-        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", True)), **overrides,
-    )
-    ours = GPT(config).to(next(hf.parameters()).dtype)
+    ours = GPT(gpt_config_from_hf(hf.config, **overrides)).to(next(hf.parameters()).dtype)
     _load(ours, gpt2_weights(ours), hf)
     return ours
 

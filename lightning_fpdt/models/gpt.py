@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layout import PackedDocuments, default_position_ids
 from lightning_fpdt.models.init import init_weights
-from lightning_fpdt.models.lm import CausalLM, config_and_options
+from lightning_fpdt.models.lm import CausalLM, config_and_options, with_overrides
 from lightning_fpdt.rope import RotaryEmbedding
 from lightning_fpdt.tiling import TiledMLP
 
@@ -108,6 +109,18 @@ class GPT(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
 
+    def compute_buffers(self) -> None:
+        """Compute the buffers that are not weights (the rotary inverse frequencies, with
+        ``position_embedding="rotary"``) in place, on their device: after ``to_empty`` of a model built on the
+        meta device (``GPTLM(hf_checkpoint=...)``)."""
+        c = self.config
+        with torch.no_grad():
+            for layer in self.layers:
+                rope = layer.attention.rope
+                if rope is not None:
+                    with torch.device("cpu"):  # computed as at construction, then copied to the buffer's device
+                        rope.inv_freq.copy_(RotaryEmbedding(c.n_embd // c.n_head, c.rope_theta).inv_freq)
+
     def hidden_states(
         self, input_ids: Tensor, position_ids: Tensor | None = None, documents: PackedDocuments | None = None
     ) -> Tensor:
@@ -142,16 +155,45 @@ class GPT(nn.Module):
 class GPTLM(CausalLM):
     """Trains a :class:`GPT` (same batches, options and precisions as ``LlamaLM``).
 
+    From a Hugging Face checkpoint directory (``hf_checkpoint``: a ``GPT2LMHeadModel`` saved with safetensors),
+    the config is read from its ``config.json`` (:func:`~lightning_fpdt.models.convert.gpt_config_from_hf`, then
+    ``config_overrides``), the model is built on the meta device and the weights are read where they are needed,
+    whole or each rank only its FSDP2 shards, as ``LlamaLM(hf_checkpoint=...)`` reads them (GPT-2's transposed,
+    fused ``c_attn``: a rank's rows of our q, k or v are a range of the stored tensor's columns, and only those
+    are read).
+
     Args:
-        config: the model; defaults to :meth:`GPTConfig.tiny`.
+        config: the model (a :class:`GPTConfig` or its fields as a dict); defaults to :meth:`GPTConfig.tiny`, or,
+            with ``hf_checkpoint``, the checkpoint's own config (given with it: the config its weights are read
+            into).
+        hf_checkpoint: a local Hugging Face checkpoint directory (``config.json`` and safetensors files) to read
+            the config and the weights from; needs ``transformers``.
+        config_overrides: :class:`GPTConfig` fields to set on the config, e.g. ``{"mlp_tiles": 4}``; fields that
+            change a weight's shape are refused.
         **kwargs: the options of :class:`CausalLM` (``loss_tiles``, optimizer and schedule).
+
+    Raises:
+        FileNotFoundError: ``hf_checkpoint`` is not a directory, or holds no safetensors files.
+        TypeError: ``hf_checkpoint`` holds another model type than ``gpt2``.
+        ValueError: ``config_overrides`` naming no field of :class:`GPTConfig`; a checkpoint that lacks a tensor
+            of the model or holds it in another shape (named).
     """
 
-    def __init__(self, config: GPTConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: GPTConfig | dict[str, Any] | None = None, hf_checkpoint: str | None = None,
+                 config_overrides: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if isinstance(config, dict):  # from a checkpoint's hyper-parameters
             config, kwargs = config_and_options(config, kwargs)
             config = GPTConfig(**config)
         super().__init__(**kwargs)
-        self.config = config or GPTConfig.tiny()
-        self.save_hyperparameters({"config": self.config.to_dict(), **kwargs})
-        self.model = GPT(self.config)
+        if hf_checkpoint is not None:
+            # optional dependency (transformers, safetensors), and an import cycle: hf_checkpoint imports this module
+            from lightning_fpdt.models.hf_checkpoint import from_hf_checkpoint
+
+            self.model, self._pending_weights = from_hf_checkpoint(GPT, hf_checkpoint, config, config_overrides,
+                                                                   owner="GPTLM")
+        else:
+            self.model = GPT(with_overrides(config or GPTConfig.tiny(), config_overrides, "GPTLM"))
+        self.config = self.model.config
+        source = {} if hf_checkpoint is None else {"hf_checkpoint": str(hf_checkpoint)}
+        # the config holds the overrides: a reload builds the same model (and reads no config.json)
+        self.save_hyperparameters({"config": self.config.to_dict(), **source, **kwargs})

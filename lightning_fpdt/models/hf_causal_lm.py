@@ -38,13 +38,10 @@ from lightning_fpdt.models.hf_layers import decoder_layers as hf_decoder_layers
 from lightning_fpdt.models.hf_masks import check_mask_windows
 from lightning_fpdt.models.hf_moe import check_experts, router_loss_for
 from lightning_fpdt.models.hf_weights import (
+    PretrainedWeights,
     SafetensorsCheckpoint,
     build_on_meta,
     checkpoint_dtype,
-    load_shards,
-    load_whole,
-    materialize,
-    tensor_names,
     unmatched,
 )
 from lightning_fpdt.models.lm import CausalLM
@@ -97,7 +94,9 @@ class HFCausalLM(CausalLM):
         super().__init__(loss_tiles=loss_tiles, **kwargs)
         if mlp_tiles is not None and (isinstance(mlp_tiles, bool) or not isinstance(mlp_tiles, int) or mlp_tiles < 1):
             raise ValueError(f"HFCausalLM: mlp_tiles must be a positive int or None (automatic), got {mlp_tiles!r}.")
-        self.model, self._checkpoint = _build(model, from_pretrained_kwargs or {}, config_overrides or {})
+        self.model, checkpoint = _build(model, from_pretrained_kwargs or {}, config_overrides or {})
+        if checkpoint is not None:  # built on the meta device: read where needed (CausalLM.weights_pending)
+            self._pending_weights = PretrainedWeights(self.model, checkpoint)
         layers = check_decoder_layers(self.model)  # first: the probes below run the layers
         # the mask probe runs the model (on the meta device where its forward allows, else once the weights are in)
         self._masks_probed = check_supported(self.model)
@@ -117,73 +116,31 @@ class HFCausalLM(CausalLM):
         self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, "mlp_tiles": mlp_tiles, **overrides,
                                    **kwargs})
 
-    # ---- weights: read where they are needed (lightning_fpdt.models.hf_weights) --------------------------
+    # ---- weights: read where they are needed (CausalLM's plumbing, lightning_fpdt.models.hf_weights) --------
 
-    @property
-    def weights_pending(self) -> bool:
-        """Whether the model is still on the meta device, its checkpoint's weights not yet read (a local
-        safetensors checkpoint: :meth:`load_weights`, :meth:`configure_model`, :meth:`load_sharded_weights`)."""
-        return self._checkpoint is not None
-
-    def load_weights(self, device: torch.device | str = "cpu") -> None:
-        """Read the checkpoint's weights into the meta-device model: one copy on ``device``, in the dtypes the
-        model was built in (nothing happens when no weights are pending). The first forward does this on the
-        input's device when nothing did before.
+    def _weights_loaded(self) -> None:
+        """Probe the masks of a model whose forward could not be probed on the meta device at construction, now
+        that its weights are in; when sharded, through the root's FSDP hooks (every layer's weights gathered
+        once, in turn, then every module sharded again).
 
         Raises:
-            NotImplementedError: the mask probe's refusal (:func:`~lightning_fpdt.models.hf_attention.check_supported`),
-                for a model whose forward could not be probed on the meta device at construction.
+            NotImplementedError: the mask probe's refusal (:func:`~lightning_fpdt.models.hf_attention.check_supported`).
         """
-        if self._checkpoint is None:
-            return
-        load_whole(self.model, self._checkpoint, device)
-        self._checkpoint = None
-        if not self._masks_probed:
-            self._masks_probed = check_mask_windows(self.model, attention_layers(self.model))
-
-    def load_sharded_weights(self, device: torch.device | str) -> None:
-        """Read into each FSDP2 shard the rows of its checkpoint tensor this rank owns, after ``fully_shard``
-        was applied to the meta-device model (``FPDTStrategy(shard_parameters=True)`` calls this in ``setup`` on
-        every rank together). A model whose forward could not be probed on the meta device at construction is
-        probed now, through the root's FSDP hooks: every layer's weights are gathered once, in turn."""
-        if self._checkpoint is None:
-            return
-        load_shards(self, self.model, self._checkpoint, device)
-        self._checkpoint = None
         if self._masks_probed:
             return
-        if isinstance(self, FSDPModule):  # through the root's hooks: FSDP2 initialises from its first forward
+        sharded = isinstance(self, FSDPModule)
+        if sharded:  # through the root's hooks: FSDP2 initialises from its first forward
             register_fsdp_forward_method(self, "_check_mask_windows")
         try:
             self._check_mask_windows()
-        finally:  # every module sharded again (FSDP2 keeps the last layer gathered after a forward)
-            for module in self.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+        finally:
+            if sharded:  # every module sharded again (FSDP2 keeps the last layer gathered after a forward)
+                for module in self.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
 
     def _check_mask_windows(self) -> None:
         self._masks_probed = check_mask_windows(self.model, attention_layers(self.model))
-
-    def configure_model(self) -> None:
-        """Read pending weights (Lightning calls this on every rank before the strategy's setup): on the
-        strategy's device, converted to a ``*-true`` precision's dtype first; left to the strategy when it
-        shards the parameters (``shard_parameters``: :meth:`load_sharded_weights`)."""
-        if self._checkpoint is None or getattr(self.trainer.strategy, "shard_parameters", False):
-            return
-        self.trainer.precision_plugin.convert_module(self.model)  # on the meta device: no copy
-        self.load_weights(self.trainer.strategy.root_device)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """As ``nn.Module.load_state_dict``. Pending weights are not read when ``state_dict`` holds every tensor
-        (or ``strict`` makes sure it does): the model is only materialised on the CPU; otherwise they are read
-        first (Lightning's fork/spawn launcher loads the workers' full weights into the parent non-strictly)."""
-        if self._checkpoint is not None:
-            names = [f"model.{name}" for name in tensor_names(self.model)]
-            if strict or all(name in state_dict for name in names):
-                materialize(self.model, "cpu")
-                self._checkpoint = None
-        self.load_weights()
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def check_model(self, model: nn.Module) -> bool:
         """A transformers model, not a :class:`~lightning_fpdt.models.lm.DecoderModel`: its contract is checked

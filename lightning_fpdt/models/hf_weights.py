@@ -15,6 +15,10 @@ on load, e.g. a mixture of experts stored per expert), for which ``HFCausalLM`` 
 ``from_pretrained`` instead. Buffers that are not in the checkpoint (RoPE's ``inv_freq``, Gemma's
 ``embed_scale``) are computed by the model's own ``_init_weights``, as ``from_pretrained`` computes them.
 
+``HFCausalLM`` hands :class:`PretrainedWeights` to :class:`~lightning_fpdt.models.lm.CausalLM`, which calls it
+where the weights are needed; the bundled models read the same files through their weight-name tables
+(:mod:`~lightning_fpdt.models.hf_checkpoint`, with :class:`SafetensorsCheckpoint` and :func:`owned_rows`).
+
 Each read opens its file, reads one tensor or one slice, and closes it: the memory map of a file is never
 held beyond one read, so the pages read do not accumulate in the process's resident memory.
 """
@@ -70,12 +74,22 @@ class SafetensorsCheckpoint:
                     shapes[key] = tuple(f.get_slice(key).get_shape())
         return shapes
 
-    def read(self, key: str, rows: tuple[int, int] | None = None) -> Tensor:
-        """Tensor ``key`` in its stored dtype on the CPU: whole, or rows ``start:end`` of dim 0 only."""
+    def read(self, key: str, rows: tuple[int, int] | None = None, columns: tuple[int, int] | None = None) -> Tensor:
+        """Tensor ``key`` in its stored dtype on the CPU: whole, rows ``start:end`` of dim 0 only, or columns
+        ``start:end`` of dim 1 only (a transposed ``[in, out]`` weight's output rows: GPT-2's ``Conv1D``). A slice
+        is a view of the memory-mapped file: only the pages that hold it are read, when it is copied.
+
+        Raises:
+            ValueError: both ``rows`` and ``columns``.
+        """
+        if rows is not None and columns is not None:
+            raise ValueError(f"SafetensorsCheckpoint.read({key!r}): give rows or columns, not both.")
         with safe_open(str(self.directory / self.files[key]), framework="pt") as f:
-            if rows is None:
-                return f.get_tensor(key)
-            return f.get_slice(key)[rows[0]:rows[1]]
+            if rows is not None:
+                return f.get_slice(key)[rows[0]:rows[1]]
+            if columns is not None:
+                return f.get_slice(key)[:, columns[0]:columns[1]]
+            return f.get_tensor(key)
 
 
 def build_on_meta(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
@@ -176,7 +190,28 @@ def load_shards(module: nn.Module, model: PreTrainedModel, checkpoint: Safetenso
                 local.copy_(checkpoint.read(key, rows))
 
 
-def owned_rows(tensor: Tensor, name: str) -> tuple[int, int] | None:
+@dataclass(frozen=True, eq=False)
+class PretrainedWeights:
+    """The weights a meta-device transformers ``model`` still has to read from ``checkpoint``, matched by name
+    (``HFCausalLM``'s :class:`~lightning_fpdt.models.lm.PendingWeights`)."""
+
+    model: PreTrainedModel
+    checkpoint: SafetensorsCheckpoint
+
+    def tensor_names(self) -> list[str]:
+        return list(tensor_names(self.model))
+
+    def materialize(self, device: torch.device | str) -> None:
+        materialize(self.model, device)
+
+    def load_whole(self, device: torch.device | str) -> None:
+        load_whole(self.model, self.checkpoint, device)
+
+    def load_shards(self, root: nn.Module, device: torch.device | str) -> None:
+        load_shards(root, self.model, self.checkpoint, device)
+
+
+def owned_rows(tensor: Tensor, name: str, owner: str = "HFCausalLM") -> tuple[int, int] | None:
     """The rows ``start, end`` of dim 0 this rank's shard of ``tensor`` holds (``None``: not a DTensor, so all).
 
     FSDP2 shards dim 0 as ``torch.chunk`` does: chunks of ``ceil(rows / world)``, the last ones shorter or empty.
@@ -187,7 +222,7 @@ def owned_rows(tensor: Tensor, name: str) -> tuple[int, int] | None:
     if not isinstance(tensor, DTensor):
         return None
     if tensor.device_mesh.ndim != 1 or tensor.placements != (Shard(0),):
-        raise ValueError(f"HFCausalLM: {name} is sharded as {tensor.placements} over a mesh of shape"
+        raise ValueError(f"{owner}: {name} is sharded as {tensor.placements} over a mesh of shape"
                          f" {tuple(tensor.device_mesh.shape)}; loading reads shards of dim 0 on one mesh dimension"
                          " (FSDP2's fully_shard) only.")
     rows, world = tensor.shape[0], tensor.device_mesh.size()
@@ -195,7 +230,7 @@ def owned_rows(tensor: Tensor, name: str) -> tuple[int, int] | None:
     per_rank = -(-rows // world)
     start, end = min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
     if tensor.to_local().shape[0] != end - start:
-        raise ValueError(f"HFCausalLM: {name}: this rank's shard has {tensor.to_local().shape[0]} rows, but"
+        raise ValueError(f"{owner}: {name}: this rank's shard has {tensor.to_local().shape[0]} rows, but"
                          f" ceil({rows} / {world}) chunks give rank {rank} rows {start}:{end}.")
     return start, end
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layout import PackedDocuments, default_position_ids
 from lightning_fpdt.models.init import init_weights
-from lightning_fpdt.models.lm import CausalLM, config_and_options
+from lightning_fpdt.models.lm import CausalLM, config_and_options, with_overrides
 from lightning_fpdt.rope import RopeScaling, RotaryEmbedding, rope_frequencies
 from lightning_fpdt.tiling import TiledMLP
 
@@ -164,6 +164,16 @@ class Llama(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def compute_buffers(self) -> None:
+        """Compute the buffers that are not weights (every layer's RoPE inverse frequencies) in place, on their
+        device: after ``to_empty`` of a model built on the meta device (``LlamaLM(hf_checkpoint=...)``)."""
+        c = self.config
+        with torch.device("cpu"):  # computed as at construction, then copied to the buffers' device
+            inv_freq, _ = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.attention.rope.inv_freq.copy_(inv_freq)
+
     def hidden_states(
         self, input_ids: Tensor, position_ids: Tensor | None = None, documents: PackedDocuments | None = None
     ) -> Tensor:
@@ -192,16 +202,48 @@ class Llama(nn.Module):
 class LlamaLM(CausalLM):
     """Trains a :class:`Llama` (see :class:`~lightning_fpdt.models.lm.CausalLM` for batches and options).
 
+    From a Hugging Face checkpoint directory (``hf_checkpoint``: a ``LlamaForCausalLM`` saved with safetensors),
+    the config is read from its ``config.json`` (:func:`~lightning_fpdt.models.convert.llama_config_from_hf`,
+    then ``config_overrides``), the model is built on the meta device and the weights are read where they are
+    needed (:attr:`weights_pending`): whole in :meth:`configure_model` (on the strategy's device, in a ``*-true``
+    precision's dtype), or, under ``FPDTStrategy(shard_parameters=True)``, each rank only the rows of its FSDP2
+    shards (:meth:`load_sharded_weights`), so that no rank ever holds the whole model. The parameters are in
+    torch's default dtype as ``LlamaLM(config)`` builds them (float32 master weights under ``*-mixed``); their
+    values are :func:`~lightning_fpdt.models.convert.llama_from_hf`'s. Used without a Trainer, the first forward
+    (or :meth:`load_weights`) reads them.
+
     Args:
-        config: the model; defaults to :meth:`LlamaConfig.tiny`.
+        config: the model (a :class:`LlamaConfig` or its fields as a dict); defaults to :meth:`LlamaConfig.tiny`,
+            or, with ``hf_checkpoint``, the checkpoint's own config (given with ``hf_checkpoint``: the config
+            the checkpoint's weights are read into, as a checkpoint's saved hyper-parameters give it).
+        hf_checkpoint: a local Hugging Face checkpoint directory (``config.json`` and ``model.safetensors`` or
+            an index of safetensors files) to read the config and the weights from; needs ``transformers``.
+        config_overrides: :class:`LlamaConfig` fields to set on the config, e.g. ``{"mlp_tiles": 4}`` or a
+            ``rope_scaling`` for context extension; fields that change a weight's shape are refused.
         **kwargs: the options of :class:`CausalLM` (``loss_tiles``, optimizer and schedule).
+
+    Raises:
+        FileNotFoundError: ``hf_checkpoint`` is not a directory, or holds no safetensors files.
+        TypeError: ``hf_checkpoint`` holds another model type than ``llama``.
+        ValueError: ``config_overrides`` naming no field of :class:`LlamaConfig`; a checkpoint that lacks a
+            tensor of the model or holds it in another shape (named).
     """
 
-    def __init__(self, config: LlamaConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: LlamaConfig | dict[str, Any] | None = None, hf_checkpoint: str | None = None,
+                 config_overrides: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if isinstance(config, dict):  # from a checkpoint's hyper-parameters
             config, kwargs = config_and_options(config, kwargs)
             config = LlamaConfig(**config)
         super().__init__(**kwargs)
-        self.config = config or LlamaConfig.tiny()
-        self.save_hyperparameters({"config": self.config.to_dict(), **kwargs})
-        self.model = Llama(self.config)
+        if hf_checkpoint is not None:
+            # optional dependency (transformers, safetensors), and an import cycle: hf_checkpoint imports this module
+            from lightning_fpdt.models.hf_checkpoint import from_hf_checkpoint
+
+            self.model, self._pending_weights = from_hf_checkpoint(Llama, hf_checkpoint, config, config_overrides,
+                                                                   owner="LlamaLM")
+        else:
+            self.model = Llama(with_overrides(config or LlamaConfig.tiny(), config_overrides, "LlamaLM"))
+        self.config = self.model.config
+        source = {} if hf_checkpoint is None else {"hf_checkpoint": str(hf_checkpoint)}
+        # the config holds the overrides: a reload builds the same model (and reads no config.json)
+        self.save_hyperparameters({"config": self.config.to_dict(), **source, **kwargs})

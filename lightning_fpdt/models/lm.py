@@ -7,9 +7,10 @@ user's own model, docs/own-model.md); the contract is checked when the model is 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -57,6 +58,52 @@ class CountsFlops(Protocol):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at global sequence length ``seq_len``."""
         ...
+
+
+class PendingWeights(Protocol):
+    """The weights a :class:`CausalLM`'s model, built on the meta device, still has to read (a checkpoint on
+    disk: ``HFCausalLM(path)``, ``LlamaLM(hf_checkpoint=...)``, ``GPTLM(hf_checkpoint=...)``). ``CausalLM``
+    reads them where they are needed (:meth:`CausalLM.configure_model`, :meth:`CausalLM.load_sharded_weights`,
+    :meth:`CausalLM.load_state_dict`, the first forward)."""
+
+    def tensor_names(self) -> list[str]:
+        """The names (in the model) of the tensors it fills: every parameter (a tied one once) and persistent
+        buffer."""
+        ...
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Give the model uninitialised tensors on ``device`` (tied weights tied again) and its computed buffers
+        (RoPE's inverse frequencies), without reading anything."""
+        ...
+
+    def load_whole(self, device: torch.device | str) -> None:
+        """Materialise the model on ``device`` and read every tensor into it: one copy, in the model's dtypes."""
+        ...
+
+    def load_shards(self, root: nn.Module, device: torch.device | str) -> None:
+        """After FSDP2's ``fully_shard`` (``root``: the module the root ``fully_shard`` was applied to, holding the
+        model): materialise ``root`` on ``device`` and read into each parameter's local shard only the rows of
+        dim 0 this rank owns."""
+        ...
+
+
+Config = TypeVar("Config")
+
+
+def with_overrides(config: Config, overrides: dict[str, Any] | None, owner: str) -> Config:
+    """A copy of the dataclass ``config`` with the fields of ``overrides`` replaced (validated again).
+
+    Raises:
+        ValueError: a key that is not a field of the config, named with the fields there are.
+    """
+    if not overrides:
+        return config
+    names = [f.name for f in dataclasses.fields(config)]
+    unknown = [key for key in overrides if key not in names]
+    if unknown:
+        raise ValueError(f"{owner}: config_overrides {unknown} are not fields of {type(config).__name__}; its fields"
+                         f" are {names}.")
+    return dataclasses.replace(config, **overrides)
 
 
 def check_decoder_model(model: nn.Module, owner: str, loss_tiles: int | None) -> bool:
@@ -180,6 +227,8 @@ class CausalLM(pl.LightningModule):
         self.min_lr_ratio = min_lr_ratio
         self.model: DecoderModel
         self.model_takes_documents = True
+        # a subclass whose model is built on the meta device sets what it still has to read (weights_pending)
+        self._pending_weights: PendingWeights | None = None
         self.val_answer_accuracy = AnswerAccuracy()
         self.token_window = TokenWindow()  # training losses: one token mean per accumulation window
 
@@ -193,8 +242,67 @@ class CausalLM(pl.LightningModule):
         it takes ``documents``. A subclass with its own contract (``HFCausalLM``) overrides this."""
         return check_decoder_model(model, type(self).__name__, self.loss_tiles)
 
+    # ---- weights of a model built on the meta device, read where they are needed ----------------------------
+
+    @property
+    def weights_pending(self) -> bool:
+        """Whether the model is still on the meta device, its checkpoint's weights not yet read (see
+        :meth:`load_weights`, :meth:`configure_model`, :meth:`load_sharded_weights`)."""
+        return self._pending_weights is not None
+
+    def load_weights(self, device: torch.device | str = "cpu") -> None:
+        """Read the checkpoint's weights into the meta-device model: one copy on ``device``, in the dtypes the
+        model has now (nothing happens when no weights are pending). The first forward does this on the input's
+        device when nothing did before."""
+        pending = self._pending_weights
+        if pending is None:
+            return
+        pending.load_whole(device)
+        self._pending_weights = None
+        self._weights_loaded()
+
+    def load_sharded_weights(self, device: torch.device | str) -> None:
+        """Read into each FSDP2 shard the rows of its checkpoint tensor this rank owns, after ``fully_shard`` was
+        applied to the meta-device model (``FPDTStrategy(shard_parameters=True)`` calls this in ``setup`` on every
+        rank together), so that no rank ever holds the whole model."""
+        pending = self._pending_weights
+        if pending is None:
+            return
+        pending.load_shards(self, device)
+        self._pending_weights = None
+        self._weights_loaded()
+
+    def _weights_loaded(self) -> None:
+        """Called once the pending weights are in (whole or sharded): what a subclass checks on real tensors."""
+
+    def configure_model(self) -> None:
+        """Read pending weights (Lightning calls this on every rank before the strategy's setup): on the
+        strategy's device, converted to a ``*-true`` precision's dtype first (so a ``bf16-true`` run reads bf16
+        straight); left to the strategy when it shards the parameters (``shard_parameters``:
+        :meth:`load_sharded_weights`). A subclass that overrides this calls it."""
+        if self._pending_weights is None or getattr(self.trainer.strategy, "shard_parameters", False):
+            return
+        self.trainer.precision_plugin.convert_module(self.model)  # on the meta device: no copy
+        self.load_weights(self.trainer.strategy.root_device)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """As ``nn.Module.load_state_dict``. Pending weights are not read when ``state_dict`` holds every tensor
+        (or ``strict`` makes sure it does): the model is only materialised on the CPU; otherwise they are read
+        first (Lightning's fork/spawn launcher loads the workers' full weights into the parent non-strictly)."""
+        pending = self._pending_weights
+        if pending is not None:
+            names = [f"model.{name}" for name in pending.tensor_names()]
+            if strict or all(name in state_dict for name in names):
+                pending.materialize("cpu")
+                self._pending_weights = None
+        self.load_weights()
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # ---- forward and loss ------------------------------------------------------------------------------------
+
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """Logits ``[batch, seq, vocab]`` of whole sequences in one process (one document per sample)."""
+        self.load_weights(input_ids.device)  # used without a Trainer: the weights at the first forward
         if position_ids is None:
             position_ids = default_position_ids(*input_ids.shape, device=input_ids.device)
         return self.model.lm_head(self.model.hidden_states(input_ids, position_ids))
@@ -229,6 +337,7 @@ class CausalLM(pl.LightningModule):
         """
         batch = self.prepared(batch)
         ids, positions, documents = batch["input_ids"], batch["position_ids"], batch["documents"]
+        self.load_weights(ids.device)  # used without a Trainer: the weights at the first forward
         if self.model_takes_documents:
             return self.model.hidden_states(ids, positions, documents=documents)
         self._refuse_documents(documents is not None)
