@@ -254,3 +254,17 @@ def test_validate_of_a_sharded_checkpoint_never_gathers_the_model(tmp_path: Path
     data = TokenDataset(2, 16, SIZES["vocab_size"], fresh_seed)
     trainer.validate(module, DataLoader(data, batch_size=2), verbose=False)
     assert module.weights_pending  # this process got nothing: the ranks read their shards themselves
+
+
+def test_a_pending_model_moves_and_casts_without_reading(tmp_path: Path, fresh_seed: int) -> None:
+    """``.cpu()`` / ``.to(device)`` of a model whose weights are pending (Lightning's teardown in a launching
+    process that never read them, a user's move before the first forward) leaves its tensors on the meta
+    device; a dtype change applies, and the weights are then read in it."""
+    ref = _saved(CONFIGS["llama-untied"](), tmp_path, fresh_seed)
+    module = HFCausalLM(str(tmp_path))
+    module.cpu()
+    module.to("cpu", torch.float64)
+    assert module.weights_pending and {p.dtype for p in module.parameters()} == {torch.float64}
+    module.load_weights()
+    for key, value in ref.state_dict().items():
+        assert torch.equal(module.model.state_dict()[key], value.double()), key

@@ -298,6 +298,27 @@ class CausalLM(pl.LightningModule):
         self.load_weights()
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``to``/``cpu``/``cuda``/``double``... as usual; while the weights are pending, a tensor on the meta
+        device that ``fn`` cannot move (a device move) stays there, to be read later (dtype changes apply), so
+        Lightning's teardown of a launching process that never read them, or a user's ``.to(device)`` before
+        the first forward, does not fail on the meta device."""
+        if self._pending_weights is None:
+            return super()._apply(fn, recurse)
+
+        def on_meta(tensor: Tensor) -> Tensor:
+            if not tensor.is_meta:
+                return fn(tensor)
+            try:
+                return fn(tensor)
+            except NotImplementedError:  # "Cannot copy out of meta tensor": a device move, no data to move
+                try:  # the dtype it would have, read from an empty tensor
+                    return tensor.to(fn(torch.empty(0, dtype=tensor.dtype)).dtype)
+                except (NotImplementedError, RuntimeError, AssertionError):  # a device this build has not
+                    return tensor
+
+        return super()._apply(on_meta, recurse)
+
     # ---- forward and loss ------------------------------------------------------------------------------------
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
