@@ -70,6 +70,28 @@ def token_weighted_loss(loss_sum: Tensor, num_tokens: Tensor) -> tuple[Tensor, T
     return loss_sum / count, total_loss / count
 
 
+def _softmax_in_place(logits: Tensor) -> Tensor:
+    """``softmax(logits, -1)`` written over ``logits`` (``exp(x - max) / sum``, as ``torch.softmax`` computes it)."""
+    logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+    return logits.div_(logits.sum(-1, keepdim=True))
+
+
+def _cross_entropy_sum_in_place(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
+    """``F.cross_entropy(logits, targets, reduction="sum")`` without a second ``[tokens, vocab]`` tensor (its
+    log-softmax): ``logsumexp(x) - x[target]`` over the rows whose target is not ``ignore_index``, the logits
+    overwritten by ``exp(x - max)`` on the way. For a forward that keeps nothing for backward.
+
+    Args:
+        logits: ``[tokens, vocab]``, float32 or wider (overwritten).
+        targets: ``[tokens]``.
+    """
+    valid = targets != ignore_index
+    target_logit = logits.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)  # before overwriting
+    top = logits.amax(-1, keepdim=True)
+    logsumexp = logits.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(1))
+    return (logsumexp - target_logit)[valid].sum()
+
+
 def tiled_cross_entropy_sum(
     hidden: Tensor, weight: Tensor, shift_labels: Tensor, num_tiles: int | None = None, ignore_index: int = IGNORE_INDEX
 ) -> tuple[Tensor, Tensor]:
@@ -100,14 +122,15 @@ def tiled_cross_entropy_sum(
 
     def tile_loss(h_tile: Tensor, t_tile: Tensor) -> Tensor:  # [1, tile, hidden], [1, tile] -> a scalar
         logits = F.linear(h_tile[0], weight).to(acc)  # [tile, vocab]: never all tokens at once
-        return F.cross_entropy(logits, t_tile[0], ignore_index=ignore_index, reduction="sum")
+        if torch.is_grad_enabled() and logits.requires_grad:  # one tile (num_tiles=1): autograd keeps what it needs
+            return F.cross_entropy(logits, t_tile[0], ignore_index=ignore_index, reduction="sum")
+        return _cross_entropy_sum_in_place(logits, t_tile[0], ignore_index)
 
     def tile_grad(grad: Tensor, tile: Sequence[Tensor], d_params: list[Tensor | None]) -> list[Tensor | None]:
         h_tile, t = tile[0][0], tile[1][0]
-        logits = F.linear(h_tile, weight).to(acc)
-        # d(sum of -log softmax[target]) / d logits = softmax - onehot(target), 0 on ignored rows
-        d_logits = torch.softmax(logits, dim=-1)
-        del logits  # at most two [tile, vocab] tensors are alive: this and the next tile's
+        # d(sum of -log softmax[target]) / d logits = softmax - onehot(target), 0 on ignored rows; the softmax
+        # overwrites the logits, so one [tile, vocab] tensor is alive (not the logits beside their softmax)
+        d_logits = _softmax_in_place(F.linear(h_tile, weight).to(acc))
         valid = t != ignore_index
         d_logits[valid, t[valid]] -= 1
         d_logits[~valid] = 0

@@ -13,6 +13,7 @@ from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.chunk_store import slow_copies
 from lightning_fpdt.loss import tiled_cross_entropy_sum
+from lightning_fpdt.memtrack import TensorMemoryTracker
 from lightning_fpdt.models.gpt import GeLUMLP
 from lightning_fpdt.models.llama import RMSNorm, SwiGLU
 from lightning_fpdt.rope import RotaryEmbedding
@@ -75,6 +76,29 @@ def test_tiled_cross_entropy_float32_large_logits_is_finite() -> None:
     loss, _ = tiled_cross_entropy_sum(h, w, targets, 3)
     ref = F.cross_entropy((h.double() @ w.double().T)[0], targets[0], reduction="sum")
     assert torch.isfinite(loss) and rel_error(loss.double(), ref) <= 1e-5
+
+
+def test_tiled_cross_entropy_keeps_one_tile_of_logits() -> None:
+    """Forward and backward each hold one ``[tile, vocab]`` tensor at a time: the logits are overwritten by
+    their exponentials (forward) or their softmax (backward), never kept beside them."""
+    tokens, vocab, hidden, tiles = 256, 4096, 8, 4
+    h = torch.randn(1, tokens, hidden, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, hidden, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, vocab, (1, tokens))
+    inputs = (h.numel() + w.numel() + targets.numel()) * 8
+    tile_logits = tokens // tiles * vocab * 8
+    with TensorMemoryTracker() as forward:
+        forward.track(h, w, targets)
+        forward.reset_peak()
+        loss, _ = tiled_cross_entropy_sum(h, w, targets, tiles)
+    with TensorMemoryTracker() as backward:
+        backward.track(h, w, targets)
+        backward.reset_peak()
+        loss.backward()
+    gradients = (h.numel() + w.numel()) * 8
+    # one tile of logits besides per-token vectors and one tile's d(hidden): far below two tiles
+    assert forward.peak_bytes - inputs < 1.25 * tile_logits, (forward.peak_bytes, tile_logits)
+    assert backward.peak_bytes - inputs - gradients < 1.25 * tile_logits, (backward.peak_bytes, tile_logits)
 
 
 def _block() -> FPDTBlock:

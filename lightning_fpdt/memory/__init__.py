@@ -145,8 +145,8 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     final = 3 * t * h * e  # final norm input, normalized, output
     loss_saved = 0 if options.loss_tiled else logits  # the log-softmax output, kept for backward
     loss_transient = 2 * logits  # gradients of the log-softmax output and of the logits
-    if options.loss_tiled:  # a tile's logits and their softmax; the output-embedding gradient and d(hidden)
-        loss_transient += shape.vocab_size * h * max(pe, 4) + t * h * e
+    if options.loss_tiled:  # a tile's logits, overwritten by their softmax; the output-embedding gradient, d(hidden)
+        loss_transient = logits + shape.vocab_size * h * max(pe, 4) + t * h * e
 
     # the MLP's backward: a tiled MLP recomputes one tile of tokens at a time, its intermediates and their
     # gradients; an untiled one keeps its intermediates (saved above) and makes their gradients for every token
