@@ -26,7 +26,7 @@ With ``--tensors`` the last step runs under :class:`~lightning_fpdt.memtrack.Ten
 its peak of live tensors (parameters, gradients, optimizer state and activations), what was alive at that
 moment and the operator that reached it are printed, with the estimate of :mod:`lightning_fpdt.memory` for
 the run. ``--release-gradients`` frees the gradients (DDP's buckets) after each optimizer step and gives them
-back before each backward (:class:`~lightning_fpdt.gradient_release.GradientRelease`, from a callback here);
+back before each backward (``benchmarks/gradient_release.py``, from a callback here);
 use ``--steps 3`` or more to see a step after DDP's bucket rebuild (second step). ``--trim`` calls glibc's
 ``malloc_trim`` before each backward and after each step.
 """
@@ -46,11 +46,11 @@ import argparse  # noqa: E402  (the first sample is taken before torch is import
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from gradient_release import GradientRelease  # noqa: E402
 from tensor_peak import PeakSnapshot  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from lightning_fpdt import FPDTStrategy  # noqa: E402
-from lightning_fpdt.gradient_release import GradientRelease  # noqa: E402
 from lightning_fpdt.memory import ModelShape, estimate  # noqa: E402
 from lightning_fpdt.models import LlamaConfig, LlamaLM  # noqa: E402
 
@@ -81,7 +81,7 @@ def _storages_mib(tensors: list[torch.Tensor]) -> float:
 
 
 class ReleaseGradients(L.Callback):
-    """What :class:`~lightning_fpdt.gradient_release.GradientRelease` does once a strategy calls it: the gradients
+    """What ``benchmarks/gradient_release.py`` does once a strategy calls it: the gradients
     (DDP's buckets, with ``gradient_as_bucket_view``) freed after each optimizer step, back before each backward."""
 
     def __init__(self) -> None:

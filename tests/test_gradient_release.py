@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_fpdt.gradient_release import GradientRelease
+from benchmarks.gradient_release import GradientRelease
 from lightning_fpdt.testing import run_on_ranks
 
 STEPS = 4

@@ -1,4 +1,10 @@
-"""Gradients freed between optimizer steps, DDP's gradient buckets included.
+"""Gradients freed between optimizer steps, DDP's gradient buckets included: a measured experiment.
+
+Not part of the library: ``FPDTStrategy`` does not call it. It resizes the storages DDP's reducer keeps to
+zero bytes and back, which is exact in what ``tests/test_gradient_release.py`` runs (DDP on CPU, several
+buckets, through DDP's bucket rebuild) but rests on how DDP uses its buckets, untested with ``no_sync``
+accumulation, ``find_unused_parameters``, ``static_graph`` and NCCL's asynchronous reductions.
+``benchmarks/fit_memory.py --release-gradients`` measures it (docs/performance.md).
 
 Lightning zeroes gradients in a training step after its forward (``training_step``, then ``zero_grad``, then
 ``backward``), so the previous step's gradients are alive through the next forward and loss. Under DDP with
