@@ -9,21 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fpdt.testing import free_port
 from tests.test_cli import ROOT, fpdt_train_forked
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("config", ["hf_sft_cpu.yaml", "hf_text_cpu.yaml"])
-def test_hugging_face_data_examples_train(config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # ranks spawned, not forked: the CLI process has tokenized its data (tokenizers' and datasets' threads) when it
-    # starts them, and a rank forked from it hung twice in 2 full suite runs (deadlocked on a lock a thread held);
-    # a port of its own: an earlier test's Trainer left MASTER_PORT in this process's environment, still in use
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+def test_hugging_face_data_examples_train(config: str, tmp_path: Path) -> None:
     proc = fpdt_train_forked(
         "fit", "--config", str(ROOT / "examples" / "configs" / config), "--trainer.max_steps=5",
         "--trainer.val_check_interval=5", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}",
-        f"--data.init_args.cache_dir={tmp_path / 'cache'}", "--trainer.strategy.init_args.start_method=spawn",
+        f"--data.init_args.cache_dir={tmp_path / 'cache'}", "--trainer.strategy.init_args.start_method=fork",
         cwd=ROOT,
     )
     out = proc.stdout + proc.stderr
