@@ -25,12 +25,11 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
 from lightning_fpdt.models.convert import Weight, gpt2_weights, gpt_config_from_hf, llama_config_from_hf, llama_weights
 from lightning_fpdt.models.gpt import GPT
-from lightning_fpdt.models.hf_weights import SafetensorsCheckpoint, owned_rows
+from lightning_fpdt.models.hf_weights import SafetensorsCheckpoint, fill_shard, tensor_names
 from lightning_fpdt.models.llama import Llama
 from lightning_fpdt.models.lm import with_overrides
 
@@ -164,12 +163,7 @@ class TableWeights:
         names = {id(p): name for name, p in self.model.named_parameters()}
         with torch.no_grad():
             for w in self.table(self.model):
-                rows = owned_rows(w.ours, names[id(w.ours)], self.owner)
-                local = w.ours.to_local() if isinstance(w.ours, DTensor) else w.ours
-                if rows is None:
-                    local.copy_(self._read(w))
-                elif rows[1] > rows[0]:  # a rank past the end of a short dim 0 owns no rows
-                    local.copy_(self._read(w, rows))
+                fill_shard(w.ours, names[id(w.ours)], lambda rows, w=w: self._read(w, rows), self.owner)
 
     def _read(self, w: Weight, rows: tuple[int, int] | None = None) -> Tensor:
         """Rows ``rows`` of dim 0 of our tensor ``w.ours`` (``None``: all), read from the stored tensor ``w.name``
@@ -203,10 +197,7 @@ def _read_config(directory: Path, family: Family, owner: str) -> Any:
 
 def _tied_names(model: nn.Module) -> list[list[str]]:
     """The names of each parameter that has more than one (tied weights)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
+    return [group for group in tensor_names(model).values() if len(group) > 1]
 
 
 def _tie(model: nn.Module, tied: list[list[str]]) -> None:

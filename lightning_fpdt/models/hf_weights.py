@@ -17,7 +17,7 @@ on load, e.g. a mixture of experts stored per expert), for which ``HFCausalLM`` 
 
 ``HFCausalLM`` hands :class:`PretrainedWeights` to :class:`~lightning_fpdt.models.lm.CausalLM`, which calls it
 where the weights are needed; the bundled models read the same files through their weight-name tables
-(:mod:`~lightning_fpdt.models.hf_checkpoint`, with :class:`SafetensorsCheckpoint` and :func:`owned_rows`).
+(:mod:`~lightning_fpdt.models.hf_checkpoint`, with :class:`SafetensorsCheckpoint` and :func:`fill_shard`).
 
 Each read opens its file, reads one tensor or one slice, and closes it: the memory map of a file is never
 held beyond one read, so the pages read do not accumulate in the process's resident memory.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,13 +182,19 @@ def load_shards(module: nn.Module, model: PreTrainedModel, checkpoint: Safetenso
     with torch.no_grad():
         for name, aliases in tensor_names(model).items():
             key = next(alias for alias in aliases if alias in checkpoint.files)
-            target = _target(model, name)
-            local = target.to_local() if hasattr(target, "to_local") else target
-            rows = owned_rows(target, name)
-            if rows is None:
-                local.copy_(checkpoint.read(key))
-            elif rows[1] > rows[0]:  # a rank past the end of a short dim 0 owns no rows
-                local.copy_(checkpoint.read(key, rows))
+            fill_shard(_target(model, name), name, lambda rows, key=key: checkpoint.read(key, rows))
+
+
+def fill_shard(target: Tensor, name: str, read: Callable[[tuple[int, int] | None], Tensor],
+               owner: str = "HFCausalLM") -> None:
+    """Copy into this rank's shard of ``target`` (a DTensor sharded on dim 0, or a plain tensor: all of it) what
+    ``read(rows)`` returns for the rows it owns (``None``: all rows); a rank that owns no rows reads nothing."""
+    local = target.to_local() if isinstance(target, DTensor) else target
+    rows = owned_rows(target, name, owner)
+    if rows is None:
+        local.copy_(read(None))
+    elif rows[1] > rows[0]:  # a rank past the end of a short dim 0 owns no rows
+        local.copy_(read(rows))
 
 
 @dataclass(frozen=True, eq=False)
