@@ -20,6 +20,10 @@ The rules, one per kind of example (a block no rule handles fails the test, name
   imports and its ``init_args`` bind to that class's signature.
 - ```text: program output, diagrams and pseudocode: not code, nothing to run.
 
+Links: every relative link ``[...](page.md#anchor)`` outside code names a file that exists and, with an anchor,
+a heading of that page (GitHub's anchors); every ``docs/<page>.md`` named in prose exists; and the index,
+docs/README.md, links every page of docs/.
+
 docs/own-model.md's example is trained by tests/test_own_model.py; here it is checked like any
 block that is not run.
 """
@@ -501,6 +505,61 @@ def check_yaml(text: str, where: str) -> int:
     return checked
 
 
+# ---- links -------------------------------------------------------------------------------------------
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_PAGE_NAMED = re.compile(r"\bdocs/[\w-]+\.md\b")
+
+
+def _prose(text: str) -> str:
+    """``text`` without its fenced code blocks and inline code spans (links and page names there are code)."""
+    lines, in_fence = [], False
+    for line in text.splitlines():
+        if re.match(r"^\s*```", line):
+            in_fence = not in_fence
+        elif not in_fence:
+            lines.append(re.sub(r"`[^`]*`", "", line))
+    return "\n".join(lines)
+
+
+def anchors(file: Path) -> set[str]:
+    """The anchors GitHub gives the headings of ``file``: lower case, punctuation but ``-`` and ``_`` dropped,
+    spaces as ``-``; a repeated heading gets ``-1``, ``-2``, ..."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    in_fence = False
+    for line in file.read_text().splitlines():
+        if re.match(r"^\s*```", line):
+            in_fence = not in_fence
+            continue
+        heading = None if in_fence else re.match(r"^#{1,6}\s+(.*?)\s*$", line)
+        if heading is None:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-")
+        found.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def broken_links(file: Path) -> list[str]:
+    """Each link of ``file`` to a missing file or heading, and each ``docs/<page>.md`` it names that does not exist."""
+    text = _prose(file.read_text())
+    broken = []
+    for target in _LINK.findall(text):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...: not checked here
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (file.parent / path).resolve() if path else file
+        if not dest.exists():
+            broken.append(f"{file.name}: ({target}): no file {path}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{file.name}: ({target}): {dest.name} has no heading with the anchor #{anchor}")
+    for name in _PAGE_NAMED.findall(file.read_text()):
+        if not (ROOT / name).is_file():
+            broken.append(f"{file.name}: names {name}, which does not exist")
+    return broken
+
+
 # ---- the tests ---------------------------------------------------------------------------------------
 
 ALL = examples()
@@ -593,3 +652,32 @@ def test_the_readme_table_names_every_module() -> None:
         if not any(fnmatch.fnmatch(rel, name) or fnmatch.fnmatch(path.name, name) for name in named):
             missing.append(rel)
     assert not missing, f"README's 'What is where' table names no row for {missing}"
+
+
+def test_every_link_resolves() -> None:
+    """Links between the pages (and to a heading of a page) survive pages being split, renamed or retitled."""
+    broken = [line for file in DOC_FILES for line in broken_links(file)]
+    assert not broken, "broken links in the docs:\n" + "\n".join(broken)
+
+
+def test_the_docs_index_lists_every_page() -> None:
+    """docs/README.md is the way into the docs: it links every page, so a new page is found in the reading order."""
+    index = ROOT / "docs" / "README.md"
+    linked = {(index.parent / target.partition("#")[0]).resolve() for target in _LINK.findall(_prose(index.read_text()))}
+    pages = {page.resolve() for page in (ROOT / "docs").glob("*.md")} - {index.resolve()}
+    missing = sorted(page.name for page in pages - linked)
+    assert not missing, f"docs/README.md links no line for {missing}"
+
+
+def test_the_link_check_catches_broken_links(tmp_path: Path) -> None:
+    """A link to a missing page, to a heading a page does not have, or a missing docs/ page named in prose, is found."""
+    (tmp_path / "other.md").write_text("# Other page\n\n## Loading a checkpoint (`HFCausalLM`)\n\n## Twice\n\n## Twice\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](other.md#loading-a-checkpoint-hfcausallm) [ok](other.md#twice-1) [self](#a-page)\n"
+                    "# A page\n[gone](gone.md) [no heading](other.md#exporting) see docs/no-such-page.md\n"
+                    "```python\nx = [1](2)\n```\n")
+    assert broken_links(page) == [
+        "page.md: (gone.md): no file gone.md",
+        "page.md: (other.md#exporting): other.md has no heading with the anchor #exporting",
+        "page.md: names docs/no-such-page.md, which does not exist",
+    ]
