@@ -23,9 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RANKS, print_table, timed
 
-from lightning_fpdt.batches import BatchGate
+from lightning_fpdt.batches import BatchGate, shard_batch
 from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from lightning_fpdt.testing import run_on_ranks

@@ -50,15 +50,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import print_table
 
 MiB = 2**20
-LAYOUTS = ("replicated", "sharded")
+SHARDINGS = ("replicated", "sharded")
 DTYPES = ("float32", "bfloat16")
 
 
 class Row(NamedTuple):
-    """One measurement: ``what`` was done to the checkpoint of ``layout`` in ``dtype``."""
+    """One measurement: ``what`` was done to the checkpoint of ``sharding`` in ``dtype``."""
 
     what: str
-    layout: str
+    sharding: str
     dtype: str
     seconds: float  # the median of the repeats
     gb_weights: float  # float32 weights in the checkpoint, 10^9 bytes
@@ -68,7 +68,7 @@ class Row(NamedTuple):
 
     def cells(self) -> list:
         written = f"{self.gb_written:.3g}" if self.gb_written else "-"
-        return [self.what, self.layout, self.dtype, f"{self.seconds:.3g}", f"{self.gb_weights:.3g}", written,
+        return [self.what, self.sharding, self.dtype, f"{self.seconds:.3g}", f"{self.gb_weights:.3g}", written,
                 f"{self.seconds / self.gb_weights:.2f}", round(self.start_mib), round(self.peak_mib),
                 round(self.peak_mib - self.start_mib)]
 
@@ -89,10 +89,10 @@ def llama_config(layers: int, hidden: int, vocab: int):
                        max_position_embeddings=4096)
 
 
-def write_run_checkpoint(directory: Path, layout: str, config, world: int) -> Path:
+def write_run_checkpoint(directory: Path, sharding: str, config, world: int) -> Path:
     """One ``Trainer.fit`` step (AdamW) of ``HFCausalLM(config)`` on ``world`` CPU ranks, sequence parallel over
     all of them, and the checkpoint ``ModelCheckpoint`` writes (``model.ckpt``: a file, or a directory when
-    ``layout == "sharded"``)."""
+    ``sharding == "sharded"``)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -107,7 +107,7 @@ def write_run_checkpoint(directory: Path, layout: str, config, world: int) -> Pa
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=str(directory), filename="model",
                                                        every_n_train_steps=1)],
-        strategy=FPDTStrategy(sequence_parallel_size=world, chunk_size=None, shard_parameters=layout == "sharded",
+        strategy=FPDTStrategy(sequence_parallel_size=world, chunk_size=None, shard_parameters=sharding == "sharded",
                               start_method="fork"),
     )
     data = [{"input_ids": torch.randint(0, config.vocab_size, (16 * world,))}]
@@ -118,7 +118,7 @@ def write_run_checkpoint(directory: Path, layout: str, config, world: int) -> Pa
 # ---- the measurements (each in a fresh process: python checkpoint_io.py --child WHAT ...) --------------------
 
 
-def measure_export(ckpt: Path, out: Path, layout: str, dtype: str, gb_weights: float, repeats: int,
+def measure_export(ckpt: Path, out: Path, sharding: str, dtype: str, gb_weights: float, repeats: int,
                    max_shard_size: str) -> Row:
     """``fpdt-export ckpt out --dtype dtype --max-shard-size ...`` in fresh processes: its time, the bytes it
     wrote, its peak resident memory."""
@@ -127,7 +127,7 @@ def measure_export(ckpt: Path, out: Path, layout: str, dtype: str, gb_weights: f
         shutil.rmtree(out, ignore_errors=True)
         results.append(_child("export", str(ckpt), str(out), dtype, max_shard_size))
     written = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    return Row("export", layout, dtype, statistics.median(r["seconds"] for r in results), gb_weights,
+    return Row("export", sharding, dtype, statistics.median(r["seconds"] for r in results), gb_weights,
                written / 1e9, min(r["start_mib"] for r in results), max(r["peak_mib"] for r in results))
 
 
@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--world", type=int, default=2, help="CPU ranks of the run that writes the checkpoints")
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--shardings", nargs="+", default=list(SHARDINGS), choices=SHARDINGS)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--max-shard-size", default="5GB", help="fpdt-export's bytes per safetensors file")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per measurement (median time)")
@@ -187,11 +187,11 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     rows = []
     try:
-        for layout in args.layouts:
+        for sharding in args.shardings:
             t0 = time.perf_counter()
-            ckpt = root / layout / "model.ckpt"
+            ckpt = root / sharding / "model.ckpt"
             if not ckpt.exists():  # a kept directory's checkpoint is used again (same sizes assumed)
-                ckpt = write_run_checkpoint(root / layout, layout, config, args.world)
+                ckpt = write_run_checkpoint(root / sharding, sharding, config, args.world)
             files = [ckpt] if ckpt.is_file() else [f for f in ckpt.rglob("*") if f.is_file()]
             size = sum(f.stat().st_size for f in files)
             import torch
@@ -201,11 +201,11 @@ def main() -> None:
             with torch.device("meta"):
                 params = sum(p.numel() for p in HFCausalLM(config).parameters())
             gb = params * 4 / 1e9
-            print(f"{layout}: {params / 1e9:.2f}B parameters ({gb:.2f} GB float32), checkpoint {size / 1e9:.2f} GB"
+            print(f"{sharding}: {params / 1e9:.2f}B parameters ({gb:.2f} GB float32), checkpoint {size / 1e9:.2f} GB"
                   f" (with AdamW state), ready in {time.perf_counter() - t0:.0f} s", flush=True)
             for dtype in args.dtypes:
-                out = root / f"hf_{layout}_{dtype}"
-                row = measure_export(ckpt, out, layout, dtype, gb, args.repeats, args.max_shard_size)
+                out = root / f"hf_{sharding}_{dtype}"
+                row = measure_export(ckpt, out, sharding, dtype, gb, args.repeats, args.max_shard_size)
                 print(f"  {row}", flush=True)
                 rows.append(row.cells())
                 shutil.rmtree(out)

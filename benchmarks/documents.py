@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RANKS, print_table, timed
 
 from lightning_fpdt.attention import fpdt_attention
-from lightning_fpdt.layout import PackedDocuments, shard_sequence
+from lightning_fpdt.layout import shard_sequence
+from lightning_fpdt.packed_documents import PackedDocuments
 from lightning_fpdt.testing import run_on_ranks
 
 HEADS, HEAD_DIM = 8, 64
@@ -63,7 +64,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     rows = run_on_ranks(_measure, args.world, args.seq, args.chunks, args.docs, args.repeats, **RANKS)[0]
-    print_table(["tokens", "chunks", "layout", "s fwd+bwd", "x one document"], rows)
+    print_table(["tokens", "chunks", "documents", "s fwd+bwd", "x one document"], rows)
 
 
 if __name__ == "__main__":

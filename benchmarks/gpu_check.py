@@ -49,13 +49,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import is_oom, matmul_rate, print_table, synchronize
 
-from lightning_fpdt.activation_checkpoint import new_checkpoint_store
+from lightning_fpdt.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import MathKernel, get_kernel
+from lightning_fpdt.batches import shard_batch
 from lightning_fpdt.binding import SequenceParallelContext, bind
 from lightning_fpdt.chunk_store import OffloadStats
 from lightning_fpdt.copy_engine import copy_engine, release_copy_engines
-from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.memtrack import TensorMemoryTracker
 from lightning_fpdt.models import LlamaConfig, LlamaLM
@@ -181,11 +181,12 @@ def check_model(device: torch.device, cpu: bool) -> tuple[list[list], bool]:
         for p in module.parameters():
             p.grad = None
         context = SequenceParallelContext(chunk_size=chunk, attention_backend=backend, offload=True,
-                                          activation_checkpointing=True, checkpoint_store=new_checkpoint_store(device))
+                                          activation_checkpointing=True,
+                                          layer_input_store=new_layer_input_store(device))
         bind(module, context)
         loss, _ = token_weighted_loss(*module.loss_terms(batch))
         loss.backward()
-        context.checkpoint_store.close()
+        context.layer_input_store.close()
         grad_err = max(_rel(p.grad, grads_ref[n], floor) for n, p in module.named_parameters())
         errs = [_rel(loss.detach(), loss_ref.detach()), grad_err]
         good = max(errs) <= 1e-4 if backend == "math" else max(errs) <= TOLERANCE[torch.float32]
@@ -332,7 +333,7 @@ def _llama_step(device: torch.device, config: LlamaConfig, seq: int, chunk: int,
     with device:  # initialised where it runs: a 1B model's initialisation on the host takes a while
         module = LlamaLM(config)
     context = SequenceParallelContext(chunk_size=chunk, attention_backend=backend, offload=True,
-                                      activation_checkpointing=True, checkpoint_store=new_checkpoint_store(device))
+                                      activation_checkpointing=True, layer_input_store=new_layer_input_store(device))
     bind(module, context)
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
     batch = _batch(ids, chunk, device)
@@ -355,7 +356,7 @@ def _llama_step(device: torch.device, config: LlamaConfig, seq: int, chunk: int,
         seconds = time.perf_counter() - start
         return seconds, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
     finally:
-        context.checkpoint_store.close()
+        context.layer_input_store.close()
         release_copy_engines()
 
 

@@ -54,9 +54,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RANKS, is_oom, matmul_rate, print_table, synchronize
 
-from lightning_fpdt.activation_checkpoint import new_checkpoint_store
+from lightning_fpdt.activation_checkpoint import new_layer_input_store
+from lightning_fpdt.batches import shard_batch
 from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.memory import EstimateOptions, ModelShape, estimate
 from lightning_fpdt.memtrack import peak_step_bytes
@@ -151,7 +151,7 @@ def _setup(rank: int, world: int, variant: str, seq: int, args: argparse.Namespa
     context = SequenceParallelContext(
         group=group, chunk_size=chunk, attention_backend=backend or args.backend, activation_checkpointing=full,
         offload=offloads(variant, args),
-        checkpoint_store=new_checkpoint_store(device) if offloads(variant, args) and full else None,
+        layer_input_store=new_layer_input_store(device) if offloads(variant, args) and full else None,
     )
     bind(module, context)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)

@@ -1,12 +1,13 @@
-"""Activation checkpointing of decoder layers (FPDT blocks, Hugging Face decoder layers), the checkpoint
+"""Activation checkpointing of decoder layers (FPDT blocks, Hugging Face decoder layers), each layer's input
 optionally kept in host memory.
 
-A checkpointed layer keeps only its input for backward and recomputes itself there
-(:func:`lightning_fpdt.recompute.recomputed_call`). With a checkpoint store
-(``SequenceParallelContext.checkpoint_store``) the input goes into that :class:`ChunkStore` (host memory
-when it offloads) instead of the autograd graph, and each layer's backward prefetches the input of the
-backward that runs next: the previous layer's, or the last layer's of an earlier forward pass
-(:mod:`lightning_fpdt.recompute` says why that order holds).
+Words: a *recomputed layer* is a decoder layer under activation checkpointing; it keeps only its *layer
+input* for backward and recomputes itself there (:func:`lightning_fpdt.recompute.recomputed_call`). A
+"checkpoint" elsewhere in the package is a training checkpoint (:mod:`lightning_fpdt.checkpoint_files`).
+With a layer input store (``SequenceParallelContext.layer_input_store``) the input goes into that
+:class:`ChunkStore` (host memory when it offloads) instead of the autograd graph, and each layer's backward
+prefetches the input of the backward that runs next: the previous layer's, or the last layer's of an
+earlier forward pass (:mod:`lightning_fpdt.recompute` says why that order holds).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from torch import Tensor, nn
 
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.chunk_store import ChunkStore
-from lightning_fpdt.layout import PackedDocuments
+from lightning_fpdt.packed_documents import PackedDocuments
 from lightning_fpdt.recompute import INPUT_KIND, recomputed_call
 
 
-class CheckpointedBlock(Protocol):
-    """What :func:`checkpointed_forward` reads of a block (``lightning_fpdt.block.FPDTBlock``, an ``nn.Module``)."""
+class RecomputedBlock(Protocol):
+    """What :func:`recomputed_block_forward` reads of a block (``lightning_fpdt.block.FPDTBlock``, an ``nn.Module``)."""
 
     context: SequenceParallelContext
 
@@ -37,25 +38,25 @@ class CheckpointedBlock(Protocol):
         ...
 
 
-def new_checkpoint_store(device: torch.device) -> ChunkStore:
-    """A store that keeps checkpointed layer inputs in host memory (their residency counted as the group
-    ``"checkpoint"``), on the compute ``device``."""
-    return ChunkStore(device, offload=True, groups={INPUT_KIND: "checkpoint"})
+def new_layer_input_store(device: torch.device) -> ChunkStore:
+    """A store that keeps the inputs of recomputed layers in host memory (their residency counted as the
+    group ``"layer_input"``), on the compute ``device``."""
+    return ChunkStore(device, offload=True, groups={INPUT_KIND: "layer_input"})
 
 
-def checkpointed_forward(
-    block: CheckpointedBlock, x: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None
+def recomputed_block_forward(
+    block: RecomputedBlock, x: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None
 ) -> Tensor:
     """``block.block_forward(x, position_ids, documents)`` keeping only ``x`` for backward, where the
-    block's context says (its ``checkpoint_store``, or the autograd graph when that is ``None``).
+    block's context says (its ``layer_input_store``, or the autograd graph when that is ``None``).
 
     ``x`` ``[batch, s_local, hidden]``, ``position_ids`` ``[batch, s_local]``; returns like ``x``.
     """
-    return checkpointed_call(block, lambda t: block.block_forward(t, position_ids, documents), x,
-                             block.context.checkpoint_store)
+    return recomputed_layer_call(block, lambda t: block.block_forward(t, position_ids, documents), x,
+                                 block.context.layer_input_store)
 
 
-def checkpointed_call(
+def recomputed_layer_call(
     module: nn.Module, run: Callable[[Tensor], Tensor], x: Tensor, store: ChunkStore | None = None
 ) -> Tensor:
     """``run(x)`` keeping only ``x`` for backward (in ``store`` when given, else in the autograd graph) and
@@ -66,4 +67,4 @@ def checkpointed_call(
     must need no gradient and stay unchanged until backward. ``x`` ``[batch, s_local, hidden]``; ``run``
     returns one tensor.
     """
-    return recomputed_call(run, x, params=module, store=store, name="checkpoint")
+    return recomputed_call(run, x, params=module, store=store, name="decoder_layer")

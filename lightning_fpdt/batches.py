@@ -1,9 +1,11 @@
-"""Each batch checked where it enters, and refused together on every rank, never half-way.
+"""Each batch from the data loader to this rank's shard: checked where it enters, sharded, and refused
+together on every rank, never half-way.
 
-A batch is sharded on each rank by pure local code (:func:`lightning_fpdt.layout.shard_batch`); the
-first collective it meets is an all-to-all inside attention. If the ranks of one sequence-parallel
-group hold different batches (different lengths: a hang until the process-group timeout; the same
-length and different tokens: silently wrong training), or one rank refuses its batch while the
+:func:`shard_batch` turns a dict batch of whole sequences into this rank's part (labels shifted, targets
+dropped at document ends and padding, padded, in the FPDT layout of :mod:`lightning_fpdt.layout`) by pure
+local code; the first collective it meets is an all-to-all inside attention. If the ranks of one
+sequence-parallel group hold different batches (different lengths: a hang until the process-group timeout;
+the same length and different tokens: silently wrong training), or one rank refuses its batch while the
 others go on, some ranks wait forever. :class:`BatchGate` prevents both with one small collective per
 batch, before anything else communicates:
 
@@ -20,14 +22,28 @@ all_gather moves 48 bytes per rank; benchmarks/batch_gate.py measures it against
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.errors import PREFIX
-from lightning_fpdt.layout import IGNORE_INDEX
+from lightning_fpdt.layout import (
+    IGNORE_INDEX,
+    default_position_ids,
+    pad_sequence,
+    padded_length,
+    shard_sequence,
+    shift_labels,
+)
+from lightning_fpdt.packed_documents import PackedDocuments, find_documents
+
+DEFAULT_SEQUENCE_KEYS = (
+    "input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "loss_mask", "answer_mask",
+)
+# padding value per sequence key; other keys are padded with 0
+_PAD_VALUES = {"shift_labels": IGNORE_INDEX, "labels": IGNORE_INDEX}
 
 _NOT_A_TENSOR = -1  # summary entry when 'input_ids' is missing or not a tensor
 _MIX = 0x9E3779B1  # odd multiplier: the fingerprint weighs each position differently
@@ -102,6 +118,121 @@ def check_tokens(batch: Any, vocab_size: int | None) -> None:
                 f"{PREFIX}batch[{key!r}] holds values from {low} to {high}, but the model's vocabulary has"
                 f" {vocab_size} tokens: allowed are {allowed}. Check the tokenizer against the model's vocab_size."
             )
+
+
+# ---- this rank's shard ------------------------------------------------------------------------------
+
+
+def mask_targets(
+    shift_labels: Tensor, documents: PackedDocuments | None, loss_mask: Tensor | None, attention_mask: Tensor | None
+) -> Tensor:
+    """Pre-shifted targets with ``IGNORE_INDEX`` wherever the target token (``t + 1``) is not trained on:
+    it starts another document (the last token of a document never predicts the next one), it is
+    padding (``attention_mask`` 0), or ``loss_mask`` is 0 there (``loss_mask`` marks target tokens, like
+    Hugging Face's ``labels``)."""
+    drop = torch.zeros_like(shift_labels, dtype=torch.bool)
+    if documents is not None:
+        drop |= documents.document_starts(shift_labels.device)
+    for mask in (loss_mask, attention_mask):
+        if mask is not None:
+            drop |= mask.reshape(drop.shape) == 0
+    if not bool(drop.any()):
+        return shift_labels
+    dropped_target = torch.zeros_like(drop)
+    dropped_target[:, :-1] = drop[:, 1:]
+    return shift_labels.masked_fill(dropped_target, IGNORE_INDEX)
+
+
+def _check_sequence_keys(batch: Mapping[str, Any], sequence_keys: Sequence[str], b: int, s: int, owner: str) -> None:
+    """Refuse a per-token key whose leading dims are not ``[b, s]`` like ``input_ids``', and a ``loss_mask``
+    (one entry per target token) that is not exactly ``[b, s]``. ``attention_mask``: see :func:`find_documents`."""
+    for key in dict.fromkeys((*sequence_keys, "loss_mask")):
+        x = batch.get(key)
+        exact = key == "loss_mask"
+        if x is None or key == "attention_mask" or isinstance(x, Tensor) and x.shape[:2 + exact] == (b, s):
+            continue
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        expected = f"[{b}, {s}]" if exact else f"[{b}, {s}, ...]"
+        fix = ("it marks each target token to train on (1) or ignore (0): give it the length and padding of"
+               " 'input_ids'" if exact else "remove it from `sequence_keys` if it is not per token")
+        raise ValueError(f"{owner}: sequence key {key!r} has shape {shape}, expected {expected} like 'input_ids';"
+                         f" {fix}.")
+
+
+def shard_batch(
+    batch: Mapping[str, Any] | Any,
+    sp_size: int,
+    sp_rank: int,
+    chunk_size: int | None = None,
+    sequence_keys: Sequence[str] = DEFAULT_SEQUENCE_KEYS,
+    pad_token_id: int = 0,
+    owner: str = "shard_batch",
+) -> dict[str, Any]:
+    """This rank's part of a dict batch of whole sequences.
+
+    Steps, in this order: derive ``labels`` from ``input_ids`` if absent; shift them into
+    ``shift_labels`` on the *whole* sequence (the next token may live on another rank); add global
+    ``position_ids``; find the documents (:func:`find_documents`) and drop the targets that cross a
+    document boundary, are padding or are masked by ``loss_mask`` (:func:`mask_targets`); pad every
+    sequence key to a multiple of ``sp_size`` (labels with ``IGNORE_INDEX``, ``input_ids`` with
+    ``pad_token_id``, others with 0); apply the FPDT layout and keep rank ``sp_rank``'s shard. Keys not
+    in ``sequence_keys`` pass through untouched. ``documents`` is added: the batch's
+    :class:`PackedDocuments` over the padded length, or ``None`` for plain sequences.
+
+    A batch that is not a mapping is returned as it is when ``sp_size == 1``.
+
+    Raises:
+        TypeError: a batch that is not a mapping, with ``sp_size > 1`` (nothing says what to shard).
+        ValueError: no ``input_ids``, ``input_ids`` not ``[batch, seq]``, a sequence shorter than
+            ``sp_size``, a sequence key whose leading dims differ from ``input_ids``', or a ``loss_mask``
+            that is not ``[batch, seq]``.
+    """
+    if not isinstance(batch, Mapping):
+        if sp_size == 1:
+            return batch  # nothing to shard: the module gets it as it is
+        raise TypeError(
+            f"{owner}: sequence_parallel_size={sp_size} needs dict batches with 'input_ids' [batch, seq]"
+            f" to shard; got a {type(batch).__name__}."
+        )
+    if "input_ids" not in batch:
+        raise ValueError(
+            f"{owner}: the batch has no 'input_ids'; its keys are {sorted(batch)}. Return a dict with"
+            " 'input_ids' [batch, seq] (and optionally 'labels', 'position_ids') from your dataset."
+        )
+    out = dict(batch)
+    ids = out["input_ids"]
+    if not isinstance(ids, Tensor) or ids.dim() != 2:
+        shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+        raise ValueError(f"{owner}: 'input_ids' must be a [batch, seq] tensor, got {shape}.")
+    b, s = ids.shape
+    if s < sp_size:
+        smaller = f" (at most {s})" if s > 0 else ""
+        raise ValueError(
+            f"{owner}: the sequence length {s} is shorter than sequence_parallel_size={sp_size}: every rank of"
+            f" the sequence-parallel group needs at least one token of each sample. Use samples of at least"
+            f" {sp_size} tokens (pad or drop shorter ones), or a smaller sequence_parallel_size{smaller}."
+        )
+    _check_sequence_keys(out, sequence_keys, b, s, owner)  # before any key is read: no raw reshape errors
+    if "shift_labels" not in out:
+        labels = out.pop("labels", None)
+        out["shift_labels"] = shift_labels(ids if labels is None else labels, IGNORE_INDEX)
+    if "position_ids" not in out:
+        out["position_ids"] = default_position_ids(b, s, device=ids.device)
+    documents = find_documents(out["position_ids"], out.get("attention_mask"), owner)
+    out["shift_labels"] = mask_targets(out["shift_labels"], documents, out.get("loss_mask"), out.get("attention_mask"))
+    length = padded_length(s, sp_size, chunk_size)
+    out["documents"] = None if documents is None else documents.padded(length)
+    for key in sequence_keys:
+        x = out.get(key)
+        if x is None:
+            continue
+        pad = pad_token_id if key == "input_ids" else _PAD_VALUES.get(key, 0)
+        x = pad_sequence(x, length, pad)
+        out[key] = shard_sequence(x, sp_size, sp_rank, chunk_size) if sp_size > 1 else x
+    return out
+
+
+# ---- every rank together ----------------------------------------------------------------------------
 
 
 class BatchGate:

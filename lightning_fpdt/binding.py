@@ -7,7 +7,7 @@ strategy walks the model once per question (:func:`bind`, :func:`attention_heads
 :func:`attention_records`, :func:`decoder_layers`), and each such module answers for the layers it holds:
 
 - :func:`bind` hands every one the :class:`SequenceParallelContext` (group, chunk size, backend, offload,
-  checkpointing);
+  activation checkpointing);
 - :func:`attention_heads` gives the head counts the strategy checks against the group size before any
   collective;
 - :func:`decoder_layers` gives the :class:`DecoderLayer` s that FSDP2 shards and the memory model sizes;
@@ -41,7 +41,7 @@ class SequenceParallelContext:
         attention_backend: ``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"``.
         offload: keep the attention chunks saved for backward in host memory.
         activation_checkpointing: keep only each decoder layer's input for backward and recompute the layer.
-        checkpoint_store: where checkpointed layer inputs live (``None``: in the autograd graph); a
+        layer_input_store: where the inputs of recomputed layers live (``None``: in the autograd graph); a
             store with ``offload=True`` keeps them in host memory, and each layer's backward prefetches
             the input of the backward that runs next (``lightning_fpdt.activation_checkpoint``).
     """
@@ -51,7 +51,7 @@ class SequenceParallelContext:
     attention_backend: str = "auto"
     offload: bool = False
     activation_checkpointing: bool = False
-    checkpoint_store: ChunkStore | None = None
+    layer_input_store: ChunkStore | None = None
 
     @property
     def size(self) -> int:

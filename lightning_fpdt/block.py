@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.activation_checkpoint import checkpointed_forward
+from lightning_fpdt.activation_checkpoint import recomputed_block_forward
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import get_kernel
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
@@ -22,7 +22,7 @@ from lightning_fpdt.attention.sources import ProjectionEnds, projection_params
 from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.binding import AttentionRecord, DecoderLayer, SequenceParallelContext
 from lightning_fpdt.comm import check_heads
-from lightning_fpdt.layout import PackedDocuments
+from lightning_fpdt.packed_documents import PackedDocuments
 from lightning_fpdt.recompute import needs_backward
 from lightning_fpdt.rope import RotaryEmbedding
 from lightning_fpdt.tiling import TiledMLP
@@ -122,7 +122,7 @@ class FPDTBlock(nn.Module):
         """Attach the sequence-parallel group and options.
 
         ``layer_index`` is the block's position in the model, for the reader of a record; the
-        checkpoint prefetch follows the order the forward passes ran in (``lightning_fpdt.activation_checkpoint``).
+        layer input prefetch follows the order the forward passes ran in (``lightning_fpdt.activation_checkpoint``).
         """
         self.attention.bind(context)
         self.context, self.layer_index = context, layer_index
@@ -167,7 +167,7 @@ class FPDTBlock(nn.Module):
         """``x`` ``[batch, s_local, hidden]`` (this rank's shard), ``position_ids`` ``[batch, s_local]``,
         ``documents`` the batch's packed documents (``None``: one per sample)."""
         if self.context.activation_checkpointing and needs_backward(x, self):
-            return checkpointed_forward(self, x, position_ids, documents)
+            return recomputed_block_forward(self, x, position_ids, documents)
         return self.block_forward(x, position_ids, documents)
 
 

@@ -1,4 +1,4 @@
-"""Checkpoints that survive crashes and layout changes.
+"""Training checkpoints that survive crashes and changes of parallelism.
 
 - Replicated weights: one Lightning checkpoint file, written by rank 0 to a temporary file in the
   same directory and renamed over the target (``os.replace`` is atomic): a crash mid-save leaves the
@@ -9,24 +9,22 @@
   is never a checkpoint (:func:`is_complete`).
 
 Model and optimizer states are stored by parameter name (fully qualified names, not parameter ids),
-so a checkpoint loads into any data x sequence layout, chunk size, sharded or not.
+so a checkpoint loads into any data x sequence parallelism, chunk size, sharded or not. What a checkpoint
+keeps of the run besides (RNG states, the parallelism it was saved with): :mod:`lightning_fpdt.run_state`.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import random
 import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -160,49 +158,19 @@ def new_token() -> str:
     return uuid.uuid4().hex[:12]
 
 
-
 # ---- saving and loading ----------------------------------------------------------------------------
 
 
-def records(rng_states: list[dict[str, Any]], parallelism: dict[str, Any]) -> dict[str, Any]:
-    """The ``"fpdt"`` entry of a checkpoint: every rank's RNG states and the parallelism it was saved with."""
-    return {"layout": parallelism, "rng": rng_states}  # key "layout": the on-disk name of earlier releases
+def model_state(module: torch.nn.Module) -> dict[str, Any]:
+    """The model state of a module sharded with FSDP2, by name: this rank's shards (DTensors)."""
+    return get_model_state_dict(module)
 
 
-def restore_records(checkpoint: dict[str, Any], rank: int, parallelism_now: dict[str, Any]) -> None:
-    """Restore this rank's RNG states from a checkpoint's ``"fpdt"`` entry and log the parallelism change.
-
-    A run with more ranks than the checkpoint's takes the states of ``rank % saved ranks``.
-    """
-    extra = checkpoint.get("fpdt", {})
-    saved = extra.get("layout")
-    if saved:
-        def describe(record: dict[str, Any]) -> str:
-            return (f"data_parallel={record['data_parallel']} x sequence_parallel={record['sequence_parallel']}"
-                    f" (chunk_size={record['chunk_size']!r}, shard_parameters={record['shard_parameters']})")
-
-        rank_zero_info(f"FPDTStrategy: resuming a checkpoint saved at {describe(saved)} as {describe(parallelism_now)}")
-    rngs = extra.get("rng")
-    if rngs:
-        set_rng_state(rngs[rank % len(rngs)])
-
-
-def gather_rng_states(world_size: int) -> list[dict[str, Any]]:
-    """Every rank's :func:`rng_state`, in rank order (a collective when the process group exists)."""
-    if world_size == 1 or not torch.distributed.is_initialized():
-        return [rng_state()]
-    states: list[Any] = [None] * world_size
-    torch.distributed.all_gather_object(states, rng_state())
-    return states
-
-
-def parallelism_record(
-    data_parallel: int, sequence_parallel: int, chunk_size: Any, shard_parameters: bool
-) -> dict[str, Any]:
-    """What a checkpoint records of the data x sequence parallelism it was saved with (plain types: loads with
-    ``weights_only``)."""
-    return {"data_parallel": data_parallel, "sequence_parallel": sequence_parallel, "chunk_size": chunk_size,
-            "shard_parameters": shard_parameters}
+def optimizer_state(module: torch.nn.Module, optimizer: Any, sharded: bool) -> dict[str, Any]:
+    """``optimizer``'s state keyed by parameter name (loads into any parallelism): this rank's shards when
+    ``sharded``, else the full state."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=not sharded))
 
 
 def on_rank_zero(fn: Callable[[], None], what: str, is_global_zero: bool, broadcast: Callable[[Any], Any]) -> None:
@@ -302,13 +270,13 @@ def read(path: Path, mmap: bool = False) -> dict[str, Any]:
 
 def load_into(path: Path, module: torch.nn.Module, optimizers: list[Any], strict: bool = True) -> dict[str, Any]:
     """Load the checkpoint at ``path`` (a file or a sharded directory, see :func:`resolve`) into
-    ``module`` and ``optimizers`` by parameter name, whatever layout it was saved with and whatever
-    layout ``module`` has now (sharded with FSDP2 or whole). Returns the rest of the checkpoint
-    (loops, callbacks, ``fpdt`` records) for Lightning.
+    ``module`` and ``optimizers`` by parameter name, whatever parallelism it was saved with and however
+    ``module`` is held now (sharded with FSDP2 or whole). Returns the rest of the checkpoint (loops,
+    callbacks, the ``fpdt`` run state) for Lightning.
     """
     if path.is_dir():
         checkpoint = read(path / META_FILE)
-        # the targets have this run's layout: shards (sharded) or full tensors (whole); DCP reshards
+        # the targets are held as in this run: shards (sharded) or full tensors (whole); DCP reshards
         states: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
         for i, optimizer in enumerate(optimizers):
             states[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer)
@@ -367,30 +335,3 @@ def set_optimizer_state(module: torch.nn.Module, optimizer: Any, state: dict[str
         optimizer.load_state_dict(state)
     else:
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
-
-
-# ---- random number generators ------------------------------------------------------------------
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random number generator states (Python, torch CPU and CUDA, numpy), as tensors and
-    plain Python values, so that a checkpoint holding them loads with ``torch.load(weights_only=True)``."""
-    version, words, gauss = random.getstate()
-    state: dict[str, Any] = {"python": [version, list(words), gauss], "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device only: resumable with other GPU counts
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` recorded."""
-    version, words, gauss = state["python"]
-    random.setstate((version, tuple(words), gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, cached))

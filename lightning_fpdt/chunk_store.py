@@ -2,7 +2,7 @@
 
 A :class:`ChunkStore` holds the chunks the FPDT attention pipeline saves for backward (k/v chunks,
 and the query-side chunks q, out, lse, dout and the dq accumulator), under keys
-``(kind, chunk_index)``, and the checkpointed block inputs under keys from :meth:`ChunkStore.new_key`.
+``(kind, chunk_index)``, and the inputs of recomputed layers under keys from :meth:`ChunkStore.new_key`.
 Its life cycle is explicit:
 
 ``put(key, x)``
@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from lightning_fpdt.copy_engine import copy_engine
-from lightning_fpdt.profiling import record
+from lightning_fpdt.profiling import named_range
 
 __all__ = ["ChunkStore", "Key", "OffloadStats", "slow_copies"]
 
@@ -197,7 +197,7 @@ class ChunkStore:
         self._account()
         if not self.offload:
             return
-        with record("fpdt/offload"):
+        with named_range("fpdt/offload"):
             self._start_offload(entry, x, keep_on_device)
 
     def _start_offload(self, entry: _Entry, x: Tensor, keep_on_device: bool) -> None:
@@ -233,7 +233,7 @@ class ChunkStore:
         host = entry.host
         assert host is not None
         self.stats.bytes_to_device += _nbytes(host)
-        with record("fpdt/prefetch"):
+        with named_range("fpdt/prefetch"):
             self._start_prefetch(entry, host)
         self._account()
 
@@ -261,7 +261,7 @@ class ChunkStore:
         if entry.to_device is None:
             self.stats.stalls += 1
             self.prefetch(key)
-        with record("fpdt/prefetch_wait"):
+        with named_range("fpdt/prefetch_wait"):
             if self._cuda:
                 dev, ready = entry.to_device
                 compute = torch.cuda.current_stream(self.device)

@@ -1,4 +1,4 @@
-"""All-to-all between the sequence-sharded and the head-sharded layouts (DeepSpeed Ulysses).
+"""All-to-all between sequence-sharded and head-sharded tensors (DeepSpeed Ulysses).
 
 Sequence-sharded: ``[batch, seq_local, heads, head_dim]`` on each of the ``P`` ranks, rank ``r``
 holding the ``r``-th slice of a (chunk of the) sequence. Head-sharded: ``[batch, seq_local * P,
@@ -51,16 +51,17 @@ def _head_to_seq_send(x: Tensor, p: int) -> tuple[Tensor, Callable[[Tensor], Ten
     return send, lambda recv: recv.permute(1, 2, 0, 3, 4).reshape(b, s // p, p * h_local, d)
 
 
-Layout = Callable[[Tensor, int], tuple[Tensor, Callable[[Tensor], Tensor]]]
+Direction = Callable[[Tensor, int], tuple[Tensor, Callable[[Tensor], Tensor]]]
+"""``_seq_to_head_send`` or ``_head_to_seq_send``: ``(x, P) -> (send buffer, finish)``."""
 
 
 def _all_to_all(
-    x: Tensor, layout: Layout, group: ProcessGroup | None, async_op: bool = False
+    x: Tensor, direction: Direction, group: ProcessGroup | None, async_op: bool = False
 ) -> tuple[Any, Tensor, Tensor, Callable[[Tensor], Tensor]]:
-    """Start the all-to-all of ``x`` in ``layout`` (``_seq_to_head_send`` or ``_head_to_seq_send``), along
+    """Start the all-to-all of ``x`` in ``direction`` (``_seq_to_head_send`` or ``_head_to_seq_send``), along
     dim 0 of its send buffer, one equal block per rank: ``(work, recv, send, finish)``, where ``work`` is
     ``None`` unless ``async_op`` and ``finish(recv)`` is the result once the collective is complete."""
-    send, finish = layout(x, group_size(group))
+    send, finish = direction(x, group_size(group))
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
     return work, recv, send, finish
@@ -143,13 +144,13 @@ class Exchange:
         """Start ``[b, s_local * P, h_local, d]`` -> ``[b, s_local, h_local * P, d]`` (see :func:`head_to_seq`)."""
         return self._issue(x, _head_to_seq_send, what)
 
-    def _issue(self, x: Tensor, layout: Layout, what: str) -> PendingAllToAll:
+    def _issue(self, x: Tensor, direction: Direction, what: str) -> PendingAllToAll:
         if self._closed:
             raise RuntimeError(f"Exchange: {what} issued after close(); make a new Exchange for the next pass.")
         if self._p == 1:
             pending = PendingAllToAll(self, what, result=x)
         else:
-            work, recv, send, finish = _all_to_all(x, layout, self.group, self.overlap)
+            work, recv, send, finish = _all_to_all(x, direction, self.group, self.overlap)
             pending = PendingAllToAll(self, what, work=work, recv=recv, send=send, finish=finish)
         pending.serial = next(self._serials)
         self._in_flight[pending.serial] = what

@@ -7,8 +7,8 @@ rank 0's CPU).
 
 When one rank dies (``kill -9``, the kernel's out-of-memory killer, a crash in native code) the others
 fail in their next collective with the backend's own words (gloo: ``Connection reset by peer``), which
-say neither that a process died nor which. Every rank records each rank's host and process id once at
-setup (:func:`record_peers`); :func:`explain_peer_failure` turns such an error into one that names the
+say neither that a process died nor which. Every rank gathers each rank's host and process id once at
+setup (:func:`gather_peers`); :func:`explain_peer_failure` turns such an error into one that names the
 ranks whose processes are gone on this host, those still running, and where to look.
 """
 
@@ -49,7 +49,7 @@ class Peer:
     pid: int
 
 
-def record_peers() -> tuple[Peer, ...]:
+def gather_peers() -> tuple[Peer, ...]:
     """Every rank's :class:`Peer`, gathered with one ``all_gather_object`` (call it once, on every rank,
     right after the process group is made); empty without a process group."""
     if not dist.is_available() or not dist.is_initialized():

@@ -13,7 +13,7 @@ Each rule is written once: the chunk-size rule in :func:`lightning_fpdt.layout.v
 :func:`lightning_fpdt.comm.check_heads` (heads are scattered over the group by the all-to-all), the
 backend's device and package rules in :func:`lightning_fpdt.backends.resolve_backend`.
 The one check that needs data, a sequence shorter than the sequence-parallel group, is made per
-batch in :func:`lightning_fpdt.layout.shard_batch`.
+batch in :func:`lightning_fpdt.batches.shard_batch`.
 
 Offload is one three-valued setting, read the same way everywhere:
 
@@ -34,10 +34,11 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_fpdt.backends import BACKENDS, resolve_backend
+from lightning_fpdt.batches import DEFAULT_SEQUENCE_KEYS
 from lightning_fpdt.binding import SequenceParallelContext, attention_heads
 from lightning_fpdt.comm import check_heads
 from lightning_fpdt.errors import PREFIX
-from lightning_fpdt.layout import DEFAULT_SEQUENCE_KEYS, validate_chunk_size
+from lightning_fpdt.layout import validate_chunk_size
 
 Offload = Literal["off", "on", "emulate"]
 OffloadArgument = bool | Literal["emulate"]
@@ -106,7 +107,7 @@ class FPDTOptions:
     shard_parameters: bool = False
     """Shard parameters, gradients and optimizer state over all ranks (FSDP2 ``fully_shard`` per decoder layer
     and on the LightningModule, over the flattened data x sequence mesh) instead of replicating them (DDP).
-    Checkpoints are then torch distributed checkpoints (directories); they load into any layout."""
+    Checkpoints are then torch distributed checkpoints (directories); they load into any parallelism."""
     offload_optimizer: bool = False
     """With ``shard_parameters``: keep the shards, gradients and optimizer state in pinned host memory and
     run the optimizer step there (FSDP2 ``CPUOffloadPolicy``; CUDA only)."""
@@ -162,7 +163,7 @@ class FPDTOptions:
             return
         if not _positive_int(chunk):
             raise ValueError(f"{PREFIX}chunk_size must be a positive int, None or 'auto', got {chunk!r}.")
-        # chunk_size against sequence_parallel_size is checked in check_run, after the world layout: a size
+        # chunk_size against sequence_parallel_size is checked in check_run, after the world size: a size
         # that does not divide the devices must be reported as that, not as a chunk size to change
 
     # ---- how each setting is read -------------------------------------------------------------
@@ -174,7 +175,7 @@ class FPDTOptions:
 
     @property
     def offload_block_inputs(self) -> bool:
-        """Whether checkpointed block inputs go through the offloading store (``"on"`` and ``"emulate"``)."""
+        """Whether the inputs of recomputed layers go through the offloading store (``"on"`` and ``"emulate"``)."""
         return self.activation_checkpointing and self.offload_checkpoints != "off"
 
     def mesh_shape(self, num_nodes: int, processes_per_node: int) -> tuple[int, int]:
@@ -186,13 +187,13 @@ class FPDTOptions:
         sp = max(1, processes_per_node) if sp == "auto" else sp
         return max(1, num_nodes * processes_per_node // sp), sp
 
-    def context(self, group: Any, chunk_size: int | None, checkpoint_store: Any) -> SequenceParallelContext:
+    def context(self, group: Any, chunk_size: int | None, layer_input_store: Any) -> SequenceParallelContext:
         """The :class:`~lightning_fpdt.binding.SequenceParallelContext` the strategy binds to the attention
         layers: ``"on"`` and ``"emulate"`` both run the offload schedule."""
         return SequenceParallelContext(
             group=group, chunk_size=chunk_size, attention_backend=self.attention_backend,
             offload=self.offload_attention, activation_checkpointing=self.activation_checkpointing,
-            checkpoint_store=checkpoint_store,
+            layer_input_store=layer_input_store,
         )
 
     # ---- checks that need the run ----------------------------------------------------------------
@@ -228,7 +229,7 @@ class FPDTOptions:
             device_type: the root device's type (``"cpu"``, ``"cuda"``, ...).
             model: the module whose FPDT blocks get bound (``None`` skips the model checks).
         """
-        check_world_layout(world_size, num_nodes, num_processes, sequence_parallel_size)
+        check_world_size(world_size, num_nodes, num_processes, sequence_parallel_size)
         self.check_chunk_size(sequence_parallel_size)
         self.check_offload(device_type)
         check_attention_backend(self.attention_backend, device_type, precision)
@@ -261,7 +262,7 @@ class FPDTOptions:
             )
 
 
-def check_world_layout(world_size: int, num_nodes: int, num_processes: int, sequence_parallel_size: int) -> None:
+def check_world_size(world_size: int, num_nodes: int, num_processes: int, sequence_parallel_size: int) -> None:
     """Raise if the world (nodes x devices) does not split into whole sequence-parallel groups."""
     if world_size % sequence_parallel_size != 0:
         options = [d for d in range(1, world_size + 1) if world_size % d == 0]

@@ -12,6 +12,7 @@ whose estimated device peak fits the budget). This module owns what the strategy
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -75,6 +76,14 @@ class ChunkPlanner:
     def planned(self) -> bool:
         """Whether a chunk size was picked for any batch shape yet."""
         return bool(self._chosen)
+
+    def chunk_size_for(self, module: pl.LightningModule, batch: Any, current: int | None) -> int | None:
+        """The chunk size for a dict batch with ``input_ids`` ``[batch, seq]`` (:meth:`chunk_size`); ``current``
+        for any other batch (sharding refuses it or passes it through)."""
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        if not isinstance(ids, torch.Tensor):
+            return current
+        return self.chunk_size(module, ids.shape[0], ids.shape[-1])
 
     def chunk_size(self, module: pl.LightningModule, batch_size: int, seq_len: int) -> int | None:
         """The chunk size for batches of ``batch_size x seq_len`` tokens (``None``: one chunk fits).

@@ -7,6 +7,6 @@ from contextlib import AbstractContextManager
 from torch.profiler import record_function
 
 
-def record(name: str) -> AbstractContextManager:
+def named_range(name: str) -> AbstractContextManager:
     """A ``torch.profiler.record_function`` range; nearly free when no profiler is running."""
     return record_function(name)

@@ -1,7 +1,7 @@
 """Recomputation in backward, written once: a call that keeps only its inputs and runs again in backward.
 
-Everything that trades compute for memory goes through :func:`recomputed_call`: checkpointed decoder
-layers (:mod:`lightning_fpdt.activation_checkpoint`, FPDT blocks and transformers layers alike), the
+Everything that trades compute for memory goes through :func:`recomputed_call`: decoder layers under
+activation checkpointing (:mod:`lightning_fpdt.activation_checkpoint`, FPDT blocks and transformers layers alike), the
 sequence-tiled MLP and the tiled loss (:func:`lightning_fpdt.tiling.tiled_call`).
 
 - Forward: ``fn`` runs without building a graph, tile by tile when ``tiles`` are given; only the inputs
@@ -38,9 +38,9 @@ from torch import Tensor, nn
 
 from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.chunk_store import ChunkStore, Key
-from lightning_fpdt.profiling import record
+from lightning_fpdt.profiling import named_range
 
-INPUT_KIND = "ckpt"  # the key kind of recomputed inputs in a store
+INPUT_KIND = "input"  # the key kind of recomputed inputs in a store
 
 Params = nn.Module | Sequence[Tensor]
 """What ``fn`` differentiates besides its inputs: a module (its parameters, read again in backward, where
@@ -132,7 +132,7 @@ class _Call:
         """``fn`` over every piece, assembled (the forward, and a call that needs no backward)."""
         out: Tensor | None = None
         for where, piece in self.pieces(inputs):
-            with record(f"fpdt/{self.name}"):
+            with named_range(f"fpdt/{self.name}"):
                 y = self.fn(*piece)
             if where is None:
                 return y
@@ -157,7 +157,7 @@ class _Call:
         for where, piece in self.pieces(inputs):
             piece = [x.detach().requires_grad_(w) for x, w in zip(piece, wanted)]
             g = grad if scalar or where is None else grad[:, where]
-            with autocast.restore(), record(f"fpdt/{self.name}_backward"):
+            with autocast.restore(), named_range(f"fpdt/{self.name}_backward"):
                 if self.tile_grad is not None:
                     found = list(self.tile_grad(g, piece, d_params))
                 else:

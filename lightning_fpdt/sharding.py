@@ -9,7 +9,7 @@ Order matters: each decoder layer (FPDT block, or Hugging Face decoder layer of 
 sharded first (its parameters are gathered just before the layer runs and freed after it, so one
 layer's full weights live at a time), the LightningModule last (the rest: embeddings, final norm,
 output projection). Activation checkpointing and block binding happen
-before (in ``FPDTStrategy.setup``), so the checkpointed recomputation runs inside the block's FSDP
+before (in ``FPDTStrategy.setup``), so each layer's recomputation runs inside the block's FSDP
 hooks and re-gathers its parameters in backward.
 """
 
@@ -67,7 +67,7 @@ def setup_sharded(strategy: Any, trainer: pl.Trainer, offload_optimizer: bool) -
 
 
 def load_shards_of(module: pl.LightningModule, device: torch.device) -> None:
-    """Fill the shards of a module built on the meta device (``HFCausalLM`` of a local safetensors checkpoint)
+    """Fill the shards of a module built on the meta device (``HFCausalLM`` of a local safetensors directory)
     through its ``load_sharded_weights(device)``: each rank reads only the rows it owns.
 
     Raises:

@@ -1,8 +1,8 @@
 """``FPDTStrategy``: data parallel x sequence parallel training with FPDT attention.
 
 A thin layer of Lightning hooks; each hands its concern to the module that owns it (the README's
-"what is where" table): options, batches, layout, planning, sharding, nonfinite, checkpoint, resume
-and launcher.
+"what is where" table): options, batches, planning, sharding, nonfinite, checkpoint_files, run_state,
+resume and launcher.
 """
 
 from __future__ import annotations
@@ -21,25 +21,24 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
 from lightning_fpdt import checkpoint_files as ckpt
 from lightning_fpdt.accumulation import scale_window_gradients
-from lightning_fpdt.activation_checkpoint import new_checkpoint_store
-from lightning_fpdt.batches import BatchGate, input_vocab_size, target_tokens
+from lightning_fpdt.activation_checkpoint import new_layer_input_store
+from lightning_fpdt.batches import DEFAULT_SEQUENCE_KEYS, BatchGate, input_vocab_size, shard_batch, target_tokens
 from lightning_fpdt.binding import SequenceParallelContext, bind
 from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.copy_engine import release_copy_engines
 from lightning_fpdt.errors import PREFIX
-from lightning_fpdt.launcher import Peer, ShardAwareLauncher, explain_peer_failure, record_peers
-from lightning_fpdt.layout import DEFAULT_SEQUENCE_KEYS, shard_batch
+from lightning_fpdt.launcher import Peer, ShardAwareLauncher, explain_peer_failure, gather_peers
 from lightning_fpdt.memory import EstimateOptions, ModelShape
 from lightning_fpdt.nonfinite import StepGuard
 from lightning_fpdt.options import FPDTOptions, OffloadArgument, check_has_blocks
 from lightning_fpdt.planning import ChunkPlanner, resolve_budget
 from lightning_fpdt.resume import resumable, warn_if_saved_at_epoch_end
+from lightning_fpdt.run_state import add_run_state, parallelism_state, restore_run_state
 from lightning_fpdt.sharding import setup_sharded
 
 
@@ -104,7 +103,7 @@ class FPDTStrategy(DDPStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._planner: ChunkPlanner | None = None  # chunk_size="auto": made in setup_environment
         self._active_chunk_size: int | None = None if chunk_size == "auto" else chunk_size
-        self._checkpoint_store: ChunkStore | None = None  # offloaded block inputs: made in setup
+        self._layer_input_store: ChunkStore | None = None  # offloaded block inputs: made in setup
         self._guard = StepGuard(nonfinite_loss)
         self._gate: BatchGate | None = None  # made in setup, once the model is known
         self._peers: tuple[Peer, ...] = ()  # every rank's host and pid, to name a rank that dies
@@ -178,9 +177,9 @@ class FPDTStrategy(DDPStrategy):
 
     @property
     def sequence_parallel_context(self) -> SequenceParallelContext:
-        """What every sequence-parallel attention layer is bound to (the checkpoint store exists once ``setup``
+        """What every sequence-parallel attention layer is bound to (the layer input store exists once ``setup``
         ran)."""
-        return self._options.context(self.sequence_parallel_group, self._active_chunk_size, self._checkpoint_store)
+        return self._options.context(self.sequence_parallel_group, self._active_chunk_size, self._layer_input_store)
 
     @property
     @override
@@ -209,7 +208,7 @@ class FPDTStrategy(DDPStrategy):
             device_type=self.root_device.type, model=self.model,
         )
         super().setup_environment()
-        self._peers = record_peers()
+        self._peers = gather_peers()
         dp, sp = self.data_parallel_size, self.sequence_parallel_size
         self._device_mesh = init_device_mesh(
             self.root_device.type, (dp, sp), mesh_dim_names=("data_parallel", "sequence_parallel")
@@ -231,8 +230,8 @@ class FPDTStrategy(DDPStrategy):
         if self._options.chunk_size == "auto":
             ModelShape.from_module(self.model)  # fail now, not at the first batch, for a model it cannot size
         self._guard.setup(self.lightning_module.automatic_optimization, str(self.precision_plugin.precision))
-        if self._options.offload_block_inputs and self._checkpoint_store is None:
-            self._checkpoint_store = new_checkpoint_store(self.root_device)
+        if self._options.offload_block_inputs and self._layer_input_store is None:
+            self._layer_input_store = new_layer_input_store(self.root_device)
         self._bind(self.model)  # before DDP/FSDP wraps the module; raises on bad head counts
         self._gate = BatchGate(self.world_size, self.sequence_parallel_size, self.global_rank, self.root_device,
                                input_vocab_size(self.model))
@@ -266,10 +265,9 @@ class FPDTStrategy(DDPStrategy):
         return self._gate(batch, self.shard_batch)  # checks, agreement across ranks, this rank's shard
 
     def shard_batch(self, batch: Any) -> Any:
-        """This rank's part of a dict batch of whole sequences (see :func:`lightning_fpdt.layout.shard_batch`)."""
-        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
-        if self._planner is not None and isinstance(ids, torch.Tensor):
-            chunk = self._planner.chunk_size(self.lightning_module, ids.shape[0], ids.shape[-1])
+        """This rank's part of a dict batch of whole sequences (see :func:`lightning_fpdt.batches.shard_batch`)."""
+        if self._planner is not None:
+            chunk = self._planner.chunk_size_for(self.lightning_module, batch, self._active_chunk_size)
             if chunk != self._active_chunk_size:  # the attention layers follow the batch's layout
                 self._active_chunk_size = chunk
                 self._bind(self.lightning_module, log=False)
@@ -305,21 +303,19 @@ class FPDTStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self._options.shard_parameters:
             return super().lightning_module_state_dict()
-        return get_model_state_dict(self.lightning_module)  # this rank's shards (DTensors)
+        return ckpt.model_state(self.lightning_module)  # this rank's shards (DTensors)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer state keyed by parameter name (loads into any layout); sharded with
+        """The optimizer state keyed by parameter name (loads into any parallelism); sharded with
         ``shard_parameters``, else the full state."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        options = StateDictOptions(full_state_dict=not self._options.shard_parameters)
-        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
+        return ckpt.optimizer_state(self.lightning_module, optimizer, self._options.shard_parameters)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Atomic: a crash mid-save leaves the previous checkpoint at ``filepath`` usable. A file with
         replicated weights, a distributed-checkpoint directory with ``shard_parameters``."""
-        checkpoint["fpdt"] = ckpt.records(ckpt.gather_rng_states(self.world_size), self._parallelism())
+        add_run_state(checkpoint, self.world_size, self._parallelism())  # a collective: every rank's RNG states
         target = str(self.broadcast(str(filepath)))
         own_io = isinstance(self.checkpoint_io, TorchCheckpointIO) and storage_options is None
         if self._options.shard_parameters:
@@ -338,7 +334,7 @@ class FPDTStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint saved with any layout, a file (replicated weights) or a distributed
+        """Load a checkpoint saved with any parallelism, a file (replicated weights) or a distributed
         checkpoint directory (sharded), into this run's model and optimizers by parameter name.
 
         The model and optimizer states are restored here, so :meth:`load_model_state_dict` and
@@ -354,7 +350,7 @@ class FPDTStrategy(DDPStrategy):
             ckpt.apply_states(checkpoint, target, module, optimizers, strict=module.strict_loading)
         else:
             checkpoint = ckpt.load_into(ckpt.resolve(target), module, optimizers, strict=module.strict_loading)
-        ckpt.restore_records(checkpoint, self.global_rank, self._parallelism())
+        restore_run_state(checkpoint, self.global_rank, self._parallelism())
         if fitting:
             warn_if_saved_at_epoch_end(checkpoint)
         return checkpoint
@@ -363,8 +359,8 @@ class FPDTStrategy(DDPStrategy):
         ckpt.on_rank_zero(fn, what, self.is_global_zero, self.broadcast)
 
     def _parallelism(self) -> dict[str, Any]:
-        return ckpt.parallelism_record(self.data_parallel_size, self.sequence_parallel_size, self.chunk_size,
-                                  self._options.shard_parameters)
+        return parallelism_state(self.data_parallel_size, self.sequence_parallel_size, self.chunk_size,
+                                 self._options.shard_parameters)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -392,9 +388,9 @@ class FPDTStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._checkpoint_store is not None:
-            self._checkpoint_store.close()
-            self._checkpoint_store = None
+        if self._layer_input_store is not None:
+            self._layer_input_store.close()
+            self._layer_input_store = None
         release_copy_engines()  # the copy streams, workers and pinned host pools of this run
         super().teardown()
         if _distributed_is_initialized():

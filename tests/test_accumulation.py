@@ -74,7 +74,7 @@ class Case:
     chunk_size: int | None = None
     shard: bool = False
     clip: float | None = None  # gradient_clip_val (by norm), small enough to clip
-    micro_batches: int = 2  # per epoch; two: the same micro-batches in every layout
+    micro_batches: int = 2  # per epoch; two: the same micro-batches in every parallelism
     fp16: bool = False  # 16-mixed with a gradient scaler (float16 autocast on CPU), else 64-true
 
     @property

@@ -22,7 +22,8 @@ from lightning_fpdt.attention.kernels import MathKernel, visible_keys
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds
 from lightning_fpdt.chunk_store import OffloadStats
-from lightning_fpdt.layout import PackedDocuments, shard_sequence, unshard_sequence
+from lightning_fpdt.layout import shard_sequence, unshard_sequence
+from lightning_fpdt.packed_documents import PackedDocuments
 from lightning_fpdt.testing import run_on_ranks
 from tests.reference import rel_error
 

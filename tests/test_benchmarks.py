@@ -88,8 +88,8 @@ def test_checkpoint_io_benchmark_smoke() -> None:
     # a tiny run's checkpoints (a replicated file and a sharded directory), each exported in both dtypes
     out = _run("checkpoint_io.py", "--layers", "1", "--hidden", "128", "--vocab", "256", "--repeats", "1")
     rows = {(r[0], r[1], r[2]): r for r in _table_rows(out)}
-    for layout in ("replicated", "sharded"):
-        full, half = rows[("export", layout, "float32")], rows[("export", layout, "bfloat16")]
+    for sharding in ("replicated", "sharded"):
+        full, half = rows[("export", sharding, "float32")], rows[("export", sharding, "bfloat16")]
         assert float(full[3]) > 0 and float(full[6]) > 0 and int(full[8]) >= int(full[7]), full  # seconds, s/GB, RSS
         # the written directory: the float32 weights, or half of them (config and generation files are small)
         assert abs(float(full[5]) - float(full[4])) <= 0.01 and float(half[5]) < float(full[5]), (full, half)

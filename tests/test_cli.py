@@ -214,8 +214,8 @@ def _final_weights(path: Path) -> dict:
 def test_cli_resumes_its_own_checkpoint(tmp_path: Path, shard: bool) -> None:
     """fit (4 steps, checkpoints at 2 and 4) then `fit --ckpt_path step=2.ckpt`: the same weights at step 4.
 
-    LightningCLI reads the checkpoint with torch.load(weights_only=True); the strategy's RNG and layout
-    records used to hold numpy objects, which that loader refuses.
+    LightningCLI reads the checkpoint with torch.load(weights_only=True); the strategy's run state (RNG
+    states, parallelism) used to hold numpy objects, which that loader refuses.
     """
     extra = ["--trainer.strategy.init_args.shard_parameters=true"] if shard else []
     straight = tmp_path / "straight.yaml"

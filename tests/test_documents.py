@@ -1,4 +1,4 @@
-"""Packed documents: the layout's document arithmetic, and attention that stays inside each document.
+"""Packed documents: their arithmetic, and attention that stays inside each document.
 
 The oracle runs each document of each sample as its own sequence through the textbook attention and
 puts the results back in place; the FPDT pipeline runs the packed sample, sharded and chunked, with
@@ -13,8 +13,9 @@ import random
 import pytest
 import torch
 
+from lightning_fpdt.batches import shard_batch
 from lightning_fpdt.data import PackedTokenDataset
-from lightning_fpdt.layout import PackedDocuments, find_documents, shard_batch
+from lightning_fpdt.packed_documents import PackedDocuments, find_documents
 from lightning_fpdt.testing import run_on_ranks
 from tests.distributed import ATTENTION_STEP, sharded_attention_step, unsharded_attention_step
 from tests.reference import naive_attention, rel_error
@@ -31,10 +32,10 @@ def _position_ids(docs: list[list[int]]) -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in docs])
 
 
-def _layout(docs: list[list[int]]) -> PackedDocuments:
-    layout = PackedDocuments.from_position_ids(_position_ids(docs))
-    assert layout is not None
-    return layout
+def _packed(docs: list[list[int]]) -> PackedDocuments:
+    packed = PackedDocuments.from_position_ids(_position_ids(docs))
+    assert packed is not None
+    return packed
 
 
 def _inputs(seed: int, kv_heads: int, batch: int) -> tuple[torch.Tensor, ...]:
@@ -70,9 +71,9 @@ def _cases(sp: int) -> list[tuple[int | None, bool, int]]:
 
 
 def _run(rank: int, world: int, seed: int, offload: bool) -> dict:
-    layout = _layout(DOCS)
+    packed = _packed(DOCS)
     return {(chunk, causal, kv): sharded_attention_step(rank, world, chunk, *_inputs(seed + case_id, kv, len(DOCS)),
-                                                        causal=causal, offload=offload, documents=layout)
+                                                        causal=causal, offload=offload, documents=packed)
             for case_id, (chunk, causal, kv) in enumerate(_cases(world))}
 
 
@@ -113,10 +114,10 @@ def _block_counts(rank: int, world: int, seed: int) -> dict:
     """Every case's ``(blocks computed, blocks skipped)`` over a forward and backward of this rank's pipeline."""
     counts = {}
     for docs_id, docs in enumerate((DOCS, ALIGNED, None)):
-        layout = None if docs is None else _layout(docs)
+        packed = None if docs is None else _packed(docs)
         for chunk, causal in itertools.product((4, 8), (True, False)):
             stats: list = []
-            sharded_attention_step(rank, world, chunk, *_inputs(seed, 2, 2), causal=causal, documents=layout,
+            sharded_attention_step(rank, world, chunk, *_inputs(seed, 2, 2), causal=causal, documents=packed,
                                    stats_sink=stats)
             assert len(stats) == 1  # one pipeline call: its forward and backward share one store
             counts[(docs_id, chunk, causal)] = (stats[0].blocks_computed, stats[0].blocks_skipped)
@@ -141,11 +142,11 @@ def test_blocks_sharing_no_document_are_skipped_not_computed(sp: int, fresh_seed
                 f" (computed, skipped) = {got}, expected {(2 * computed, 2 * skipped)}")
 
 
-def _brute_segments(layout: PackedDocuments, q_range, k_range) -> set:
+def _brute_segments(packed: PackedDocuments, q_range, k_range) -> set:
     """(sample, q, k) pairs that attend: same document, both in range."""
     pairs = set()
-    for b, starts in enumerate(layout.starts):
-        doc = torch.zeros(layout.length, dtype=torch.long)
+    for b, starts in enumerate(packed.starts):
+        doc = torch.zeros(packed.length, dtype=torch.long)
         for s in starts[1:]:
             doc[s:] += 1
         for qi in range(*q_range):
@@ -168,26 +169,26 @@ def test_segments_and_block_skipping_match_a_brute_force_mask(fresh_seed: int) -
             docs.append(lengths)
         if all(len(d) == 1 for d in docs):
             continue
-        layout = _layout(docs)
+        packed = _packed(docs)
         for c in (4, 8, 12):
             ranges = [(lo, min(lo + c, SEQ)) for lo in range(0, SEQ, c)]
             for qr, kr in itertools.product(ranges, ranges):
-                expected = _brute_segments(layout, qr, kr)
+                expected = _brute_segments(packed, qr, kr)
                 batch = len(docs)
                 got = set()
-                for seg in layout.segments(qr, kr, causal=False):
+                for seg in packed.segments(qr, kr, causal=False):
                     for b in range(batch)[seg.batch]:
                         got |= {(b, qi, ki) for qi in range(seg.q_lo, seg.q_hi) for ki in range(seg.k_lo, seg.k_hi)}
                 assert got == expected, (docs, c, qr, kr)
-                assert layout.shares_document(qr, kr) == bool(expected), (docs, c, qr, kr)
+                assert packed.shares_document(qr, kr) == bool(expected), (docs, c, qr, kr)
 
 
 def test_documents_from_position_ids_and_padding_masks() -> None:
     assert PackedDocuments.from_position_ids(torch.arange(8).expand(2, 8)) is None  # plain sequences
     pos = _position_ids([[3, 5], [8]])
-    layout = find_documents(pos, None)
-    assert layout.starts == ((0, 3), (0,)) and layout.length == 8
-    assert layout.padded(10).starts == ((0, 3, 8), (0, 8))  # the padding is a document of its own
+    packed = find_documents(pos, None)
+    assert packed.starts == ((0, 3), (0,)) and packed.length == 8
+    assert packed.padded(10).starts == ((0, 3, 8), (0, 8))  # the padding is a document of its own
     mask = torch.tensor([[1] * 8, [1] * 6 + [0] * 2])
     assert find_documents(pos, mask).starts == ((0, 3), (0, 6))
     assert find_documents(torch.arange(8).expand(2, 8), mask).starts == ((0,), (0, 6))

@@ -208,13 +208,13 @@ def _module(case: Case, seed: int) -> HFCausalLM:
 
 class CaptureStack(CaptureStep):
     """Also records what the memory stack did: which decoder layers FSDP2 sharded, and the bytes of layer
-    checkpoints this rank's store copied to the host."""
+    inputs this rank's layer input store copied to the host."""
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
-        store = trainer.strategy._checkpoint_store
+        store = trainer.strategy._layer_input_store
         self._pending["sharded_layers"] = [isinstance(layer.module, FSDPModule) for layer in pl_module.decoder_layers()]
-        self._pending["checkpoint_bytes"] = 0 if store is None else store.stats.bytes_to_host
+        self._pending["layer_input_bytes"] = 0 if store is None else store.stats.bytes_to_host
 
 
 def _fit(module: HFCausalLM, data: Dataset, case: Case, tmp_path, precision: str = "64-true") -> list[dict]:
@@ -264,9 +264,9 @@ def test_fit_step_equals_plain_transformers(case: Case, tmp_path, fresh_seed: in
     for r in results:
         if case.stack:  # every decoder layer sharded; each layer's input [2, 16, 32] float64 went to the host
             assert r["sharded_layers"] == [True] * layers and r["local_numel"] < r["numel"], r["sharded_layers"]
-            assert r["checkpoint_bytes"] == layers * 2 * (SEQ // case.sp) * SIZES["hidden_size"] * 8
+            assert r["layer_input_bytes"] == layers * 2 * (SEQ // case.sp) * SIZES["hidden_size"] * 8
         else:
-            assert r["sharded_layers"] == [False] * layers and r["checkpoint_bytes"] == 0
+            assert r["sharded_layers"] == [False] * layers and r["layer_input_bytes"] == 0
 
 
 @pytest.mark.distributed

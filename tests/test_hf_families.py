@@ -152,7 +152,7 @@ def test_released_family_fit_step_equals_plain_transformers(case: FamilyCase, tm
         layers = module.model.config.num_hidden_layers
         for r in results:
             assert r["sharded_layers"] == [True] * layers and r["local_numel"] < r["numel"], r["sharded_layers"]
-            assert r["checkpoint_bytes"] == layers * 2 * (SEQ // case.sp) * SIZES["hidden_size"] * 8
+            assert r["layer_input_bytes"] == layers * 2 * (SEQ // case.sp) * SIZES["hidden_size"] * 8
 
 
 ARRIVING = {  # per layer, in order: (window, softcap) the pipeline is called with

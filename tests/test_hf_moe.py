@@ -174,7 +174,7 @@ def test_moe_fit_step_equals_plain_transformers(case: Case, tmp_path, fresh_seed
     if case.world > case.sp:  # each data-parallel rank saw one sample, the loss covers both
         assert sorted({i for r in results for i in r["indices"]}) == [0, 1]
     if case.stack:
-        assert all(r["sharded_layers"] == [True, True] and r["checkpoint_bytes"] > 0 for r in results)
+        assert all(r["sharded_layers"] == [True, True] and r["layer_input_bytes"] > 0 for r in results)
 
 
 def test_aux_loss_changes_the_loss_and_tiles_and_checkpointing_keep_it(fresh_seed: int) -> None:

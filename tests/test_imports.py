@@ -255,3 +255,12 @@ def test_configuration_and_contract_load_no_attention_pipeline(module: str) -> N
     assert f"{PACKAGE}.{module}" in loaded
     heavy = sorted(loaded & {f"{PACKAGE}.block", f"{PACKAGE}.attention.pipeline", f"{PACKAGE}.attention.sources"})
     assert not heavy, f"importing {PACKAGE}.{module} loads {heavy}"
+
+
+MAX_LINES = 400  # one job per module (issue 28); a longer module holds two
+
+
+def test_every_module_is_at_most_400_lines() -> None:
+    lines = {name: len(path.read_text().splitlines()) for name, path in package_modules().items()}
+    long = {name: n for name, n in lines.items() if n > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split each into modules with one job): {long}"

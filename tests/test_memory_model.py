@@ -17,9 +17,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import register_fsdp_forward_method
 
 from lightning_fpdt import FPDTStrategy
+from lightning_fpdt.batches import shard_batch
 from lightning_fpdt.binding import SequenceParallelContext, bind
 from lightning_fpdt.block import FPDTAttention, FPDTBlock, fpdt_blocks
-from lightning_fpdt.layout import shard_batch
 from lightning_fpdt.loss import cross_entropy_sum, token_weighted_loss
 from lightning_fpdt.memory import EstimateOptions, ModelShape, auto_chunk_size, estimate
 from lightning_fpdt.memory.__main__ import main, shape_from_config
@@ -298,20 +298,20 @@ def test_estimate_matches_a_measured_step_at_two_lengths(full: bool, model: str)
         assert abs(estimated / measured - 1) <= 0.15, (seq, measured / 2**20, estimated / 2**20)
 
 
-def _measured_with_gradients(rank: int, world: int, layout: str) -> tuple[int, int]:
+def _measured_with_gradients(rank: int, world: int, variant: str) -> tuple[int, int]:
     """A step whose peak is a checkpointed layer's backward late in the backward, with most gradients made: an
     ``HFCausalLM`` heavy in parameters (8 layers, intermediate 2048, hidden 128) at 1024 tokens per rank, sp=2.
-    ``layout``: ``untiled`` / ``tiled`` MLP with replicated parameters, or ``fsdp`` / ``fsdp_bf16`` (FSDP2 per
+    ``variant``: ``untiled`` / ``tiled`` MLP with replicated parameters, or ``fsdp`` / ``fsdp_bf16`` (FSDP2 per
     layer, as the strategy shards, in float32 or bf16-mixed). Measured peak of live tensors and the estimate."""
     torch.manual_seed(0)
     module = HFCausalLM(transformers.LlamaConfig(
         vocab_size=256, hidden_size=128, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2), mlp_tiles=1 if layout == "untiled" else None, loss_tiles=None)
+        num_key_value_heads=2), mlp_tiles=1 if variant == "untiled" else None, loss_tiles=None)
     shape, tiling = ModelShape.from_module(module)
     seq, chunk = 2048, 512
     bind(module, SequenceParallelContext(group=dist.group.WORLD, chunk_size=chunk, attention_backend="sdpa",
                                          activation_checkpointing=True))
-    sharded, precision = layout.startswith("fsdp"), "bf16-mixed" if layout == "fsdp_bf16" else "32-true"
+    sharded, precision = variant.startswith("fsdp"), "bf16-mixed" if variant == "fsdp_bf16" else "32-true"
     if sharded:
         shard_module(module, init_device_mesh("cpu", (world,)), precision, offload_optimizer=False)
         register_fsdp_forward_method(module, "loss_terms")
@@ -338,15 +338,15 @@ def _measured_with_gradients(rank: int, world: int, layout: str) -> tuple[int, i
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["untiled", "tiled", "fsdp", "fsdp_bf16"])
-def test_estimate_counts_the_gradients_made_during_backward(layout: str) -> None:
+@pytest.mark.parametrize("variant", ["untiled", "tiled", "fsdp", "fsdp_bf16"])
+def test_estimate_counts_the_gradients_made_during_backward(variant: str) -> None:
     """Where a layer's recomputation sets the peak late in the backward, the gradients made so far (and under
     FSDP2 the unsharded gradients of the output projection and of a layer) are part of it: without them the
     estimate was 0.79-0.91x of the measured peak here."""
-    measured, estimated = run_on_ranks(_measured_with_gradients, 2, layout)[0]
-    print(f"{layout}: measured {measured / 2**20:.1f} MiB, estimate {estimated / 2**20:.1f} MiB"
+    measured, estimated = run_on_ranks(_measured_with_gradients, 2, variant)[0]
+    print(f"{variant}: measured {measured / 2**20:.1f} MiB, estimate {estimated / 2**20:.1f} MiB"
           f" ({estimated / measured:.2f}x)")  # the table of docs/performance.md (pytest -s)
-    assert 0.98 <= estimated / measured <= 1.1, (layout, measured / 2**20, estimated / 2**20)
+    assert 0.98 <= estimated / measured <= 1.1, (variant, measured / 2**20, estimated / 2**20)
 
 
 class _PeakOfStep(L.Callback):

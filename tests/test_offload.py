@@ -17,7 +17,7 @@ from lightning_fpdt.testing import run_on_ranks
 CHUNKS = range(2, 9)  # every chunk count from 2 to 8
 
 
-def _layout(n: int, sp: int) -> tuple[int, int]:
+def _lengths(n: int, sp: int) -> tuple[int, int]:
     """(global length, chunk size) with exactly ``n`` chunks; odd counts get a shorter last chunk."""
     chunk = 4 * sp
     return n * chunk - (2 * sp if n % 2 else 0), chunk
@@ -27,7 +27,7 @@ def _run(rank: int, world: int, seed: int, copy_delay: float) -> list[dict]:
     group = dist.group.WORLD if world > 1 else None
     out = []
     for n in CHUNKS:
-        seq, chunk = _layout(n, world)
+        seq, chunk = _lengths(n, world)
         for causal in (True, False):
             g = torch.Generator().manual_seed(seed + n)
             full = [torch.randn(2, seq, 4, 8, generator=g, dtype=torch.float64) for _ in range(4)]
@@ -95,14 +95,14 @@ def test_store_life_cycle_and_errors() -> None:
 def test_put_on_a_live_key_is_an_error() -> None:
     store = ChunkStore(torch.device("cpu"), offload=True)
     x = torch.randn(4, 4)
-    store.put(("ckpt", 0), x)
-    with pytest.raises(ValueError, match=r"chunk \('ckpt', 0\) is already stored.*new_key"):
-        store.put(("ckpt", 0), torch.zeros(4, 4))
-    assert torch.equal(store.get(("ckpt", 0)), x)  # the first chunk is untouched
-    keys = {store.new_key("ckpt") for _ in range(3)}
-    assert len(keys) == 3 and all(kind == "ckpt" for kind, _ in keys)
-    store.delete_later(("ckpt", 0))  # deferred: applied at the next look at the keys
-    assert ("ckpt", 0) not in store and not list(store.keys())
+    store.put(("input", 0), x)
+    with pytest.raises(ValueError, match=r"chunk \('input', 0\) is already stored.*new_key"):
+        store.put(("input", 0), torch.zeros(4, 4))
+    assert torch.equal(store.get(("input", 0)), x)  # the first chunk is untouched
+    keys = {store.new_key("input") for _ in range(3)}
+    assert len(keys) == 3 and all(kind == "input" for kind, _ in keys)
+    store.delete_later(("input", 0))  # deferred: applied at the next look at the keys
+    assert ("input", 0) not in store and not list(store.keys())
     store.close()
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from lightning_fpdt.layout import shard_batch
+from lightning_fpdt.batches import shard_batch
 from lightning_fpdt.memory import ModelShape, estimate
 from lightning_fpdt.memory.estimate_options import EstimateOptions
 from lightning_fpdt.models import GPTLM, CausalLM, GPTConfig, LlamaConfig, LlamaLM

@@ -1,4 +1,4 @@
-"""Checkpoints survive crashes and layout changes: SIGKILLed runs resume to the same weights, bitwise, every
+"""Checkpoints survive crashes and changes of parallelism: SIGKILLed runs resume to the same weights, bitwise, every
 rank with the random number generator states it saved.
 
 Each run is ``tests/resume_job.py`` in its own process group, forked from the test process (2 or 4 CPU
@@ -138,7 +138,7 @@ def test_resume_after_the_last_batch_of_an_epoch(uninterrupted, tmp_path: Path) 
 
 
 @pytest.mark.timeout(300)
-def test_checkpoint_resumes_in_another_layout(uninterrupted, tmp_path: Path) -> None:
+def test_checkpoint_resumes_with_another_parallelism(uninterrupted, tmp_path: Path) -> None:
     """1x2 replicated -> 1x4 with chunks; 2x2 sharded -> 1x1 replicated: the next step's loss matches."""
     reference = losses(uninterrupted[False])
     # sp = 2 -> sp = 4 (and a chunk size), from the replicated run's step-4 file checkpoint
@@ -153,7 +153,7 @@ def test_checkpoint_resumes_in_another_layout(uninterrupted, tmp_path: Path) -> 
             step, resumed[step], reference[step])
     assert_rng_restored(uninterrupted[False], out, 4)  # ranks 2 and 3 take the states of ranks 0 and 1
 
-    # a replicated file checkpoint into sharded parameters (same layout, so the same data)
+    # a replicated file checkpoint into sharded parameters (same parallelism, so the same data)
     out = tmp_path / "sharded-from-file"
     proc = job(out, "--shard", "--max-steps", "6", "--resume", str(uninterrupted[False] / "ckpt" / "step=4.ckpt"))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -181,7 +181,7 @@ def test_checkpoint_resumes_in_another_layout(uninterrupted, tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(300)
-def test_hf_model_resumes_bitwise_and_in_another_layout(tmp_path: Path) -> None:
+def test_hf_model_resumes_bitwise_and_with_another_parallelism(tmp_path: Path) -> None:
     """HFCausalLM (a transformers Llama) with the memory stack (tiled MLP and loss, checkpointed decoder layers
     with host-offload emulation, FSDP2 per decoder layer): SIGKILLed mid-training, it resumes to the same
     weights, bitwise; its sharded checkpoint resumes replicated at sp=4 with chunks, next losses within 1e-12."""

@@ -1,4 +1,4 @@
-"""Tiled MLP, tiled cross-entropy and block checkpointing equal their plain versions (float64)."""
+"""Tiled MLP, tiled cross-entropy and block activation checkpointing equal their plain versions (float64)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_fpdt.activation_checkpoint import new_checkpoint_store
+from lightning_fpdt.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.chunk_store import slow_copies
@@ -111,13 +111,13 @@ def _block() -> FPDTBlock:
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["in-memory", "offloaded"])
-def test_checkpointed_blocks_match_plain(offload: bool, fresh_seed: int) -> None:
+def test_recomputed_blocks_match_plain(offload: bool, fresh_seed: int) -> None:
     torch.manual_seed(fresh_seed)
     plain = torch.nn.ModuleList([_block(), _block()])
     ckpt = copy.deepcopy(plain)
-    store = new_checkpoint_store(torch.device("cpu")) if offload else None
+    store = new_layer_input_store(torch.device("cpu")) if offload else None
     for i, block in enumerate(ckpt):
-        block.bind(SequenceParallelContext(activation_checkpointing=True, checkpoint_store=store,
+        block.bind(SequenceParallelContext(activation_checkpointing=True, layer_input_store=store,
                                            chunk_size=8, attention_backend="math"), layer_index=i)
     pos = torch.arange(24).expand(2, 24)
     x = torch.randn(2, 24, 32, dtype=torch.float64)
@@ -127,7 +127,7 @@ def test_checkpointed_blocks_match_plain(offload: bool, fresh_seed: int) -> None
     for b in plain:
         y1 = b(y1, pos)
     y1.backward(g)
-    with slow_copies(0.001):  # every offload copy slower: a checkpoint used before its copy is done shows
+    with slow_copies(0.001):  # every offload copy slower: a layer input used before its copy is done shows
         y2 = x2
         for b in ckpt:
             y2 = b(y2, pos)
@@ -136,7 +136,7 @@ def test_checkpointed_blocks_match_plain(offload: bool, fresh_seed: int) -> None
     for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
         assert rel_error(b.grad, a.grad) <= 1e-12, name
     if store is not None:
-        assert not list(store.keys())  # every checkpoint was consumed and deleted
+        assert not list(store.keys())  # every layer input was consumed and deleted
         assert store.stats.bytes_to_host == 2 * x.numel() * 8
-        assert store.stats.peak_resident_chunks["checkpoint"] <= 2
+        assert store.stats.peak_resident_chunks["layer_input"] <= 2
         store.close()

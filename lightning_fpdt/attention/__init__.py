@@ -16,7 +16,8 @@ from lightning_fpdt.attention.sources import TensorEnds
 from lightning_fpdt.attention.ulysses import ulysses_attention
 from lightning_fpdt.chunk_store import OffloadStats
 from lightning_fpdt.comm import check_heads, expand_kv_heads, group_size, head_to_seq
-from lightning_fpdt.layout import PackedDocuments, validate_chunk_size
+from lightning_fpdt.layout import validate_chunk_size
+from lightning_fpdt.packed_documents import PackedDocuments
 
 __all__ = ["BACKENDS", "fpdt_attention", "get_kernel", "update_out_and_lse"]
 
@@ -55,8 +56,8 @@ def fpdt_attention(
         return_lse: also return the log-sum-exp ``[batch, S/P, n_heads]`` (not differentiable).
         stats_sink: a list the call appends its :class:`OffloadStats` to once its work is done.
         documents: packed documents (global offsets of the padded sequence, the same on every rank:
-            :func:`lightning_fpdt.layout.find_documents`); each token attends only within its document,
-            and blocks that share no document are skipped. ``None``: one document per sample.
+            :func:`lightning_fpdt.packed_documents.find_documents`); each token attends only within its
+            document, and blocks that share no document are skipped. ``None``: one document per sample.
         window: sliding-window attention (causal only): a query at global position ``i`` sees keys
             ``i - window + 1 .. i``, as transformers counts ``sliding_window``; within packed documents the
             same band inside each document. Blocks wholly outside every query's window are skipped (no

@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_fpdt.layout import PackedDocuments, Segment, chunk_lengths
+from lightning_fpdt.layout import chunk_lengths
+from lightning_fpdt.packed_documents import PackedDocuments, Segment
 
 BlockKind = Literal["skip", "full", "cut"]
 Range = tuple[int, int]  # global token range [start, end) of a chunk
@@ -52,10 +53,11 @@ def window_start(query: int, window: int) -> int:
 
 @dataclass(frozen=True)
 class Rect(Segment):
-    """One kernel call of a cut block: a document's :class:`~lightning_fpdt.layout.Segment` (rows ``q_lo:q_hi``
-    of the query chunk attend to keys ``k_lo:k_hi`` of the key chunk, for the samples ``batch``; ``causal``: a
-    square on the diagonal, local key ``b`` seen by local row ``a`` only if ``b <= a``) with a window edge:
-    ``lower``, only keys with ``b - a >= lower`` are seen (``None``: no edge). Every row sees at least one key.
+    """One kernel call of a cut block: a document's :class:`~lightning_fpdt.packed_documents.Segment` (rows
+    ``q_lo:q_hi`` of the query chunk attend to keys ``k_lo:k_hi`` of the key chunk, for the samples ``batch``;
+    ``causal``: a square on the diagonal, local key ``b`` seen by local row ``a`` only if ``b <= a``) with a
+    window edge: ``lower``, only keys with ``b - a >= lower`` are seen (``None``: no edge). Every row sees at
+    least one key.
     """
 
     lower: int | None = None

@@ -1,5 +1,6 @@
-"""What the kernels share below the kernel interface: the head layouts of GQA, the window's edge as a mask,
-and torch's fused CUDA attention ops, each called as torch's autograd formula calls it.
+"""What the kernels share below the kernel interface: GQA's key/value heads as each op takes them, the
+window's edge as a mask, and torch's fused CUDA attention ops, each called as torch's autograd formula calls
+it.
 
 The fused ops' backward gets what their forward returned (``derivatives.yaml``); tests/test_cuda_calls.py
 checks every call on meta tensors. :class:`~lightning_fpdt.attention.kernels.SdpaKernel` routes to them.
@@ -137,7 +138,7 @@ def efficient_op_forward(
     if lse.shape[-1] != efficient_lse_len(s_q):
         raise RuntimeError(
             f"SdpaKernel: the memory-efficient op returned an lse of length {lse.shape[-1]} for {s_q} queries,"
-            f" not the {efficient_lse_len(s_q)} its backward is fed; this torch build changed the layout."
+            f" not the {efficient_lse_len(s_q)} its backward is fed; this torch build changed its padding."
         )
     return out.transpose(1, 2)[..., :d], lse[..., :s_q]
 
@@ -151,9 +152,9 @@ def efficient_op_backward(
         dense_head_dim(x).transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h), dout.to(q.dtype))
     )
     # The kernel is given only out's batch and head strides and assumes the rest of the forward's output
-    # layout, [b, s, h, d8] contiguous (dense_head_dim pads into a fresh contiguous tensor, or keeps a dense one).
+    # strides, [b, s, h, d8] contiguous (dense_head_dim pads into a fresh contiguous tensor, or keeps a dense one).
     ot = dense_head_dim(out.to(q.dtype).contiguous()).transpose(1, 2)
-    # The merged lse [b, h, s_q] re-padded to the forward's layout. The kernel reads whole 32-row tiles
+    # The merged lse [b, h, s_q] re-padded to the forward's length. The kernel reads whole 32-row tiles
     # without bound checks; +inf, what the forward writes there, makes P = exp(S - lse) = 0 on those rows.
     lse_padded = F.pad(lse.to(torch.float32), (0, efficient_lse_len(s_q) - s_q), value=math.inf)
     philox_seed, philox_offset = unused_rng_state(False, q.device)

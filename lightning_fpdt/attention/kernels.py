@@ -21,7 +21,7 @@ block's own memory; ``flash_attn`` passes ``window_size`` and ``softcap``.
 Backends: ``math`` (pure torch, any dtype: the reference), ``sdpa`` (torch's fused kernels through
 the aten ops that return the log-sum-exp), ``flash_attn`` (the flash-attn package, CUDA).
 
-The fused CUDA ops, the GQA head layouts and the edge's mask are in ``fused_ops``.
+The fused CUDA ops, GQA's key/value heads as each op takes them and the edge's mask are in ``fused_ops``.
 """
 
 from __future__ import annotations

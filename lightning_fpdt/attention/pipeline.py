@@ -53,8 +53,9 @@ from lightning_fpdt.attention.kernels import AttentionKernel, accumulate_dtype, 
 from lightning_fpdt.attention.merge import merge_sink, sink_grad, update_out_and_lse
 from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
 from lightning_fpdt.comm import Exchange, PendingAllToAll, group_size
-from lightning_fpdt.layout import PackedDocuments, validate_chunk_size
-from lightning_fpdt.profiling import record
+from lightning_fpdt.layout import validate_chunk_size
+from lightning_fpdt.packed_documents import PackedDocuments
+from lightning_fpdt.profiling import named_range
 
 KV_KINDS = {"k": "kv", "v": "kv"}
 QUERY_KINDS = {"q": "query", "o": "query", "lse": "query", "do": "query", "dq": "query"}
@@ -146,7 +147,7 @@ def pipeline_forward(
         return (q, *issue_kv(i)) if opt.causal else (q,)
 
     def store_kv(j: int, pending: tuple[PendingAllToAll, ...], keep: bool) -> None:
-        with record("fpdt/all_to_all"):
+        with named_range("fpdt/all_to_all"):
             k_j, v_j = (p.wait() for p in pending)  # [b, C_j, h_kv/P, d]
         store.put(("k", j), k_j, keep_on_device=keep)
         store.put(("v", j), v_j, keep_on_device=keep)
@@ -154,7 +155,7 @@ def pipeline_forward(
     def place(sent: tuple[PendingAllToAll, int, int]) -> None:
         nonlocal out
         pending, lo, hi = sent
-        with record("fpdt/all_to_all"):
+        with named_range("fpdt/all_to_all"):
             out_c = pending.wait()  # [b, C_i / P, h, d]
         if out is None:
             out = out_c.new_empty(b, s_local, h, d)
@@ -170,7 +171,7 @@ def pipeline_forward(
     sent: tuple[PendingAllToAll, int, int] | None = None  # the previous output chunk, on its way back
     for i, (lo, hi) in enumerate(bounds):
         current, ahead = ahead, ()
-        with record("fpdt/all_to_all"):
+        with named_range("fpdt/all_to_all"):
             q_i = current[0].wait()  # [b, C_i, h/P, d], global chunk i
         if opt.causal:
             store_kv(i, current[1:], keep=True)
@@ -184,7 +185,7 @@ def pipeline_forward(
                 store.prefetch(("k", nxt))
                 store.prefetch(("v", nxt))
             k_j, v_j = store.get(("k", j)), store.get(("v", j))
-            with record("fpdt/attention_chunk"):
+            with named_range("fpdt/attention_chunk"):
                 block_out, block_lse = block_forward(opt.kernel, q_i, k_j, v_j, plan[(i, j)], opt.scale, opt.softcap)
                 out_i, lse_i = update_out_and_lse(out_i, lse_i, block_out, block_lse)
             if nxt != j:  # full attention's block (n-2, n-1) is followed by (n-1, n-1): keep it
@@ -255,7 +256,7 @@ def pipeline_backward(
         return exchange.seq_to_head(dout[:, lo:hi], f"dout{i}")
 
     def deliver() -> None:
-        with record("fpdt/all_to_all"):
+        with named_range("fpdt/all_to_all"):
             for hand_over in homebound:
                 hand_over()
         homebound.clear()
@@ -270,14 +271,14 @@ def pipeline_backward(
             dk_j = dv_j = None
         if first_visit[i] == t:  # first visit of query chunk i: its dout arrives, the next one's all-to-all starts
             assert dout_ahead is not None
-            with record("fpdt/all_to_all"):
+            with named_range("fpdt/all_to_all"):
                 store.put(("do", i), dout_ahead.wait(), keep_on_device=True)
             following = next(douts, None)
             dout_ahead = issue_dout(following) if following is not None else None
         if nxt is not None:
             prefetch(t + 1)
         q_i, o_i, lse_i, do_i = (store.get((kind, i)) for kind in ("q", "o", "lse", "do"))
-        with record("fpdt/attention_chunk_backward"):
+        with named_range("fpdt/attention_chunk_backward"):
             if dsinks is not None and first_visit[i] == t:  # each row's sink gradient, once
                 dsinks += sink_grad(do_i, o_i, lse_i, sinks)
             dq, dk, dv = block_backward(opt.kernel, do_i, q_i, k_j, v_j, o_i, lse_i, plan[(i, j)], opt.scale,

@@ -1,4 +1,4 @@
-"""The two ends the FPDT pipeline runs between (``ChunkSource`` / ``ChunkSink`` in ``pipeline.py``).
+"""The two ends the FPDT pipeline runs between (the ``ChunkSource`` / ``ChunkSink`` protocols of ``ends.py``).
 
 - Whole tensors (:class:`TensorEnds`, for ``fpdt_attention``): the source slices q, k, v
   ``[batch, s_local, heads, head_dim]``; the sink writes dq, dk, dv into whole tensors.

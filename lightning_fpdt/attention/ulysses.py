@@ -13,7 +13,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_fpdt.attention.kernels import AttentionKernel
 from lightning_fpdt.comm import HeadToSeq, SeqToHead
-from lightning_fpdt.profiling import record
+from lightning_fpdt.profiling import named_range
 
 
 class KernelAttentionFunction(torch.autograd.Function):
@@ -25,7 +25,7 @@ class KernelAttentionFunction(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel, causal: bool, scale: float,
         softcap: float | None = None,
     ) -> Tensor:
-        with record("fpdt/attention"):
+        with named_range("fpdt/attention"):
             out, lse = kernel.forward(q, k, v, causal, scale, None, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.causal, ctx.scale, ctx.softcap = kernel, causal, scale, softcap
@@ -34,7 +34,7 @@ class KernelAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        with record("fpdt/attention_backward"):
+        with named_range("fpdt/attention_backward"):
             dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, None, ctx.softcap)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
@@ -45,8 +45,8 @@ def ulysses_attention(
 ) -> Tensor:
     """Sequence shards ``[b, S/P, h, d]`` in, output shard out; k/v heads already shardable over P. Sliding
     windows, documents and sinks take the pipeline (``fpdt_attention``), which plans their blocks."""
-    with record("fpdt/all_to_all"):
+    with named_range("fpdt/all_to_all"):
         q, k, v = (SeqToHead.apply(x, group) for x in (q, k, v))  # [b, S, h/P, d]
     out = KernelAttentionFunction.apply(q, k, v, kernel, causal, scale, softcap)
-    with record("fpdt/all_to_all"):
+    with named_range("fpdt/all_to_all"):
         return HeadToSeq.apply(out, group)  # [b, S/P, h, d]

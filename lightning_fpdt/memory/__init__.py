@@ -10,15 +10,15 @@ The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-w
 - parameters, gradients (twice under DDP without ``gradient_as_bucket_view``: its buckets) and AdamW state
   (every rank holds all of them, or ``1 / world`` of them and the gathered layers in use with ``shard_parameters``);
 - saved activations per layer (block input, norm outputs, the attention pipeline's head-sharded
-  q/k/v/out chunks and lse, the o_proj input, the MLP intermediates unless tiled); with
+  q/k/v/out chunks and lse, the o_proj input, the MLP intermediates unless tiled); with activation
   checkpointing only the block input (on the host with ``offload_checkpoints``);
 - the largest transient: the loss (full logits unless tiled) or the backward of one block (recomputed
-  with checkpointing), plus the attention working set of one chunk;
+  with activation checkpointing), plus the attention working set of one chunk;
 - the gradients made so far during backward: a block's backward is the peak when it runs late in the
   backward, with the gradients of every later block (and, under ``shard_parameters``, the unsharded
   gradients of the root's parameters and of one block, and a block's float32 reduce-scatter input) alive;
 - host memory: offloaded attention chunks (one layer's worth at a time: the pipeline keeps a layer's
-  chunks from its forward to its backward only when it is not checkpointed) and block checkpoints.
+  chunks from its forward to its backward only without activation checkpointing) and the block inputs it keeps.
 
 The sizes come from the module itself (:meth:`ModelShape.from_module`, :mod:`lightning_fpdt.memory.shape`): its
 decoder layers (``FPDTBlock`` s, or the transformers decoder layers of ``HFCausalLM``), its output projection or token
@@ -137,7 +137,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # x, the norms' outputs and extras, the residual; o_proj's input
     layer_saved = t * e * ((4 + shape.norm_extras) * h + qd) + pipeline_saved + rope + mlp_saved
     layer_device = layer_saved - (pipeline_saved if options.offload else 0)
-    checkpoint = t * h * e
+    layer_input = t * h * e  # what activation checkpointing keeps of a block
 
     # the loss: full float32 logits unless tiled (then one tile of the rank's tokens at a time)
     tile_tokens = largest_tile(t, shape.loss_tiles) if options.loss_tiled else t
@@ -173,7 +173,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # local q/k/v of a Hugging Face layer) and the MLP's backward
     block_backward = t * h * e + max(chunk_buffers + qkv_local, mlp_work)
     if options.activation_checkpointing:
-        stored = 0 if options.offload_checkpoints else checkpoint  # one block's input on the device
+        stored = 0 if options.offload_checkpoints else layer_input  # one block's input on the device
         saved = shape.num_layers * stored + final
         # one block recomputed and its backward: its saved activations besides the above. The loss's saved
         # logits are freed before the first block is recomputed (the final norm's activations are counted on:
@@ -195,7 +195,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     if options.offload:
         host += pipeline_saved * (1 if options.activation_checkpointing else shape.num_layers)
     if options.activation_checkpointing and options.offload_checkpoints:
-        host += shape.num_layers * checkpoint
+        host += shape.num_layers * layer_input
     # the blocks' backward, from the last block to the first: the gradients made so far grow by one block's
     # as the stored activations shrink by one block's, so the peak is at one end: the last block (the
     # output projection's gradient, every block's activations) or the first (every block's gradients too, one

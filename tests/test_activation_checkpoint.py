@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lightning_fpdt.activation_checkpoint import new_checkpoint_store
+from lightning_fpdt.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.chunk_store import ChunkStore, slow_copies
@@ -20,13 +20,13 @@ from tests.reference import rel_error
 CPU = torch.device("cpu")
 BATCH, SEQ, HIDDEN, LAYERS = 2, 24, 32, 2
 
-# where the checkpointed block inputs live; the offloading ones copy slowly (COPY_DELAY) on the background
+# where the inputs of recomputed blocks live; the offloading ones copy slowly (COPY_DELAY) on the background
 # workers that emulate the copy streams
 STORES = {
     "graph": lambda: None,
     "device-store": lambda: ChunkStore(CPU, offload=False),
     "offloaded": lambda: ChunkStore(CPU, offload=True),
-    "checkpoint-store": lambda: new_checkpoint_store(CPU),
+    "layer-input-store": lambda: new_layer_input_store(CPU),
 }
 COPY_DELAY = 0.001
 # f: a forward pass whose output goes into the next backward; d: a forward pass whose output is
@@ -89,7 +89,7 @@ def test_any_forward_backward_schedule_matches_plain(store_name: str, schedule_n
     ckpt = copy.deepcopy(plain)
     store = STORES[store_name]()
     for i, block in enumerate(ckpt):
-        block.bind(SequenceParallelContext(activation_checkpointing=True, checkpoint_store=store,
+        block.bind(SequenceParallelContext(activation_checkpointing=True, layer_input_store=store,
                                            chunk_size=8, attention_backend="math"), layer_index=i)
     forwards = sum(s != "b" for s in schedule)
     inputs = [torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64) for _ in range(forwards)]
@@ -104,18 +104,18 @@ def test_any_forward_backward_schedule_matches_plain(store_name: str, schedule_n
     for (name, p_plain), p_ckpt in zip(plain.named_parameters(), ckpt.parameters()):
         assert rel_error(p_ckpt.grad, p_plain.grad) <= 1e-10, f"{label}: {name}"
     if store is not None:
-        assert not list(store.keys()), f"{label}: checkpoints left in the store"
+        assert not list(store.keys()), f"{label}: layer inputs left in the store"
         if store.offload:
-            # each backward waits only for the checkpoint it meets first; every later one was prefetched
+            # each backward waits only for the layer input it meets first; every later one was prefetched
             assert store.stats.stalls == schedule.count("b"), label
             assert max(store.stats.peak_resident_chunks.values()) <= 2, label  # the one in use + the next
         store.close()
 
 
-def test_forward_without_gradients_does_not_checkpoint() -> None:
+def test_forward_without_gradients_keeps_no_layer_input() -> None:
     store = ChunkStore(CPU, offload=True)
     block = _block()
-    block.bind(SequenceParallelContext(activation_checkpointing=True, checkpoint_store=store, chunk_size=8,
+    block.bind(SequenceParallelContext(activation_checkpointing=True, layer_input_store=store, chunk_size=8,
                                        attention_backend="math"))
     x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64)
     pos = torch.arange(SEQ).expand(BATCH, SEQ)
