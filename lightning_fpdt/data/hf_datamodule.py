@@ -31,33 +31,53 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_fpdt.batches import input_vocab_size
 from lightning_fpdt.data import files
-from lightning_fpdt.data.packing import OWNER, DataError, build_samples, chat_tokens, fill, text_tokens
+from lightning_fpdt.data.packing import (
+    OWNER,
+    DataError,
+    build_samples,
+    chat_tokens,
+    fill,
+    has_generation_prompt,
+    text_tokens,
+)
 
 KEYS = ("input_ids", "labels", "position_ids")
-VERSION = 1  # bump when the samples of the same inputs change
-_TOKENIZERS: dict[str, Any] = {}  # per worker process: the tokenizer, loaded once
+VERSION = 2  # bump when the samples of the same inputs change (2: headers of templates without a generation prompt)
+_TOKENIZERS: dict[str, tuple[str | None, Any]] = {}  # per process: path -> (files' digest, tokenizer)
 
 
-def load_tokenizer(path: str) -> Any:
-    """``AutoTokenizer.from_pretrained(path)`` from local files, once per process."""
-    if path not in _TOKENIZERS:
-        from transformers import AutoTokenizer  # optional dependency: only HFDataModule needs transformers
+def load_tokenizer(path: str, digest: str | None = None) -> Any:
+    """``AutoTokenizer.from_pretrained(path)`` from local files, once per process and version of its files.
 
-        try:
-            _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError) as err:
-            raise DataError(
-                f"{OWNER}no tokenizer could be loaded from {path!r} ({type(err).__name__}: {str(err)[:200]}). Give"
-                " data.tokenizer: a local directory with tokenizer.json / tokenizer_config.json (the model's"
-                " directory usually has them); nothing is downloaded."
-            ) from None
-    return _TOKENIZERS[path]
+    Args:
+        digest: :func:`files.directory_hash` of ``path``: a tokenizer saved again at the same path since it was
+            loaded is loaded again. ``None``: the one this process holds, if any.
+    """
+    held = _TOKENIZERS.get(path)
+    if held is not None and (digest is None or held[0] == digest):
+        return held[1]
+    from transformers import AutoTokenizer  # optional dependency: only HFDataModule needs transformers
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise DataError(
+            f"{OWNER}no tokenizer could be loaded from {path!r} ({type(err).__name__}: {str(err)[:200]}). Give"
+            " data.tokenizer: a local directory with tokenizer.json / tokenizer_config.json (the model's"
+            " directory usually has them); nothing is downloaded."
+        ) from None
+    _TOKENIZERS[path] = (digest, tokenizer)
+    return tokenizer
 
 
-def _tokenize_rows(rows: dict[str, list[Any]], tokenizer_path: str, field: str, chat: bool) -> dict[str, list]:
+def _tokenize_rows(rows: dict[str, list[Any]], tokenizer_path: str, tokenizer_digest: str, field: str,
+                   chat: bool) -> dict[str, list]:
     """A batch of rows to ``input_ids`` (and ``labels``); a bad row gives its reason in ``problem``, never
-    raises (a worker's exception would reach the user as a raw traceback without the row)."""
-    tokenizer = load_tokenizer(tokenizer_path)
+    raises (a worker's exception would reach the user as a raw traceback without the row).
+
+    ``tokenizer_digest`` (the tokenizer files' hash) is an argument so that ``datasets``' own map cache, keyed by
+    the arguments, never returns the ids of a tokenizer saved earlier at the same path (docs/data.md, "Caching")."""
+    tokenizer = load_tokenizer(tokenizer_path, tokenizer_digest)
     values = rows[field]
     out: dict[str, list] = {"input_ids": [[] for _ in values], "labels": [[] for _ in values],
                             "problem": [""] * len(values), "skipped": [False] * len(values)}
@@ -192,10 +212,15 @@ class HFDataModule(pl.LightningDataModule):
 
     def cache_key(self) -> str:
         """SHA-256 of the files (path, size, mtime), the tokenizer's files and the options (first 16 digits)."""
+        return self._key()[0]
+
+    def _key(self) -> tuple[str, str]:
+        """The cache key and the digest of the tokenizer's files in it."""
+        digest = files.directory_hash(self.tokenizer_path())
         options = {k: self.hparams[k] for k in ("format", "seq_len", "too_long", "val_fraction", "seed")}
         key = {"version": VERSION, "files": {s: files.fingerprint(p) for s, p in self._sources().items()},
-               "tokenizer": files.directory_hash(self.tokenizer_path()), "field": self.field, **options}
-        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+               "tokenizer": digest, "field": self.field, **options}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16], digest
 
     # ---- prepare_data: one process per node --------------------------------------------------------------
 
@@ -203,7 +228,7 @@ class HFDataModule(pl.LightningDataModule):
         """Tokenize and pack into the cache unless it is there; a bad input is written next to the cache
         (``<key>.error``) for ``setup`` to raise on every rank."""
         try:
-            key = self.cache_key()
+            key, digest = self._key()
         except DataError:
             return  # every rank's setup meets the same error
         target, error = self.cache_dir / key, self.cache_dir / f"{key}.error"
@@ -211,13 +236,13 @@ class HFDataModule(pl.LightningDataModule):
             return
         error.unlink(missing_ok=True)
         try:
-            self._build(target)
+            self._build(target, digest)
         except DataError as err:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             error.write_text(str(err))
 
-    def _build(self, target: Path) -> None:
-        tokenizer = load_tokenizer(self.tokenizer_path())
+    def _build(self, target: Path, digest: str) -> None:
+        tokenizer = load_tokenizer(self.tokenizer_path(), digest)
         if self.format == "chat" and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"{OWNER}format='chat' needs a chat template, and the tokenizer at {self.tokenizer_path()!r} has"
@@ -227,7 +252,7 @@ class HFDataModule(pl.LightningDataModule):
         if tokenizer.eos_token_id is None:
             raise DataError(f"{OWNER}the tokenizer at {self.tokenizer_path()!r} has no eos_token; set one and save it.")
         start = time.perf_counter()
-        docs = {split: self._tokenize(paths, split) for split, paths in self._sources().items()}
+        docs = {split: self._tokenize(paths, split, digest) for split, paths in self._sources().items()}
         self.stats["tokenize_s"], start = time.perf_counter() - start, time.perf_counter()
         if "val" not in docs and self.val_fraction > 0:
             train, n = docs["train"], len(docs["train"][0])
@@ -239,6 +264,8 @@ class HFDataModule(pl.LightningDataModule):
         shutil.rmtree(building, ignore_errors=True)
         building.mkdir(parents=True)
         meta: dict[str, Any] = {"vocab": len(tokenizer), "tokenizer": self.tokenizer_path()}
+        if self.format == "chat":  # without one, chat_tokens finds each assistant header another way; _report says so
+            meta["generation_prompt"] = has_generation_prompt(tokenizer)
         for split, (ids, labels) in docs.items():
             if not ids:
                 if split == "train":
@@ -255,7 +282,7 @@ class HFDataModule(pl.LightningDataModule):
         shutil.rmtree(target, ignore_errors=True)
         os.replace(building, target)
 
-    def _tokenize(self, paths: list[str], split: str) -> tuple[list[list[int]], list[list[int]]]:
+    def _tokenize(self, paths: list[str], split: str, digest: str) -> tuple[list[list[int]], list[list[int]]]:
         """Every row of ``paths`` tokenized (``num_proc`` processes): ``(ids, labels)`` per kept document."""
         ids: list[list[int]] = []
         labels: list[list[int]] = []
@@ -267,7 +294,8 @@ class HFDataModule(pl.LightningDataModule):
             rows += len(data)
             if len(data) == 0:
                 continue
-            kwargs = {"tokenizer_path": self.tokenizer_path(), "field": self.field, "chat": self.format == "chat"}
+            kwargs = {"tokenizer_path": self.tokenizer_path(), "tokenizer_digest": digest, "field": self.field,
+                      "chat": self.format == "chat"}
             made = data.map(_tokenize_rows, batched=True, batch_size=256, fn_kwargs=kwargs,
                             remove_columns=data.column_names, num_proc=min(self.num_proc, len(data)),
                             desc=f"HFDataModule: tokenizing {Path(path).name}")
@@ -328,6 +356,14 @@ class HFDataModule(pl.LightningDataModule):
         self.stats = meta
 
     def _report(self, meta: dict[str, Any]) -> None:
+        if meta.get("generation_prompt") is False:
+            rank_zero_warn(
+                f"{OWNER}the chat template of the tokenizer at {meta['tokenizer']!r} renders nothing for"
+                " add_generation_prompt=True (it has no generation-prompt branch). Each assistant turn's header was"
+                " found by rendering the turn with two different replies, so it is not trained on; but generation"
+                " with this template will not open an assistant turn: add {% if add_generation_prompt %} and the"
+                " assistant header {% endif %} to the template."
+            )
         lost = {s: (meta.get(f"{s}_skipped", 0), meta.get(f"{s}_too_long", 0)) for s in ("train", "val")}
         for split, (skipped, too_long) in lost.items():
             if skipped or too_long:

@@ -5,8 +5,9 @@
   sample continues in the next sample as a new document.
 - chat: a conversation is its chat-template rendering; its labels are the tokens of the assistant turns
   (the reply and the template's end of turn), found by rendering the prefixes of the conversation and
-  checking that each prefix tokenizes as the start of the whole (:func:`chat_tokens`). Conversations are
-  bin-packed whole (best-fit decreasing, :func:`pack_whole`).
+  checking that each prefix tokenizes as the start of the whole (:func:`chat_tokens`); a template without a
+  generation prompt has its assistant header found from two renderings of the turn (:func:`_reply_start`).
+  Conversations are bin-packed whole (best-fit decreasing, :func:`pack_whole`).
 
 In every sample ``position_ids`` restart at 0 where a document starts (and at the sample's start), which
 ``FPDTStrategy`` and ``CausalLM`` read as document starts: attention and targets stay inside a document.
@@ -16,6 +17,7 @@ The free tail of a sample is padding: ``pad_id`` tokens, ignored labels, positio
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,10 +43,52 @@ def text_tokens(tokenizer: Any, text: Any) -> list[int]:
     return ids + [tokenizer.eos_token_id]
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _text(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
     # the template writes its own special tokens (BOS included): do not add them again
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def has_generation_prompt(tokenizer: Any) -> bool:
+    """Whether the chat template renders something for ``add_generation_prompt=True`` after a user turn (a
+    template without that branch renders nothing; ``True`` when the probe cannot be rendered)."""
+    probe = [{"role": "user", "content": "A"}]
+    try:
+        return _text(tokenizer, probe, True) != _text(tokenizer, probe, False)
+    except Exception:  # a template that refuses the probe: chat_tokens checks each turn on its own anyway
+        return True
+
+
+def _reply_start(tokenizer: Any, messages: list[dict[str, Any]], i: int) -> str:
+    """The text before assistant turn ``i``'s reply: the rendering of ``messages[:i]`` and the turn's header.
+
+    That is the generation prompt's rendering when it adds something. A template without a generation-prompt
+    branch renders nothing for it (the header would be trained as part of the reply), and ``messages[:0]`` is
+    not rendered at all (an empty conversation breaks many templates): then the turn is rendered with the
+    replies ``"A"`` and ``"B"``, and the header ends where the two renderings part.
+
+    Raises:
+        ValueError: the two renderings are the same (the template ignores the content) or do not start with
+            the rendering of ``messages[:i]``.
+    """
+    before = _text(tokenizer, messages[:i], False) if i else ""
+    if i:
+        prompted = _text(tokenizer, messages[:i], True)
+        if prompted != before:
+            return prompted
+    one, other = (_text(tokenizer, [*messages[:i], {**messages[i], "content": reply}], False) for reply in "AB")
+    start = os.path.commonprefix([one, other])
+    if one == other or not start.startswith(before):
+        raise ValueError(
+            f"has assistant turn {i} whose header cannot be found: the chat template renders nothing for"
+            " add_generation_prompt=True, and rendering the turn with two different replies"
+            f" {'gives the same text' if one == other else 'does not start with the conversation before it'}."
+            " Use a chat template with a generation prompt ({% if add_generation_prompt %}...{% endif %})"
+        )
+    return start
 
 
 def chat_tokens(tokenizer: Any, messages: Any) -> tuple[list[int], list[int]] | None:
@@ -55,7 +99,9 @@ def chat_tokens(tokenizer: Any, messages: Any) -> tuple[list[int], list[int]] | 
     generation prompt to the end of the rendering of ``messages[:i + 1]``: its reply and the template's end
     of turn. Both renderings must tokenize as the start of the whole conversation's ids, so a template that
     renders a turn differently once it is followed by others, or a tokenizer that merges across the turn's
-    edge, is refused rather than labelled wrongly.
+    edge, is refused rather than labelled wrongly. Where the generation prompt renders nothing (a template
+    without that branch, or a conversation that opens with the assistant), the turn's header is found by
+    :func:`_reply_start` instead, so it is not labelled either.
 
     Returns:
         ``(ids, labels)``, or ``None`` for a conversation without an assistant turn.
@@ -70,12 +116,12 @@ def chat_tokens(tokenizer: Any, messages: Any) -> tuple[list[int], list[int]] | 
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
         return None
-    ids = _render(tokenizer, messages, generation_prompt=False)
+    ids = _ids(tokenizer, _text(tokenizer, messages, generation_prompt=False))
     labels = [IGNORE] * len(ids)
     for i in turns:
-        start = _render(tokenizer, messages[:i], generation_prompt=True) if i else []
-        end = _render(tokenizer, messages[: i + 1], generation_prompt=False)
-        for what, part in (("with the generation prompt", start), ("through it", end)):
+        start = _ids(tokenizer, _reply_start(tokenizer, messages, i))
+        end = _ids(tokenizer, _text(tokenizer, messages[: i + 1], generation_prompt=False))
+        for what, part in (("up to its reply", start), ("through it", end)):
             if ids[: len(part)] != part:
                 raise ValueError(
                     f"has assistant turn {i} whose rendering of the conversation {what} does not tokenize as the"
