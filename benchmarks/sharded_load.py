@@ -44,8 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import print_table
 
 from lightning_fpdt import FPDTStrategy
+from lightning_fpdt.hf.weights import build_on_meta, compute_buffers
 from lightning_fpdt.models import HFCausalLM
-from lightning_fpdt.models.hf_weights import SafetensorsCheckpoint, build_on_meta, compute_buffers, owned_rows
+from lightning_fpdt.weight_files import SafetensorsFiles, owned_rows
 
 MiB = 2**20
 
@@ -123,7 +124,7 @@ def scatter_shards(self: HFCausalLM, device: torch.device | str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     with torch.no_grad():
         for name, param in self.model.named_parameters():
-            rows = owned_rows(param, name)
+            rows = owned_rows(param, name, "benchmark")
             chunk = -(-param.shape[0] // world)
             out = torch.empty((chunk, *param.shape[1:]), dtype=param.dtype)
             pieces = None
@@ -170,14 +171,14 @@ def main() -> None:
     directory.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
-        if SafetensorsCheckpoint.find(directory) is None:
+        if SafetensorsFiles.find(directory) is None:
             total = write_checkpoint(directory, config, int(args.file_gb * 2**30))
         else:
-            files = set(SafetensorsCheckpoint.find(directory).files.values())
+            files = set(SafetensorsFiles.find(directory).files.values())
             total = sum((directory / f).stat().st_size for f in files)
         write_s = time.perf_counter() - t0
         params = total // 4
-        files = len(set(SafetensorsCheckpoint.find(directory).files.values()))
+        files = len(set(SafetensorsFiles.find(directory).files.values()))
         print(f"checkpoint: {params / 1e9:.2f}B parameters, {total / 2**30:.2f} GiB float32 in {files} files"
               f" (written in {write_s:.0f} s); {args.world} ranks; limit per rank = model / {args.world} + 1.5 GiB"
               f" = {total / args.world / MiB + 1536:.0f} MiB")

@@ -8,7 +8,7 @@ Model: Llama-style, hidden 512, 8 heads (4 KV heads), 4 layers, vocabulary 32000
 ``--models llama hf`` runs each variant for the project's own ``LlamaLM`` and for
 ``HFCausalLM(transformers.LlamaForCausalLM)`` of the same shape, with the same strategy options (the
 HF model's attention through the FPDT pipeline, its MLPs tiled and decoder layers checkpointed by
-``lightning_fpdt.models.hf_layers``).
+``lightning_fpdt.hf.layers``).
 Variants (``--variants``):
 
 - ``single``: one process, no sequence parallelism (plain model, no tiling, no checkpointing);

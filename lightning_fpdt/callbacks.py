@@ -83,7 +83,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
 
     Under sequence parallelism each rank counts its shard's tokens and Lightning multiplies by the
     world size, which gives the true tokens per second. The module's ``flops_per_batch`` (set by
-    :class:`~lightning_fpdt.models.lm.CausalLM` every step from its model's ``flops_per_token``, the bundled
+    :class:`~lightning_fpdt.models.causal_lm.CausalLM` every step from its model's ``flops_per_token``, the bundled
     models' and ``HFCausalLM``'s alike) gives FLOP/s (``train/flops_per_sec``, ``train/device/flops_per_sec``)
     and MFU (``train/device/mfu``) against the device's peak: Lightning's table of GPUs, or ``available_flops``.
 

@@ -27,13 +27,15 @@ from lightning_fpdt import FPDTStrategy, checkpoint_files
 from lightning_fpdt.data import PasskeyDataModule
 from lightning_fpdt.memory import ModelShape, report
 from lightning_fpdt.models import CausalLM, LlamaLM
+from lightning_fpdt.models.from_config import MODEL_DEFAULT
 
 
 class FPDTCLI(LightningCLI):
     """LightningCLI with the project's models and data modules as defaults."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.set_defaults({"model": {"class_path": "lightning_fpdt.models.LlamaLM"},
+        # the model key as lightning_fpdt.models.from_config.model_parser builds it (fpdt-export and the memory CLI)
+        parser.set_defaults({"model": MODEL_DEFAULT,
                              "data": {"class_path": "lightning_fpdt.data.PasskeyDataModule"}})
 
     def _parse_ckpt_path(self) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import json
 import shutil
 import warnings
@@ -31,13 +30,14 @@ import yaml
 from safetensors.torch import save_file
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from lightning_fpdt import checkpoint_files
-from lightning_fpdt.models.convert import Weight, gpt2_weights, llama_weights, to_hf
-from lightning_fpdt.models.gpt import GPTLM
-from lightning_fpdt.models.hf_causal_lm import HFCausalLM
-from lightning_fpdt.models.llama import Llama, LlamaLM
+from lightning_fpdt.hf.causal_lm import HFCausalLM
+from lightning_fpdt.models.bundled import BundledLM
+from lightning_fpdt.models.convert import hf_config_of
+from lightning_fpdt.models.family import Weight
+from lightning_fpdt.models.from_config import module_from_hyperparameters, module_from_yaml
 
 # what a tokenizer directory may hold (transformers' fast and slow tokenizers, chat templates)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -74,19 +74,21 @@ def plan_for(module: pl.LightningModule, tokenizer_dir: str | None = None) -> Ex
     """
     if isinstance(module, HFCausalLM):
         return hf_plan(module.model, "model.", tokenizer_dir or _source_dir(module.hparams.get("model")))
-    if not isinstance(module, (LlamaLM, GPTLM)):
+    if not isinstance(module, BundledLM):
         raise TypeError(f"{OWNER}HFCausalLM, LlamaLM or GPTLM can be exported, not {type(module).__name__}.")
     ours = module.model
-    table = llama_weights(ours) if isinstance(ours, Llama) else gpt2_weights(ours)
+    table = module.family.weights(ours)
     names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
-    with torch.device("meta"):  # only its config and tensor names and shapes
-        hf = to_hf(type(ours)(copy.deepcopy(ours.config)).to(next(ours.parameters()).dtype))
+    config = hf_config_of(ours)
+    with torch.device("meta"):  # only its tensor names and shapes
+        hf = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     parts: dict[str, list[Part]] = {}
     for row in table:
         parts.setdefault(row.name, []).append(Part(names[id(row.ours)], row if row.transposed or row.rows else None))
     shapes = {name: p.shape for name, p in hf.named_parameters() if name in parts}
-    # a model read from a checkpoint directory (hf_checkpoint) keeps its tokenizer there
-    return ExportPlan(hf.config, parts, shapes, tokenizer_dir or _source_dir(module.hparams.get("hf_checkpoint")))
+    config.dtype = next(ours.parameters()).dtype
+    # a model read from a pretrained directory (hf_checkpoint) keeps its tokenizer there
+    return ExportPlan(config, parts, shapes, tokenizer_dir or _source_dir(module.hparams.get("hf_checkpoint")))
 
 
 def hf_plan(model: PreTrainedModel, prefix: str, tokenizer_dir: str | None) -> ExportPlan:
@@ -180,34 +182,21 @@ def export(ckpt: str | Path, out: str | Path, config: str | Path | None = None, 
     if config is not None:
         fit = yaml.safe_load(Path(config).read_text()) or {}
         tokenizer = tokenizer or _source_dir(((fit.get("data") or {}).get("init_args") or {}).get("tokenizer"))
-        model = fit.get("model") or {}
-        class_path = model.get("class_path", "lightning_fpdt.models.LlamaLM")
-        args = {k: _instantiated(v) for k, v in (model.get("init_args") or {}).items()}
+        module = module_from_yaml(fit.get("model"), on_meta=True)
     elif meta.get("hyper_parameters"):
-        args = dict(meta["hyper_parameters"])
-        class_path = args.pop("_class_path", None) or _class_from(args)
-        args.pop("_instantiator", None)
+        module = module_from_hyperparameters(meta["hyper_parameters"], on_meta=True)
     else:
         raise ValueError(
             f"{OWNER}{path} has no saved hyper-parameters, so the model it holds is unknown. Pass the fit's YAML:"
             f" fpdt-export {ckpt} {out} --config FIT_YAML."
         )
-    module_name, _, class_name = class_path.rpartition(".")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    if issubclass(cls, HFCausalLM):  # the transformers model alone: no FPDT checks need to run on meta tensors
-        with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(
-                _hf_config(args["model"], args.get("from_pretrained_kwargs"), args.get("config_overrides")))
-        plan = hf_plan(hf, "model.", tokenizer or _source_dir(args["model"]))
-    else:
-        with torch.device("meta"):
-            plan = plan_for(cls(**args), tokenizer)
+    plan = plan_for(module, tokenizer)
     try:
         write(plan, read, out, dtype, max_shard_size)
     except KeyError as err:
         raise checkpoint_files.CheckpointError(
-            f"{OWNER}{path} has no tensor {err}: it does not hold a {class_name} of the configuration given. Pass"
-            " the fit's own YAML (--config) or the checkpoint that run wrote."
+            f"{OWNER}{path} has no tensor {err}: it does not hold a {type(module).__name__} of the configuration"
+            " given. Pass the fit's own YAML (--config) or the checkpoint that run wrote."
         ) from None
     return Path(out)
 
@@ -331,39 +320,6 @@ def _dcp_reader(path: Path) -> Callable[[str], Tensor]:
         return tensor
 
     return read
-
-
-def _class_from(hparams: dict[str, Any]) -> str:
-    """The LightningModule of saved hyper-parameters: HFCausalLM saves ``model``, ours ``config``."""
-    if "model" in hparams:
-        return "lightning_fpdt.models.HFCausalLM"
-    config = hparams.get("config") or {}
-    return "lightning_fpdt.models.GPTLM" if "n_embd" in config else "lightning_fpdt.models.LlamaLM"
-
-
-def _hf_config(model: Any, from_pretrained_kwargs: dict[str, Any] | None,
-               overrides: dict[str, Any] | None = None) -> PretrainedConfig:
-    """The transformers config of ``HFCausalLM``'s ``model`` argument (a path, a config dict, a class_path dict);
-    a path's ``config_overrides`` (RoPE scaling, ``max_position_embeddings``) applied as the run applied them
-    (a built config was saved with them)."""
-    if isinstance(model, PretrainedConfig):
-        return model
-    if isinstance(model, dict) and "class_path" in model:
-        return _instantiated(model)
-    if isinstance(model, dict):
-        return AutoConfig.for_model(**model)
-    keep = ("local_files_only", "revision", "trust_remote_code", "cache_dir", "subfolder")
-    kwargs = {k: v for k, v in (from_pretrained_kwargs or {}).items() if k in keep}
-    return AutoConfig.from_pretrained(model, **kwargs, **(overrides or {}))
-
-
-def _instantiated(value: Any) -> Any:
-    """A YAML value with ``class_path``/``init_args`` dicts (LightningCLI's form) made into their objects."""
-    if isinstance(value, dict) and "class_path" in value:
-        module_name, _, class_name = value["class_path"].rpartition(".")
-        args = {k: _instantiated(v) for k, v in (value.get("init_args") or {}).items()}
-        return getattr(importlib.import_module(module_name), class_name)(**args)
-    return value
 
 
 def _source_dir(model: Any) -> str | None:

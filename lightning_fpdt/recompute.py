@@ -16,7 +16,7 @@ sequence-tiled MLP and the tiled loss (:func:`lightning_fpdt.tiling.tiled_call`)
   expect), never one per tile or one from a nested backward.
 - Random numbers are not replayed: what runs twice must draw none, or the recomputation's dropout masks
   differ from the forward's and the gradients belong to neither. ``HFCausalLM`` refuses dropout where it
-  recomputes (:func:`lightning_fpdt.models.hf_layers.check_recomputable`).
+  recomputes (:func:`lightning_fpdt.hf.layers.check_recomputable`).
 
 An input kept in a store takes a fresh key (:meth:`ChunkStore.new_key`), so any number of forward passes
 may run before their backward (a second view of a batch, chosen/rejected pairs), and each backward

@@ -104,6 +104,27 @@ class RopeScaling:
         keys = set(_REQUIRED[rope_type]) | set(_OPTIONAL[rope_type])
         return cls(rope_type=rope_type, **{k: v for k, v in parameters.items() if k in keys and v is not None})
 
+    @classmethod
+    def of_hf(cls, config: Any) -> RopeScaling | None:
+        """The schedule of a ``transformers`` config's ``rope_parameters`` (YaRN without a ``factor`` takes
+        transformers' fallback, ``max_position_embeddings / original_max_position_embeddings``).
+
+        Raises:
+            NotImplementedError: as :meth:`from_hf`.
+        """
+        parameters = dict(getattr(config, "rope_parameters", None) or {})
+        if parameters.get("rope_type") == "yarn" and parameters.get("factor") is None:
+            parameters["factor"] = config.max_position_embeddings / parameters["original_max_position_embeddings"]
+        return cls.from_hf(parameters)
+
+
+def rope_theta_of(config: Any) -> float:
+    """The RoPE base of a ``transformers`` config (transformers >= 5 keeps it in ``rope_parameters``)."""
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return float(theta)
+
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> tuple[Tensor, float]:
     """RoPE's inverse frequencies ``[head_dim // 2]`` (float32) and the factor on cos and sin, computed with

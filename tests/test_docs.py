@@ -663,7 +663,8 @@ def test_every_link_resolves() -> None:
 def test_the_docs_index_lists_every_page() -> None:
     """docs/README.md is the way into the docs: it links every page, so a new page is found in the reading order."""
     index = ROOT / "docs" / "README.md"
-    linked = {(index.parent / target.partition("#")[0]).resolve() for target in _LINK.findall(_prose(index.read_text()))}
+    targets = _LINK.findall(_prose(index.read_text()))
+    linked = {(index.parent / target.partition("#")[0]).resolve() for target in targets}
     pages = {page.resolve() for page in (ROOT / "docs").glob("*.md")} - {index.resolve()}
     missing = sorted(page.name for page in pages - linked)
     assert not missing, f"docs/README.md links no line for {missing}"
@@ -671,7 +672,8 @@ def test_the_docs_index_lists_every_page() -> None:
 
 def test_the_link_check_catches_broken_links(tmp_path: Path) -> None:
     """A link to a missing page, to a heading a page does not have, or a missing docs/ page named in prose, is found."""
-    (tmp_path / "other.md").write_text("# Other page\n\n## Loading a checkpoint (`HFCausalLM`)\n\n## Twice\n\n## Twice\n")
+    (tmp_path / "other.md").write_text(
+        "# Other page\n\n## Loading a checkpoint (`HFCausalLM`)\n\n## Twice\n\n## Twice\n")
     page = tmp_path / "page.md"
     page.write_text("[ok](other.md#loading-a-checkpoint-hfcausallm) [ok](other.md#twice-1) [self](#a-page)\n"
                     "# A page\n[gone](gone.md) [no heading](other.md#exporting) see docs/no-such-page.md\n"

@@ -1,5 +1,5 @@
 """``LlamaLM`` / ``GPTLM(hf_checkpoint=...)``: our models built on the meta device, their weights read from a Hugging
-Face checkpoint directory where they are needed (lightning_fpdt.models.hf_checkpoint).
+Face checkpoint directory where they are needed (lightning_fpdt.models.pretrained).
 
 Oracles: ``llama_from_hf`` / ``gpt_from_hf`` of the same directory (whole: every parameter and buffer; sharded: each
 FSDP2 local shard is the rows of the converted tensor, and the ranks together read each stored element once), and
@@ -25,9 +25,9 @@ from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.cli import FPDTCLI
 from lightning_fpdt.export import export
 from lightning_fpdt.models import GPTLM, CausalLM, LlamaLM, gpt_from_hf, llama_from_hf
-from lightning_fpdt.models.hf_weights import SafetensorsCheckpoint, owned_rows
 from lightning_fpdt.sharding import load_shards_of, shard_module
 from lightning_fpdt.testing import run_on_ranks
+from lightning_fpdt.weight_files import SafetensorsFiles, owned_rows
 from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader, reference_step
 from tests.reference import rel_error
 
@@ -64,16 +64,16 @@ def _saved(config: Any, directory: Path, seed: int) -> None:
 
 
 def _counting_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Record the elements each ``SafetensorsCheckpoint.read`` returns."""
+    """Record the elements each ``SafetensorsFiles.read`` returns."""
     counts: list[int] = []
-    read = SafetensorsCheckpoint.read
+    read = SafetensorsFiles.read
 
-    def counted(self: SafetensorsCheckpoint, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def counted(self: SafetensorsFiles, *args: Any, **kwargs: Any) -> torch.Tensor:
         tensor = read(self, *args, **kwargs)
         counts.append(tensor.numel())
         return tensor
 
-    monkeypatch.setattr(SafetensorsCheckpoint, "read", counted)
+    monkeypatch.setattr(SafetensorsFiles, "read", counted)
     return counts
 
 
@@ -85,7 +85,7 @@ def test_whole_load_equals_the_converted_model(name: str, tmp_path: Path, fresh_
     the converter's logits."""
     cls, convert, config = CASES[name]
     _saved(config(), tmp_path, fresh_seed)
-    assert len(set(SafetensorsCheckpoint.find(tmp_path).files.values())) > 1
+    assert len(set(SafetensorsFiles.find(tmp_path).files.values())) > 1
     module = cls(hf_checkpoint=str(tmp_path))
     assert module.weights_pending and all(p.is_meta and p.dtype == torch.float32 for p in module.parameters())
     counts = _counting_reads(monkeypatch)
@@ -121,7 +121,7 @@ def _sharded_shards(rank: int, world: int, directories: dict[str, str]) -> dict[
         held = 0
         for key, param in module.model.named_parameters():
             assert isinstance(param, DTensor), key
-            start, end = owned_rows(param, key)
+            start, end = owned_rows(param, key, "test")
             assert torch.equal(param.to_local(), full[key][start:end]), f"rank {rank}: {name} {key} rows {start}:{end}"
             held += param.to_local().numel()
         buffers = dict(convert(directory).named_buffers())

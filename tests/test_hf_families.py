@@ -35,8 +35,9 @@ from transformers import (
 from transformers.models.cohere2.modeling_cohere2 import Cohere2LayerNorm
 
 from lightning_fpdt.attention import fpdt_attention
-from lightning_fpdt.models import HFCausalLM, hf_attention
-from lightning_fpdt.models.hf_masks import MaskRule, read_mask_rule
+from lightning_fpdt.hf import attention as hf_attention
+from lightning_fpdt.hf.masks import MaskRule, read_mask_rule
+from lightning_fpdt.models import HFCausalLM
 from tests.helpers import TokenDataset, assert_same_step
 from tests.test_hf_causal_lm import (
     HEADS,

@@ -31,11 +31,13 @@ from transformers import (
 )
 
 from lightning_fpdt import FPDTStrategy, launcher
-from lightning_fpdt.models import HFCausalLM, hf_attention, hf_masks
-from lightning_fpdt.models import hf_causal_lm as hf_causal_lm_module
-from lightning_fpdt.models.hf_weights import SafetensorsCheckpoint, owned_rows
+from lightning_fpdt.hf import attention as hf_attention
+from lightning_fpdt.hf import causal_lm as hf_causal_lm_module
+from lightning_fpdt.hf import masks as hf_masks
+from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.sharding import load_shards_of, shard_module
 from lightning_fpdt.testing import run_on_ranks
+from lightning_fpdt.weight_files import SafetensorsFiles, owned_rows
 from tests.helpers import TokenDataset, assert_same_step
 from tests.reference import rel_error
 from tests.test_hf_causal_lm import SEQ, VOCAB, Case, _config, _fit, _plain, _redraw, each_sample_alone
@@ -55,7 +57,7 @@ def _saved(config: PretrainedConfig, directory: Path, seed: int, dtype: torch.dt
 
 def _checkpoint_tensor(directory: Path, names: list[str]) -> torch.Tensor:
     """The stored tensor of a parameter, under any of its (tied) names."""
-    checkpoint = SafetensorsCheckpoint.find(directory)
+    checkpoint = SafetensorsFiles.find(directory)
     key = next(name for name in names if name in checkpoint.files)
     with safe_open(str(directory / checkpoint.files[key]), framework="pt") as f:
         return f.get_tensor(key)
@@ -75,7 +77,7 @@ def test_whole_load_equals_from_pretrained(name: str, tmp_path: Path, fresh_seed
     ``from_pretrained`` gives (a sharded index of several files), tied weights tied, and its logits are plain
     transformers' (float64)."""
     _saved(CONFIGS[name](), tmp_path, fresh_seed, dtype=torch.float64, max_shard_size="40KB")
-    assert len(set(SafetensorsCheckpoint.find(tmp_path).files.values())) > 1  # several files, one index
+    assert len(set(SafetensorsFiles.find(tmp_path).files.values())) > 1  # several files, one index
     module = HFCausalLM(str(tmp_path))
     assert module.weights_pending and all(p.is_meta for p in module.parameters())
     module.load_weights()
@@ -115,7 +117,7 @@ def test_load_state_dict_of_a_pending_model(tmp_path: Path, fresh_seed: int) -> 
     assert all(torch.equal(strict.state_dict()[k], v) for k, v in state.items())
     complete = HFCausalLM(str(tmp_path))  # non-strict, but every tensor given: nothing is read
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SafetensorsCheckpoint, "read", lambda *args: pytest.fail("read a tensor the state dict has"))
+        patch.setattr(SafetensorsFiles, "read", lambda *args: pytest.fail("read a tensor the state dict has"))
         complete.load_state_dict(state, strict=False)
     assert all(torch.equal(complete.state_dict()[k], v) for k, v in state.items())
     partial = HFCausalLM(str(tmp_path))
@@ -195,7 +197,7 @@ def _sharded_slices(rank: int, world: int, directory: str) -> dict[str, Any]:
     for name, param in module.model.named_parameters():
         assert isinstance(param, DTensor), name
         full = _checkpoint_tensor(Path(directory), names[id(param)])
-        start, end = owned_rows(param, name)
+        start, end = owned_rows(param, name, "test")
         assert torch.equal(param.to_local(), full[start:end]), f"rank {rank}: {name} rows {start}:{end}"
         checked, rows_held = checked + 1, rows_held + end - start
         held += param.to_local().numel()

@@ -13,7 +13,6 @@ strategy reads them (:meth:`EstimateOptions.from_yaml`). Without it, a Llama of 
 from __future__ import annotations
 
 import argparse
-import importlib
 from typing import Any
 
 import torch
@@ -21,7 +20,9 @@ import yaml
 from torch import nn
 
 from lightning_fpdt.memory import EstimateOptions, ModelShape, report
-from lightning_fpdt.models import GPT, GPTConfig, Llama, LlamaConfig
+from lightning_fpdt.models import GPTConfig, LlamaConfig
+from lightning_fpdt.models.convert import FAMILIES
+from lightning_fpdt.models.from_config import module_from_yaml
 
 
 def shape_from_config(config: LlamaConfig | GPTConfig) -> ModelShape:
@@ -32,12 +33,12 @@ def shape_from_config(config: LlamaConfig | GPTConfig) -> ModelShape:
     Raises:
         TypeError: ``config`` is not one of the two.
     """
-    builders: dict[type, type[nn.Module]] = {LlamaConfig: Llama, GPTConfig: GPT}
-    if type(config) not in builders:
+    family = next((f for f in FAMILIES if type(config) is f.config_class), None)
+    if family is None:
         raise TypeError(f"shape_from_config takes a LlamaConfig or GPTConfig, got {type(config).__name__};"
                         " for any other model use ModelShape.from_module(model).")
     with torch.device("meta"):
-        model = builders[type(config)](config)
+        model = family.model_class(config)
     return ModelShape.from_module(model)[0]
 
 
@@ -87,18 +88,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _module_from_yaml(model: dict[str, Any]) -> nn.Module:
-    """The YAML's ``model`` (``class_path`` and ``init_args``, as ``fpdt-train`` reads them; its default is
-    ``LlamaLM``) built on the meta device: the real module, read by :meth:`ModelShape.from_module`, with
-    no memory and no weights."""
-    class_path = model.get("class_path", "lightning_fpdt.models.LlamaLM")
-    module_name, _, class_name = class_path.rpartition(".")
-    try:  # a bare class name is one of the bundled models, as fpdt-train resolves it
-        cls = getattr(importlib.import_module(module_name or "lightning_fpdt.models"), class_name)
-        with torch.device("meta"):
-            return cls(**(model.get("init_args") or {}))
-    except (ImportError, AttributeError, TypeError, OSError) as err:
-        raise ValueError(f"model {class_path!r} cannot be built from the YAML's init_args on the meta device ({err});"
-                         " give the model's sizes as flags instead (--hidden, --layers, ...).") from None
+    """The YAML's ``model`` built on the meta device as ``fpdt-train`` reads it
+    (:func:`~lightning_fpdt.models.from_config.module_from_yaml`): the real module, read by
+    :meth:`ModelShape.from_module`, with no memory and no weights."""
+    try:
+        return module_from_yaml(model, on_meta=True)
+    except (ImportError, AttributeError, TypeError, ValueError, OSError) as err:
+        raise ValueError(f"model {model.get('class_path', 'LlamaLM')!r} cannot be built from the YAML's init_args on"
+                         f" the meta device ({err}); give the model's sizes as flags instead (--hidden, --layers,"
+                         " ...).") from None
 
 
 if __name__ == "__main__":

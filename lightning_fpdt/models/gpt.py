@@ -1,4 +1,8 @@
-"""A GPT-2 style decoder (LayerNorm, GeLU MLP with bias, learned or rotary positions) on FPDT blocks."""
+"""The GPT-2 family: a GPT-2 style decoder (LayerNorm, GeLU MLP with bias, learned or rotary positions) on FPDT
+blocks, its LightningModule :class:`GPTLM`, and what the project knows of ``transformers``' GPT-2: the weight-name
+table (:func:`gpt2_weights`), the config mapping both ways and the :data:`FAMILY` record that conversion, reading a
+pretrained directory and export look up.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
-from lightning_fpdt.layout import PackedDocuments, default_position_ids
+from lightning_fpdt.layout import default_position_ids
+from lightning_fpdt.models.bundled import BundledLM
+from lightning_fpdt.models.family import Family, Weight
 from lightning_fpdt.models.init import init_weights
-from lightning_fpdt.models.lm import CausalLM, config_and_options, with_overrides
+from lightning_fpdt.packed_documents import PackedDocuments
 from lightning_fpdt.rope import RotaryEmbedding
 from lightning_fpdt.tiling import TiledMLP
 
@@ -81,7 +87,7 @@ class GeLUMLP(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 style decoder (a :class:`~lightning_fpdt.models.lm.DecoderModel`). ``forward(input_ids,
+    """GPT-2 style decoder (a :class:`~lightning_fpdt.models.causal_lm.DecoderModel`). ``forward(input_ids,
     position_ids) -> logits`` ``[batch, seq, vocab]``. Weights from and to ``transformers``:
     :mod:`lightning_fpdt.models.convert`."""
 
@@ -152,11 +158,82 @@ class GPT(nn.Module):
         return 6 * n_params + 3 * 2 * c.n_layer * seq_len * c.n_embd
 
 
-class GPTLM(CausalLM):
+def gpt2_weights(ours: GPT) -> list[Weight]:
+    """GPT-2's weight-name table (``GPT2LMHeadModel``): its ``Conv1D`` weights are ``[in, out]`` and its
+    q, k and v are one fused ``c_attn`` projection, whose thirds are ours."""
+    n = ours.config.n_embd
+    table = [Weight(ours.wte.weight, "transformer.wte.weight")]
+    if ours.wpe is not None:
+        table.append(Weight(ours.wpe.weight, "transformer.wpe.weight"))
+    for i, layer in enumerate(ours.layers):
+        p = f"transformer.h.{i}."
+        a, mlp = layer.attention, layer.mlp.mlp
+        for j, proj in enumerate((a.q_proj, a.k_proj, a.v_proj)):
+            third = slice(j * n, (j + 1) * n)
+            table += [Weight(proj.weight, f"{p}attn.c_attn.weight", transposed=True, rows=third),
+                      Weight(proj.bias, f"{p}attn.c_attn.bias", rows=third)]
+        for ours_linear, theirs in ((a.o_proj, "attn.c_proj"), (mlp.c_fc, "mlp.c_fc"), (mlp.c_proj, "mlp.c_proj")):
+            table += [Weight(ours_linear.weight, f"{p}{theirs}.weight", transposed=True),
+                      Weight(ours_linear.bias, f"{p}{theirs}.bias")]
+        for ours_norm, theirs in ((layer.attention_norm, "ln_1"), (layer.mlp_norm, "ln_2")):
+            table += [Weight(ours_norm.weight, f"{p}{theirs}.weight"), Weight(ours_norm.bias, f"{p}{theirs}.bias")]
+    table += [Weight(ours.ln_f.weight, "transformer.ln_f.weight"), Weight(ours.ln_f.bias, "transformer.ln_f.bias")]
+    if not ours.config.tie_word_embeddings:
+        table.append(Weight(ours.lm_head.weight, "lm_head.weight"))
+    return table
+
+
+def gpt_config_from_hf(config: Any, **overrides: Any) -> GPTConfig:
+    """The :class:`GPTConfig` of a ``transformers`` ``GPT2Config`` (what ``gpt_from_hf`` and
+    ``GPTLM(hf_checkpoint=...)`` build).
+
+    Args:
+        config: a ``transformers`` ``GPT2Config``.
+        **overrides: :class:`GPTConfig` fields to set instead of the mapped ones (``mlp_tiles``, ...).
+
+    Raises:
+        NotImplementedError: an activation other than tanh-GELU, or per-layer attention scaling.
+    """
+    c = config
+    if getattr(c, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise NotImplementedError(f"gpt_from_hf: activation_function={c.activation_function!r} is not supported.")
+    if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False):
+        raise NotImplementedError(
+            "gpt_from_hf: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported."
+        )
+    mapped = dict(
+        vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
+        n_inner=c.n_inner, layer_norm_epsilon=c.layer_norm_epsilon,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+    )
+    return GPTConfig(**{**mapped, **overrides})
+
+
+def gpt_config_to_hf(c: GPTConfig) -> dict[str, Any]:
+    """The keyword arguments of the ``transformers`` ``GPT2Config`` of ``c``.
+
+    Raises:
+        NotImplementedError: rotary positions (GPT-2 has learned ones only).
+    """
+    if c.position_embedding != "learned":
+        raise NotImplementedError(
+            "to_hf: a GPT with rotary positions has no GPT-2 counterpart; use position_embedding='learned'."
+        )
+    return dict(vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer,
+                n_head=c.n_head, n_inner=c.n_inner, layer_norm_epsilon=c.layer_norm_epsilon,
+                tie_word_embeddings=c.tie_word_embeddings)
+
+
+FAMILY = Family(name="GPT", model_type="gpt2", hf_class="GPT2LMHeadModel", model_class=GPT, config_class=GPTConfig,
+                config_from_hf=gpt_config_from_hf, config_to_hf=gpt_config_to_hf, weights=gpt2_weights,
+                converter="gpt_from_hf")
+
+
+class GPTLM(BundledLM):
     """Trains a :class:`GPT` (same batches, options and precisions as ``LlamaLM``).
 
     From a Hugging Face checkpoint directory (``hf_checkpoint``: a ``GPT2LMHeadModel`` saved with safetensors),
-    the config is read from its ``config.json`` (:func:`~lightning_fpdt.models.convert.gpt_config_from_hf`, then
+    the config is read from its ``config.json`` (:func:`gpt_config_from_hf`, then
     ``config_overrides``), the model is built on the meta device and the weights are read where they are needed,
     whole or each rank only its FSDP2 shards, as ``LlamaLM(hf_checkpoint=...)`` reads them (GPT-2's transposed,
     fused ``c_attn``: a rank's rows of our q, k or v are a range of the stored tensor's columns, and only those
@@ -179,21 +256,8 @@ class GPTLM(CausalLM):
             of the model or holds it in another shape (named).
     """
 
+    family = FAMILY
+
     def __init__(self, config: GPTConfig | dict[str, Any] | None = None, hf_checkpoint: str | None = None,
                  config_overrides: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if isinstance(config, dict):  # from a checkpoint's hyper-parameters
-            config, kwargs = config_and_options(config, kwargs)
-            config = GPTConfig(**config)
-        super().__init__(**kwargs)
-        if hf_checkpoint is not None:
-            # optional dependency (transformers, safetensors), and an import cycle: hf_checkpoint imports this module
-            from lightning_fpdt.models.hf_checkpoint import from_hf_checkpoint
-
-            self.model, self._pending_weights = from_hf_checkpoint(GPT, hf_checkpoint, config, config_overrides,
-                                                                   owner="GPTLM")
-        else:
-            self.model = GPT(with_overrides(config or GPTConfig.tiny(), config_overrides, "GPTLM"))
-        self.config = self.model.config
-        source = {} if hf_checkpoint is None else {"hf_checkpoint": str(hf_checkpoint)}
-        # the config holds the overrides: a reload builds the same model (and reads no config.json)
-        self.save_hyperparameters({"config": self.config.to_dict(), **source, **kwargs})
+        super().__init__(config, hf_checkpoint, config_overrides, **kwargs)

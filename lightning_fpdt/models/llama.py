@@ -1,4 +1,7 @@
-"""A Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) built from FPDT blocks.
+"""The Llama family: a Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) built from FPDT blocks,
+its LightningModule :class:`LlamaLM`, and what the project knows of ``transformers``' Llama: the weight-name table
+(:func:`llama_weights`), the config mapping both ways and the :data:`FAMILY` record that conversion, reading a
+pretrained directory and export look up.
 
 The model is a plain ``nn.Module``: it works in one process, and under ``FPDTStrategy`` its blocks
 are bound to the sequence-parallel group from outside. It never shifts labels: the loss takes
@@ -14,10 +17,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
-from lightning_fpdt.layout import PackedDocuments, default_position_ids
+from lightning_fpdt.layout import default_position_ids
+from lightning_fpdt.models.bundled import BundledLM
+from lightning_fpdt.models.family import Family, Weight
 from lightning_fpdt.models.init import init_weights
-from lightning_fpdt.models.lm import CausalLM, config_and_options, with_overrides
-from lightning_fpdt.rope import RopeScaling, RotaryEmbedding, rope_frequencies
+from lightning_fpdt.packed_documents import PackedDocuments
+from lightning_fpdt.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_theta_of
 from lightning_fpdt.tiling import TiledMLP
 
 
@@ -137,7 +142,7 @@ class SwiGLU(nn.Module):
 
 
 class Llama(nn.Module):
-    """Llama decoder (a :class:`~lightning_fpdt.models.lm.DecoderModel`). ``forward(input_ids, position_ids)
+    """Llama decoder (a :class:`~lightning_fpdt.models.causal_lm.DecoderModel`). ``forward(input_ids, position_ids)
     -> logits`` ``[batch, seq, vocab]``. Weights from and to ``transformers``: :mod:`lightning_fpdt.models.convert`."""
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -199,11 +204,80 @@ class Llama(nn.Module):
         return 6 * n_params + 3 * attention
 
 
-class LlamaLM(CausalLM):
-    """Trains a :class:`Llama` (see :class:`~lightning_fpdt.models.lm.CausalLM` for batches and options).
+def llama_weights(ours: Llama) -> list[Weight]:
+    """Llama's weight-name table (``LlamaForCausalLM``)."""
+    table = [Weight(ours.embed_tokens.weight, "model.embed_tokens.weight"),
+             Weight(ours.norm.weight, "model.norm.weight")]
+    for i, layer in enumerate(ours.layers):
+        p = f"model.layers.{i}."
+        attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+        projections = [(f"self_attn.{n}", getattr(layer.attention, n)) for n in attention]
+        projections += [(f"mlp.{n}", getattr(layer.mlp.mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")]
+        for name, linear in projections:
+            table += [Weight(param, f"{p}{name}.{kind}") for kind, param in linear.named_parameters()]
+        table += [Weight(layer.attention_norm.weight, f"{p}input_layernorm.weight"),
+                  Weight(layer.mlp_norm.weight, f"{p}post_attention_layernorm.weight")]
+    if not ours.config.tie_word_embeddings:
+        table.append(Weight(ours.lm_head.weight, "lm_head.weight"))
+    return table
+
+
+def llama_config_from_hf(config: Any, **overrides: Any) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a ``transformers`` ``LlamaConfig`` (what ``llama_from_hf`` and
+    ``LlamaLM(hf_checkpoint=...)`` build).
+
+    RMSNorm computes in float32, and the RoPE schedule (``rope_theta``, the scaling in ``rope_parameters``:
+    linear, Llama 3 or YaRN) and ``max_position_embeddings`` are carried, so the frequencies equal
+    transformers' bit for bit (:func:`lightning_fpdt.rope.rope_frequencies`).
+
+    Args:
+        config: a ``transformers`` ``LlamaConfig``.
+        **overrides: :class:`LlamaConfig` fields to set instead of the mapped ones (``mlp_tiles``, ...).
+
+    Raises:
+        NotImplementedError: a ``head_dim`` other than ``hidden_size / heads``, or a RoPE type other than
+            default, linear, llama3 and yarn (:meth:`~lightning_fpdt.rope.RopeScaling.from_hf`).
+    """
+    c = config
+    mapped = dict(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, rope_theta=rope_theta_of(c), rope_scaling=RopeScaling.of_hf(c),
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(c, "attention_bias", False)), mlp_bias=bool(getattr(c, "mlp_bias", False)),
+        norm_compute_dtype="float32",  # transformers' LlamaRMSNorm always computes in float32
+    )
+    ours = LlamaConfig(**{**mapped, **overrides})
+    if getattr(c, "head_dim", ours.head_dim) != ours.head_dim:
+        raise NotImplementedError(f"llama_from_hf: head_dim={c.head_dim} != hidden_size / heads is not supported.")
+    return ours
+
+
+def llama_config_to_hf(c: LlamaConfig) -> dict[str, Any]:
+    """The keyword arguments of the ``transformers`` ``LlamaConfig`` of ``c`` (its RoPE schedule as
+    ``rope_parameters``)."""
+    return dict(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_parameters={"rope_type": "default", **(c.rope_scaling.to_hf() if c.rope_scaling else {}),
+                         "rope_theta": c.rope_theta},
+    )
+
+
+FAMILY = Family(name="Llama", model_type="llama", hf_class="LlamaForCausalLM", model_class=Llama,
+                config_class=LlamaConfig, config_from_hf=llama_config_from_hf, config_to_hf=llama_config_to_hf,
+                weights=llama_weights, converter="llama_from_hf")
+
+
+class LlamaLM(BundledLM):
+    """Trains a :class:`Llama` (see :class:`~lightning_fpdt.models.causal_lm.CausalLM` for batches and options).
 
     From a Hugging Face checkpoint directory (``hf_checkpoint``: a ``LlamaForCausalLM`` saved with safetensors),
-    the config is read from its ``config.json`` (:func:`~lightning_fpdt.models.convert.llama_config_from_hf`,
+    the config is read from its ``config.json`` (:func:`llama_config_from_hf`,
     then ``config_overrides``), the model is built on the meta device and the weights are read where they are
     needed (:attr:`weights_pending`): whole in :meth:`configure_model` (on the strategy's device, in a ``*-true``
     precision's dtype), or, under ``FPDTStrategy(shard_parameters=True)``, each rank only the rows of its FSDP2
@@ -229,21 +303,8 @@ class LlamaLM(CausalLM):
             tensor of the model or holds it in another shape (named).
     """
 
+    family = FAMILY
+
     def __init__(self, config: LlamaConfig | dict[str, Any] | None = None, hf_checkpoint: str | None = None,
                  config_overrides: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if isinstance(config, dict):  # from a checkpoint's hyper-parameters
-            config, kwargs = config_and_options(config, kwargs)
-            config = LlamaConfig(**config)
-        super().__init__(**kwargs)
-        if hf_checkpoint is not None:
-            # optional dependency (transformers, safetensors), and an import cycle: hf_checkpoint imports this module
-            from lightning_fpdt.models.hf_checkpoint import from_hf_checkpoint
-
-            self.model, self._pending_weights = from_hf_checkpoint(Llama, hf_checkpoint, config, config_overrides,
-                                                                   owner="LlamaLM")
-        else:
-            self.model = Llama(with_overrides(config or LlamaConfig.tiny(), config_overrides, "LlamaLM"))
-        self.config = self.model.config
-        source = {} if hf_checkpoint is None else {"hf_checkpoint": str(hf_checkpoint)}
-        # the config holds the overrides: a reload builds the same model (and reads no config.json)
-        self.save_hyperparameters({"config": self.config.to_dict(), **source, **kwargs})
+        super().__init__(config, hf_checkpoint, config_overrides, **kwargs)

@@ -1,15 +1,15 @@
-"""``LlamaLM`` and ``GPTLM`` from a Hugging Face checkpoint directory: our model built on the meta device, its
+"""``LlamaLM`` and ``GPTLM`` from a pretrained Hugging Face model directory: our model built on the meta device, its
 weights read where they are needed (``LlamaLM(hf_checkpoint=path)``, ``GPTLM(hf_checkpoint=path)``).
 
-The config comes from the directory's ``config.json`` (transformers' ``AutoConfig``, mapped by
-:func:`~lightning_fpdt.models.convert.llama_config_from_hf` or ``gpt_config_from_hf``), the model is built on the
-meta device (its config only: no memory, any size), and :class:`TableWeights` reads the safetensors files through
-the family's weight-name table of :mod:`~lightning_fpdt.models.convert` (the rows ``llama_from_hf`` /
-``gpt_from_hf`` copy), for :class:`~lightning_fpdt.models.lm.CausalLM` to call where the weights are needed:
+The config comes from the directory's ``config.json`` (transformers' ``AutoConfig``, mapped by the family's
+``config_from_hf``), the model is built on the meta device (its config only: no memory, any size), and
+:class:`TableWeights` reads the safetensors files (:mod:`lightning_fpdt.weight_files`) through the family's
+weight-name table (the rows ``llama_from_hf`` / ``gpt_from_hf`` copy), for
+:class:`~lightning_fpdt.models.causal_lm.CausalLM` to call where the weights are needed:
 
 - whole: each row of the table read once, into the model on its device and in its dtype;
 - sharded: after FSDP2's ``fully_shard``, a parameter's local shard holds rows ``r0:r1`` of dim 0 of our tensor
-  (:func:`~lightning_fpdt.models.hf_weights.owned_rows`). In the stored tensor these are rows ``r0:r1`` (Llama;
+  (:func:`~lightning_fpdt.weight_files.owned_rows`). In the stored tensor these are rows ``r0:r1`` (Llama;
   GPT-2's norms and biases), rows ``o + r0 : o + r1`` of a fused tensor whose part from row ``o`` is ours (GPT-2's
   ``c_attn`` bias: q, k and v are its thirds), or columns ``o + r0 : o + r1`` of a transposed ``[in, out]`` weight
   (GPT-2's ``Conv1D``; ``c_attn``'s weight is transposed and fused). Each rank reads those elements only, so no
@@ -21,54 +21,35 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig
 
-from lightning_fpdt.models.convert import Weight, gpt2_weights, gpt_config_from_hf, llama_config_from_hf, llama_weights
-from lightning_fpdt.models.gpt import GPT
-from lightning_fpdt.models.hf_weights import SafetensorsCheckpoint, fill_shard, tensor_names
-from lightning_fpdt.models.llama import Llama
-from lightning_fpdt.models.lm import with_overrides
+from lightning_fpdt.models.configs import with_overrides
+from lightning_fpdt.models.family import Family, Weight, check_table
+from lightning_fpdt.optional import require
+from lightning_fpdt.weight_files import SafetensorsFiles, fill_shard, tensor_names
 
 
-class Family(NamedTuple):
-    """How a bundled model reads a transformers checkpoint: its ``model_type`` and class there, the function
-    that converts a whole loaded model, the config mapping and the weight-name table."""
-
-    model_type: str
-    hf_class: str
-    from_hf: str
-    config_from_hf: Callable[..., Any]
-    table: Callable[[Any], list[Weight]]
-
-
-FAMILIES: dict[type[nn.Module], Family] = {
-    Llama: Family("llama", "LlamaForCausalLM", "llama_from_hf", llama_config_from_hf, llama_weights),
-    GPT: Family("gpt2", "GPT2LMHeadModel", "gpt_from_hf", gpt_config_from_hf, gpt2_weights),
-}
-
-
-def from_hf_checkpoint(model_class: type[nn.Module], path: str | Path, config: Any | None,
-                       overrides: dict[str, Any] | None, owner: str) -> tuple[nn.Module, TableWeights | None]:
-    """``model_class`` (``Llama`` or ``GPT``) on the meta device for the checkpoint directory ``path``, and the
-    weights it still has to read (``None`` when built under a meta default device: sizing only, as the memory
-    estimate and ``fpdt-export`` build modules).
+def from_pretrained_dir(family: Family, path: str | Path, config: Any | None, overrides: dict[str, Any] | None,
+                        owner: str) -> tuple[nn.Module, TableWeights | None]:
+    """``family``'s model on the meta device for the pretrained directory ``path``, and the weights it still has to
+    read (``None`` when built under a meta default device: sizing only, as the memory estimate and ``fpdt-export``
+    build modules).
 
     Args:
-        config: the config to build (a reload's saved one); ``None``: the checkpoint's ``config.json``, mapped.
-        overrides: config fields to set on it (:func:`~lightning_fpdt.models.lm.with_overrides`).
+        config: the config to build (a reload's saved one); ``None``: the directory's ``config.json``, mapped.
+        overrides: config fields to set on it (:func:`~lightning_fpdt.models.configs.with_overrides`).
         owner: the LightningModule's name, for messages.
 
     Raises:
         FileNotFoundError: no directory at ``path``, or no safetensors files in it.
-        TypeError: a checkpoint of another ``model_type``.
-        ValueError: an override that is no config field; a checkpoint lacking a tensor of the model or holding it
-            in another shape (:meth:`TableWeights.check`).
+        ModuleNotFoundError: ``transformers`` is not installed (to read ``config.json``), with the install command.
+        TypeError: a directory of another ``model_type``.
+        ValueError: an override that is no config field; files lacking a tensor of the model or holding it in
+            another shape (:meth:`TableWeights.check`).
     """
-    family = FAMILIES[model_class]
     directory = Path(path)
     sizing = torch.get_default_device().type == "meta"  # shapes only: no weights are read
     if (config is None or not sizing) and not directory.is_dir():
@@ -78,32 +59,32 @@ def from_hf_checkpoint(model_class: type[nn.Module], path: str | Path, config: A
         config = _read_config(directory, family, owner)
     config = with_overrides(config, overrides, owner)
     with torch.device("meta"):
-        model = model_class(config)
+        model = family.model_class(config)
     if sizing:
         return model, None
-    checkpoint = SafetensorsCheckpoint.find(directory)
-    if checkpoint is None:
+    files = SafetensorsFiles.find(directory)
+    if files is None:
         raise FileNotFoundError(
             f"{owner}: {directory} holds no model.safetensors or model.safetensors.index.json; save it with"
-            f" transformers' save_pretrained (safetensors files), or convert it whole with {family.from_hf}(path)"
+            f" transformers' save_pretrained (safetensors files), or convert it whole with {family.converter}(path)"
             f" and assign the model."
         )
-    weights = TableWeights(model, checkpoint, family.table, owner)
+    weights = TableWeights(model, files, family.weights, owner)
     weights.check()
     return model, weights
 
 
 @dataclass(frozen=True, eq=False)
 class TableWeights:
-    """The weights a meta-device bundled ``model`` still has to read from ``checkpoint``, row by row of its
-    weight-name ``table`` (a :class:`~lightning_fpdt.models.lm.PendingWeights`).
+    """The weights a meta-device bundled ``model`` still has to read from ``files``, row by row of its
+    weight-name ``table`` (a :class:`~lightning_fpdt.models.causal_lm.PendingWeights`).
 
     The table is built again from the model at each load: ``to_empty`` and ``fully_shard`` replace the parameter
     objects its rows point to.
     """
 
     model: nn.Module
-    checkpoint: SafetensorsCheckpoint
+    files: SafetensorsFiles
     table: Callable[[Any], list[Weight]]
     owner: str
 
@@ -113,7 +94,7 @@ class TableWeights:
         return names + [name for name, _ in self.model.named_buffers() if name in state]
 
     def check(self) -> None:
-        """Refuse a checkpoint that lacks a tensor of the table or holds it in a shape that does not give ours
+        """Refuse files that lack a tensor of the table or hold it in a shape that does not give ours
         (read from the file headers: no tensor is read).
 
         Raises:
@@ -121,17 +102,14 @@ class TableWeights:
             RuntimeError: a table that misses a parameter of the model (it would keep no weights).
         """
         table = self.table(self.model)
+        check_table(self.model, table)
         names = {id(p): name for name, p in self.model.named_parameters()}
-        covered = {id(w.ours) for w in table}
-        missing = [name for key, name in names.items() if key not in covered]
-        if missing:
-            raise RuntimeError(f"The weight table of {type(self.model).__name__} misses {missing}.")
-        shapes = self.checkpoint.shapes()
+        shapes = self.files.shapes()
         problems = []
         for w in table:
             ours = names[id(w.ours)]
             if w.name not in shapes:
-                problems.append(f"{w.name} (not in the checkpoint; {ours})")
+                problems.append(f"{w.name} (not in the files; {ours})")
                 continue
             got = tuple(w.theirs(torch.empty(shapes[w.name], device="meta")).shape)
             if got != tuple(w.ours.shape):
@@ -139,7 +117,7 @@ class TableWeights:
                                 f" {list(w.ours.shape)})")
         if problems:
             raise ValueError(
-                f"{self.owner}: {self.checkpoint.directory} does not hold the weights of this"
+                f"{self.owner}: {self.files.directory} does not hold the weights of this"
                 f" {type(self.model).__name__} ({len(problems)} tensors, e.g. {problems[:3]}); the config must be the"
                 " checkpoint's: drop config_overrides (or a given config) that change sizes, the vocabulary, tied"
                 " embeddings or the position embedding."
@@ -172,19 +150,20 @@ class TableWeights:
         offset = (w.rows.start or 0) if w.rows is not None else 0  # a fused tensor: our part starts there
         span = (offset + start, offset + end)
         if w.transposed:  # stored [in, out]: our rows are its columns
-            return self.checkpoint.read(w.name, columns=span).T
+            return self.files.read(w.name, columns=span).T
         if rows is None and w.rows is None:
-            return self.checkpoint.read(w.name)
-        return self.checkpoint.read(w.name, rows=span)
+            return self.files.read(w.name)
+        return self.files.read(w.name, rows=span)
 
 
 def _read_config(directory: Path, family: Family, owner: str) -> Any:
-    """Our config of the checkpoint's ``config.json``.
+    """Our config of the directory's ``config.json``.
 
     Raises:
         TypeError: another ``model_type`` than the family's.
     """
-    hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    auto_config = require("transformers", f"{owner}(hf_checkpoint=...)").AutoConfig
+    hf_config = auto_config.from_pretrained(str(directory), local_files_only=True)
     if hf_config.model_type != family.model_type:
         raise TypeError(
             f"{owner}: {directory} holds a {hf_config.model_type!r} checkpoint"

@@ -65,7 +65,7 @@ def check_experts(model: PreTrainedModel, layers: list[tuple[str, nn.Module]]) -
             raise NotImplementedError(
                 f"HFCausalLM: layer model.{layer_name} ({type(layer).__name__}) has experts ({moe[0]}) but {name}"
                 " declares no router_logits output, so its routing and auxiliary loss cannot be reproduced. Mixtral,"
-                " Qwen3-MoE, OLMoE and gpt-oss are supported (docs/hf-models.md)."
+                " Qwen3-MoE, OLMoE and gpt-oss are supported (docs/hf-support.md#mixture-of-experts)."
             )
         mlp = getattr(layer, "mlp", None)
         if len(routers) > 1 or (routers and (mlp is None or not any(m is routers[0] for m in mlp.modules()))):

@@ -7,7 +7,7 @@ what the model does, not from a list of family names, so families nobody has tri
 - **The context must arrive** (:func:`check_context_arrived`). Each attention layer gets the
   sequence-parallel context as forward keywords, or delivered on the layer itself where a family's
   decoder layers call their attention without passing their keywords on
-  (:func:`lightning_fpdt.models.hf_attention.delivered_to`). The attention function records every layer
+  (:func:`lightning_fpdt.hf.attention.delivered_to`). The attention function records every layer
   that ran with it; a layer that did not (its attention never calls the registered function, or calls it
   with another module and no keywords) attended only to this rank's tokens, and the step is refused.
 - **The head's transform** (:func:`find_head_transform`). The loss is computed in token tiles from the
@@ -18,6 +18,9 @@ what the model does, not from a list of family names, so families nobody has tri
   weight is read) in float64, and a per-logit function ``c * tanh(a * logits / c)`` is fitted to what it
   returns; its constants are taken exactly from the config where they match one. A head whose logits no
   such function reproduces is refused by name.
+
+A third guard reads the config: a RoPE schedule whose frequencies follow the largest position id of a forward
+(``dynamic``, ``longrope``) is refused when bound to more than one rank (:func:`check_static_rope`).
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.layout import PackedDocuments
-from lightning_fpdt.models.hf_attention import LayerRecords, attention_layers
+from lightning_fpdt.hf.attention import LayerRecords, attention_layers
+from lightning_fpdt.packed_documents import PackedDocuments
 
 # A forward that casts its logits to float32 (some families do) is reproduced to float32 rounding per logit;
 # any real transform (a scale, a cap, a bias) differs by far more.
@@ -305,3 +308,24 @@ def check_context_arrived(
         " this rank's tokens and training would be silently wrong. This model family is not supported; its"
         " attention must call the registered function as transformers' own families do."
     )
+
+
+def check_static_rope(config: PretrainedConfig) -> None:
+    """Refuse RoPE types whose frequencies follow the batch's largest position id (``dynamic``, ``longrope``):
+    transformers reads it from the ``position_ids`` its rotary embedding is given, which under sequence
+    parallelism are one rank's shard, so ranks would rotate with different frequencies.
+
+    Raises:
+        NotImplementedError: such a type, named with the layer type it is set for.
+    """
+    parameters = getattr(config.get_text_config(), "rope_parameters", None) or {}
+    nested = config.get_text_config().nested_rope_parameter_keys(parameters)
+    for layer_type, entry in ({t: parameters[t] for t in nested} if nested else {"all": parameters}).items():
+        rope_type = (entry or {}).get("rope_type", "default")
+        if rope_type in ("dynamic", "longrope"):
+            raise NotImplementedError(
+                f"HFCausalLM: RoPE type {rope_type!r} (layers: {layer_type}) picks its frequencies from the largest"
+                " position id of each forward, which under sequence parallelism is one rank's shard; set a fixed"
+                " schedule with config_overrides={'rope_parameters': {'rope_type': 'yarn', 'factor': ...}}"
+                " (docs/context-extension.md)."
+            )

@@ -10,14 +10,14 @@ forwards (the object is copied with the module it belongs to):
   whatever the MLP (SwiGLU, GeLU, fused gate-up);
 - each decoder layer, when the bound context asks for activation checkpointing, keeps only its input
   hidden states for backward (in the context's checkpoint store: host memory with
-  ``offload_checkpoints``) and is recomputed there (:func:`lightning_fpdt.activation_checkpoint.checkpointed_call`).
+  ``offload_checkpoints``) and is recomputed there (:func:`lightning_fpdt.activation_checkpoint.recomputed_layer_call`).
   The context arrives as the ``fpdt_context`` forward keyword, which the base model passes to every
   decoder layer, as it does to every attention layer; nothing is stored on the modules.
 
 A decoder layer is a transformers ``GradientCheckpointingLayer`` (the base class of every decoder layer
 in transformers 5) that holds an attention layer. Recomputation must see the same computation twice,
 so dropout inside the recomputed modules is refused (:func:`check_recomputable`). A mixture-of-experts
-``mlp`` (:mod:`lightning_fpdt.models.hf_moe`) is tiled like a dense one (its routing is per token) and
+``mlp`` (:mod:`lightning_fpdt.hf.experts`) is tiled like a dense one (its routing is per token) and
 returns its router's probabilities beside its output; a checkpointed layer carries them out of its
 recomputed call as extra columns of its hidden states.
 """
@@ -32,15 +32,15 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from lightning_fpdt.activation_checkpoint import checkpointed_call
+from lightning_fpdt.activation_checkpoint import recomputed_layer_call
 from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.models.hf_attention import attention_layers, delivering
-from lightning_fpdt.models.hf_moe import RouterLoss, install_experts, split_captured
+from lightning_fpdt.hf.attention import attention_layers, delivering
+from lightning_fpdt.hf.experts import RouterLoss, install_experts, split_captured
 from lightning_fpdt.recompute import needs_backward
 from lightning_fpdt.tiling import TiledForward
 
 
-def decoder_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
+def decoder_modules(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
     """``(name, layer)`` of every decoder layer of ``model`` (a ``GradientCheckpointingLayer`` holding an
     attention layer), in module order."""
     attention = {id(m) for _, m in attention_layers(model)}
@@ -48,14 +48,14 @@ def decoder_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
             if isinstance(m, GradientCheckpointingLayer) and any(id(c) in attention for c in m.modules())]
 
 
-def check_decoder_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
-    """``model``'s decoder layers (:func:`decoder_layers`), refusing a model with attention layers outside them.
+def check_decoder_modules(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
+    """``model``'s decoder layers (:func:`decoder_modules`), refusing a model with attention layers outside them.
 
     Raises:
         NotImplementedError: attention layers outside recognisable decoder layers (the memory stack would
             silently not apply to them, and the construction probes could not run them).
     """
-    layers = decoder_layers(model)
+    layers = decoder_modules(model)
     attention = attention_layers(model)
     if len(layers) != len(attention):
         raise NotImplementedError(
@@ -74,7 +74,7 @@ def check_recomputable(model: PreTrainedModel, mlp_tiled: bool, checkpointing: b
     Raises:
         NotImplementedError: an ``nn.Dropout`` with ``p > 0`` in a recomputed module, naming it.
     """
-    for name, layer in decoder_layers(model):
+    for name, layer in decoder_modules(model):
         if checkpointing:
             scope, prefix, why = layer, "", "activation_checkpointing recomputes each decoder layer"
         elif mlp_tiled and isinstance(getattr(layer, "mlp", None), nn.Module):
@@ -136,21 +136,21 @@ class CheckpointedForward:
             widths[:] = [p.shape[-1] for p in captured]
             return torch.cat([out, *(p.to(out.dtype) for p in captured)], dim=-1)
 
-        y = checkpointed_call(self.layer, layer_forward, hidden, context.checkpoint_store)
+        y = recomputed_layer_call(self.layer, layer_forward, hidden, context.layer_input_store)
         return y if loss is None or not widths else split_captured(y, hidden.shape[-1], widths, loss)
 
 
 def install_memory_stack(model: PreTrainedModel, mlp_tiles: int | None, router_loss: RouterLoss | None = None) -> None:
     """Give every decoder layer of ``model`` its :class:`CheckpointedForward` and its MLP a
     :class:`~lightning_fpdt.tiling.TiledForward` of ``mlp_tiles`` (``None``: automatic; ``1``: off), or, for a
-    mixture-of-experts MLP, an :class:`~lightning_fpdt.models.hf_moe.ExpertsForward` feeding ``router_loss``.
+    mixture-of-experts MLP, an :class:`~lightning_fpdt.hf.experts.ExpertsForward` feeding ``router_loss``.
 
     Raises:
         NotImplementedError: attention layers outside recognisable decoder layers (the stack would silently
             not apply to them).
         ValueError: a decoder layer without an ``mlp`` module to tile (when ``mlp_tiles != 1``).
     """
-    layers = check_decoder_layers(model)
+    layers = check_decoder_modules(model)
     for name, layer in layers:  # everything checked before anything is changed
         if mlp_tiles != 1 and not isinstance(getattr(layer, "mlp", None), nn.Module):
             raise ValueError(

@@ -12,13 +12,13 @@ its attention layers. Where its decoder layers call their attention without them
 delivered on the attention layers themselves for the duration of the call that carries them
 (:func:`delivered_to`: around the base model's forward, and around each decoder layer's forward and its
 recomputation in backward, :func:`delivering`), and cleared after: nothing global, and a model used
-outside ``HFCausalLM`` never sees them. ``lightning_fpdt.models.hf_guards`` refuses a layer they still miss.
+outside ``HFCausalLM`` never sees them. ``lightning_fpdt.hf.guards`` refuses a layer they still miss.
 
 Mask creation: transformers builds no mask for an implementation missing from its
 ``AttentionMaskInterface`` (``masking_utils._preprocess_mask_arguments`` returns early), which is what we
 want: a ``[seq, seq]`` mask over sharded lengths would be wrong and large; causality and documents are the
 pipeline's. So are sliding windows: a sliding layer's window arrives as the ``sliding_window``
-argument of its call (``lightning_fpdt.models.hf_masks`` refuses a layer whose mask has a window its call does
+argument of its call (``lightning_fpdt.hf.masks`` refuses a layer whose mask has a window its call does
 not pass).
 """
 
@@ -33,8 +33,8 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.binding import AttentionRecord, SequenceParallelContext
-from lightning_fpdt.layout import PackedDocuments
-from lightning_fpdt.models.hf_masks import check_mask_windows
+from lightning_fpdt.hf.masks import check_mask_windows
+from lightning_fpdt.packed_documents import PackedDocuments
 
 ATTN_IMPLEMENTATION = "lightning_fpdt"
 
@@ -241,7 +241,7 @@ def check_supported(model: PreTrainedModel) -> bool:
     Raises:
         NotImplementedError: a bidirectional (``is_causal=False``) layer, attention dropout > 0, or a layer
             whose transformers mask has a window its attention call does not pass
-            (:func:`~lightning_fpdt.models.hf_masks.check_mask_windows`).
+            (:func:`~lightning_fpdt.hf.masks.check_mask_windows`).
         ValueError: a model without recognisable attention layers.
     """
     layers = attention_layers(model)

@@ -1,0 +1,33 @@
+"""``class_path``/``init_args`` dicts (LightningCLI's form of an object in a YAML) made into their objects, for
+the values a CLI does not resolve itself (a transformers config class given inside ``HFCausalLM``'s ``model``
+argument by hand, a checkpoint's saved ``_class_path``)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+def resolve_class(class_path: str, default_module: str | None = None) -> type:
+    """The class ``class_path`` names (``"package.module.Class"``; a bare ``"Class"`` is looked up in
+    ``default_module``).
+
+    Raises:
+        ValueError: no such module or class, named with the fix.
+    """
+    module_name, _, class_name = class_path.rpartition(".")
+    module_name = module_name or default_module or ""
+    try:
+        return getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"class_path {class_path!r} names no importable class ({err}); give the full dotted path,"
+                         " e.g. lightning_fpdt.models.LlamaLM.") from None
+
+
+def instantiate(value: Any) -> Any:
+    """``value`` with every ``{"class_path": ..., "init_args": {...}}`` dict in it (recursively) made into its
+    object; anything else as it is."""
+    if isinstance(value, dict) and "class_path" in value:
+        args = {k: instantiate(v) for k, v in (value.get("init_args") or {}).items()}
+        return resolve_class(value["class_path"])(**args)
+    return value

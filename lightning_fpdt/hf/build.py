@@ -1,0 +1,173 @@
+"""``HFCausalLM``'s ``model`` argument to a transformers config and model: the one way, used by training,
+``fpdt-export`` and the memory estimate alike, so that a run's export holds the config it trained with.
+
+The ``model`` argument is a built ``PreTrainedModel``, a ``PretrainedConfig``, a config dict (with ``model_type``:
+a checkpoint's saved hyper-parameters; or a YAML's ``class_path``/``init_args`` of a config class), or a name or
+local path. :func:`hf_config` gives its config with ``config_overrides`` applied (:func:`apply_config_overrides`:
+RoPE scaling merged with the schedule's defaults, ``max_position_embeddings``); :func:`build_model` the model: a
+local directory of safetensors files on the meta device, its weights read later
+(:class:`~lightning_fpdt.hf.weights.PretrainedWeights`), anything else built now.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from lightning_fpdt.class_paths import instantiate
+from lightning_fpdt.hf.weights import build_on_meta, pretrained_dtype, unmatched
+from lightning_fpdt.weight_files import SafetensorsFiles
+
+
+def hf_config(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None,
+              overrides: dict[str, Any] | None = None) -> PretrainedConfig:
+    """The transformers config of ``HFCausalLM``'s ``model`` argument with ``overrides`` applied (a new object:
+    the caller's config is not changed).
+
+    Raises:
+        ValueError: ``overrides`` with a built model (its RoPE buffers are computed), or naming an attribute the
+            config does not have (:func:`apply_config_overrides`).
+        TypeError: ``model`` of another type.
+    """
+    overrides = overrides or {}
+    if isinstance(model, PreTrainedModel):
+        if overrides:
+            raise ValueError(
+                f"HFCausalLM: config_overrides {sorted(overrides)} cannot apply to a built {type(model).__name__}"
+                " (its RoPE buffers are computed); pass its config, a config dict or its path instead."
+            )
+        return copy.deepcopy(model.config)
+    if isinstance(model, dict) and "class_path" in model:  # a YAML's config class, not resolved by a CLI
+        model = instantiate(model)
+    elif isinstance(model, dict):  # a config dict, e.g. from a checkpoint's hyper-parameters
+        model = AutoConfig.for_model(**model)
+    if isinstance(model, PretrainedConfig):
+        # a copy: the model keeps the config object it is given, and setting our attention implementation
+        # (or the overrides) on a config shared with another model would change that model too
+        return apply_config_overrides(copy.deepcopy(model), overrides)
+    if isinstance(model, (str, os.PathLike)):
+        config = AutoConfig.from_pretrained(os.fspath(model), **_config_kwargs(from_pretrained_kwargs or {}))
+        return apply_config_overrides(config, overrides)
+    raise TypeError(
+        f"HFCausalLM: model must be a transformers PreTrainedModel, a PretrainedConfig, a config dict with"
+        f" 'model_type', or a name/local path for from_pretrained; got {type(model).__name__}."
+    )
+
+
+def build_model(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None,
+                overrides: dict[str, Any] | None = None) -> tuple[PreTrainedModel, SafetensorsFiles | None]:
+    """The transformers model of ``HFCausalLM``'s ``model`` argument, and the files whose weights it still has
+    to read (a local directory of safetensors files: the model is built on the meta device) or ``None``.
+
+    Under a meta default device (sizing: the memory estimate, ``fpdt-export``) a name or path gives its config's
+    model on the meta device, and nothing is read.
+    """
+    from_pretrained_kwargs, overrides = from_pretrained_kwargs or {}, overrides or {}
+    if isinstance(model, PreTrainedModel):
+        hf_config(model, from_pretrained_kwargs, overrides)  # refuses overrides
+        return model, None
+    if not isinstance(model, (str, os.PathLike)) or torch.get_default_device().type == "meta":
+        return AutoModelForCausalLM.from_config(hf_config(model, from_pretrained_kwargs, overrides)), None
+    deferred = _on_meta(os.fspath(model), from_pretrained_kwargs, overrides)
+    if deferred is not None:
+        return deferred
+    if overrides:  # into the config before the weights load: RoPE's buffers are computed from it at build
+        config = hf_config(model, from_pretrained_kwargs, overrides)
+        return AutoModelForCausalLM.from_pretrained(model, config=config, **from_pretrained_kwargs), None
+    return AutoModelForCausalLM.from_pretrained(model, **from_pretrained_kwargs), None
+
+
+def _on_meta(path: str, from_pretrained_kwargs: dict[str, Any],
+             overrides: dict[str, Any]) -> tuple[PreTrainedModel, SafetensorsFiles] | None:
+    """``path``'s model on the meta device with its files, or ``None`` where ``from_pretrained`` has to load
+    it: not a local directory of safetensors files, ``from_pretrained`` options other than the dtype, or tensor
+    names the files do not hold as they are (transformers converts them on load; logged)."""
+    if not os.path.isdir(path) or set(from_pretrained_kwargs) - _META_KWARGS:
+        return None
+    files = SafetensorsFiles.find(path)
+    if files is None:
+        return None
+    config = hf_config(path, {"local_files_only": True}, overrides)
+    dtype = from_pretrained_kwargs.get("dtype", from_pretrained_kwargs.get("torch_dtype"))
+    model = build_on_meta(config, pretrained_dtype(config, dtype))
+    problems = unmatched(model, files)
+    if problems:
+        rank_zero_info(f"HFCausalLM: {path} holds tensors under other names or shapes than"
+                       f" {type(model).__name__}'s ({len(problems)}, e.g. {problems[0]}); loading it whole through"
+                       " from_pretrained, which converts them (every rank holds the whole model until it is sharded).")
+        return None
+    return model, files
+
+
+# from_pretrained options a meta-device build honours (others, e.g. device_map or quantization, need from_pretrained)
+_META_KWARGS = frozenset({"dtype", "torch_dtype", "local_files_only", "attn_implementation"})
+
+
+ROPE_KEYS = ("rope_parameters", "rope_scaling")  # transformers 5's name and its deprecated alias
+
+
+def apply_config_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> PretrainedConfig:
+    """Set ``overrides`` on ``config`` (in place; returned) before a model is built from it.
+
+    ``rope_parameters`` (or its alias ``rope_scaling``) replaces the RoPE schedule: ``rope_theta`` (and
+    ``partial_rotary_factor``) are kept from the config unless given, and ``original_max_position_embeddings``
+    of ``llama3`` / ``yarn`` / ``longrope`` defaults to the config's ``max_position_embeddings`` *before* the
+    overrides (the pre-training context). For a config with one schedule per layer type (Gemma 3:
+    ``full_attention``, ``sliding_attention``), give a dict per layer type to change; the others are kept.
+    The new schedule is checked by transformers' own validation.
+
+    Raises:
+        ValueError: a key the config has no attribute for (named with the config class), or one flat RoPE
+            schedule for a config with one per layer type.
+        KeyError: a RoPE schedule without a field its type needs (transformers' validation).
+    """
+    unknown = [key for key in overrides if not hasattr(config, key)]
+    if unknown:
+        raise ValueError(
+            f"HFCausalLM: config_overrides {unknown} are not attributes of {type(config).__name__}"
+            f" (model_type {getattr(config, 'model_type', '?')!r}); check the names in its config.json."
+        )
+    original_max = getattr(config, "max_position_embeddings", None)
+    rope = [key for key in overrides if key in ROPE_KEYS]
+    for key, value in overrides.items():
+        if key not in ROPE_KEYS:
+            setattr(config, key, copy.deepcopy(value))
+    if rope:
+        config.rope_parameters = _new_rope_parameters(config, dict(overrides[rope[-1]]), original_max)
+        config.validate_rope()
+    return config
+
+
+def _new_rope_parameters(config: PretrainedConfig, new: dict[str, Any], original_max: int | None) -> dict[str, Any]:
+    old = copy.deepcopy(getattr(config, "rope_parameters", None) or {})
+    if not config.nested_rope_parameter_keys(old):
+        return _with_defaults(new, old, original_max)
+    layer_types = list(old)  # a nested schedule: every key is a layer type, used in the model or not
+    flat = [key for key in new if key not in layer_types]
+    if flat:
+        raise ValueError(
+            f"HFCausalLM: {type(config).__name__} has one RoPE schedule per layer type {layer_types}; give"
+            f" rope_parameters as {{layer_type: {{rope_type: ..., ...}}}}, not the keys {flat}."
+        )
+    return {**old, **{t: _with_defaults(dict(p), old[t] or {}, original_max) for t, p in new.items()}}
+
+
+def _with_defaults(new: dict[str, Any], old: dict[str, Any], original_max: int | None) -> dict[str, Any]:
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in old and key not in new:
+            new[key] = old[key]
+    new.setdefault("rope_type", new.pop("type", "default"))
+    if new["rope_type"] in ("llama3", "yarn", "longrope") and original_max is not None:
+        new.setdefault("original_max_position_embeddings", original_max)
+    return new
+
+
+def _config_kwargs(from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The ``from_pretrained`` arguments that also apply to reading the config alone."""
+    keep = ("local_files_only", "revision", "trust_remote_code", "cache_dir", "token", "subfolder")
+    return {k: v for k, v in from_pretrained_kwargs.items() if k in keep}

@@ -1,0 +1,280 @@
+"""``HFCausalLM``: any Hugging Face causal LM, trained exactly under FPDT.
+
+The transformers model stays a plain transformers model (its parameters keep their names under
+``model.``). Three things change, for this model only:
+
+- its attention runs through the FPDT pipeline (:mod:`lightning_fpdt.hf.attention`), bound to the
+  sequence-parallel context by ``FPDTStrategy`` through :meth:`HFCausalLM.bind_sequence_parallel`;
+- the loss is this project's: token-weighted across ranks on pre-shifted targets, from the base model's
+  hidden states and the output embedding, never transformers' own loss (which shifts the labels of this
+  rank's shard locally, crossing rank boundaries wrongly, and casts logits to float32);
+- the memory stack (:mod:`lightning_fpdt.hf.layers`): the decoder MLPs run in sequence tiles, each
+  decoder layer is checkpointed (its input optionally in host memory) when the strategy's
+  ``activation_checkpointing`` says so, and ``shard_parameters`` shards each decoder layer (FSDP2) through
+  :meth:`HFCausalLM.decoder_layers`. The loss runs in token tiles, so no full logits tensor exists
+  (``loss_tiles=1`` turns the tiling off and keeps them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+from transformers import PretrainedConfig, PreTrainedModel
+
+from lightning_fpdt.binding import AttentionRecord, DecoderLayer, SequenceParallelContext
+from lightning_fpdt.hf.attention import LayerRecords, attention_layers, check_supported, delivered_to, install
+from lightning_fpdt.hf.build import build_model
+from lightning_fpdt.hf.experts import check_experts, router_loss_for
+from lightning_fpdt.hf.flops import flops_per_token
+from lightning_fpdt.hf.guards import check_context_arrived, check_static_rope, find_head_transform
+from lightning_fpdt.hf.layers import check_decoder_modules, check_recomputable, decoder_modules, install_memory_stack
+from lightning_fpdt.hf.masks import check_mask_windows
+from lightning_fpdt.hf.weights import PretrainedWeights
+from lightning_fpdt.layout import IGNORE_INDEX
+from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum
+from lightning_fpdt.models.causal_lm import CausalLM
+from lightning_fpdt.tiling import tiled_call
+
+
+class HFCausalLM(CausalLM):
+    """Trains a transformers causal LM (see :class:`~lightning_fpdt.models.causal_lm.CausalLM` for batches and options).
+
+    Args:
+        model: a ``PreTrainedModel`` (used as is; its attention implementation is switched to FPDT's), a
+            name or local path (``AutoModelForCausalLM.from_pretrained``), a ``PretrainedConfig``
+            (``AutoModelForCausalLM.from_config``, random weights), or a config dict with ``model_type``.
+        loss_tiles: token tiles of the loss (``None``: tiles of 1024 tokens), so no full
+            ``[tokens, vocab]`` logits tensor exists; ``1``: off (full logits, kept for backward).
+        mlp_tiles: sequence tiles of every decoder layer's MLP, each recomputed in backward (``None``: tiles
+            of ``max(hidden, 1024)`` tokens; ``1``: off, the MLP's intermediates kept for backward).
+        from_pretrained_kwargs: extra arguments of ``from_pretrained`` (e.g. ``{"dtype": "bfloat16"}``).
+        config_overrides: config attributes set before the weights load (a name, path, config or config dict
+            only), e.g. ``{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings":
+            32768}`` for context extension (:func:`~lightning_fpdt.hf.build.apply_config_overrides`;
+            docs/context-extension.md).
+        **kwargs: the optimizer and schedule options of :class:`CausalLM`.
+
+    Raises:
+        NotImplementedError: the model uses a feature the FPDT pipeline does not compute (bidirectional layers,
+            attention dropout, a position bias, or a sliding window its mask has and its attention call does not
+            pass: :func:`~lightning_fpdt.hf.attention.check_supported`; sliding windows, attention-logit
+            softcapping and attention sinks are computed), has experts whose routing or auxiliary loss cannot be
+            reproduced (:func:`~lightning_fpdt.hf.experts.check_experts`), or has dropout in a tiled MLP; the
+            message names the feature and the layer. Also a head whose forward transforms the logits in a way the
+            loss cannot reproduce (:func:`~lightning_fpdt.hf.guards.find_head_transform`); when bound to more
+            than one rank, a RoPE schedule that changes with the sequence length
+            (:func:`~lightning_fpdt.hf.guards.check_static_rope`); and, at the first forward under a bound
+            context, an attention layer that ran without it (:func:`~lightning_fpdt.hf.guards.check_context_arrived`).
+        TypeError: ``model`` of another type.
+        ValueError: ``mlp_tiles`` below 1; ``config_overrides`` with a built model, or naming an attribute the
+            config does not have (:func:`~lightning_fpdt.hf.build.apply_config_overrides`).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | PretrainedConfig | str | dict[str, Any],
+        loss_tiles: int | None = None,
+        mlp_tiles: int | None = None,
+        from_pretrained_kwargs: dict[str, Any] | None = None,
+        config_overrides: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(loss_tiles=loss_tiles, **kwargs)
+        if mlp_tiles is not None and (isinstance(mlp_tiles, bool) or not isinstance(mlp_tiles, int) or mlp_tiles < 1):
+            raise ValueError(f"HFCausalLM: mlp_tiles must be a positive int or None (automatic), got {mlp_tiles!r}.")
+        self.model, files = build_model(model, from_pretrained_kwargs, config_overrides)
+        if files is not None:  # built on the meta device: read where needed (CausalLM.weights_pending)
+            self._pending_weights = PretrainedWeights(self.model, files)
+        layers = check_decoder_modules(self.model)  # first: the probes below run the layers
+        # the mask probe runs the model (on the meta device where its forward allows, else once the weights are in)
+        self._masks_probed = check_supported(self.model)
+        check_experts(self.model, layers)
+        self.head_transform = find_head_transform(self.model)  # what its forward does after the output embedding
+        check_recomputable(self.model, mlp_tiled=mlp_tiles != 1, checkpointing=False)
+        install(self.model)
+        self.router_loss = router_loss_for(self.model)  # the auxiliary loss of a mixture of experts, or None
+        install_memory_stack(self.model, mlp_tiles, self.router_loss)
+        self.mlp_tiles = mlp_tiles
+        self.context = SequenceParallelContext()
+        self._bound = False  # whether a strategy bound self.context (hf_guards.check_context_arrived)
+        self.records = LayerRecords()  # each attention layer's latest call
+        saved = model if isinstance(model, str) else self.model.config.to_dict()  # a module is not a hyper-parameter
+        # a saved config already holds the overrides (applying them twice would re-default the original context)
+        overrides = {"config_overrides": config_overrides} if isinstance(model, str) and config_overrides else {}
+        self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, "mlp_tiles": mlp_tiles, **overrides,
+                                   **kwargs})
+
+    # ---- weights: read where they are needed (CausalLM's plumbing, lightning_fpdt.hf.weights) --------
+
+    def _weights_loaded(self) -> None:
+        """Probe the masks of a model whose forward could not be probed on the meta device at construction, now
+        that its weights are in; when sharded, through the root's FSDP hooks (every layer's weights gathered
+        once, in turn, then every module sharded again).
+
+        Raises:
+            NotImplementedError: the mask probe's refusal (:func:`~lightning_fpdt.hf.attention.check_supported`).
+        """
+        if self._masks_probed:
+            return
+        sharded = isinstance(self, FSDPModule)
+        if sharded:  # through the root's hooks: FSDP2 initialises from its first forward
+            register_fsdp_forward_method(self, "_check_mask_windows")
+        try:
+            self._check_mask_windows()
+        finally:
+            if sharded:  # every module sharded again (FSDP2 keeps the last layer gathered after a forward)
+                for module in self.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
+
+    def _check_mask_windows(self) -> None:
+        self._masks_probed = check_mask_windows(self.model, attention_layers(self.model))
+
+    def check_model(self, model: nn.Module) -> bool:
+        """A transformers model, not a :class:`~lightning_fpdt.models.contract.DecoderModel`: its contract is
+        checked by :func:`~lightning_fpdt.hf.build.build_model` and the checks in ``__init__``; the documents reach
+        its attention through :meth:`hidden_states`."""
+        return True
+
+    # ---- the SequenceParallelAttention protocol (lightning_fpdt.binding) ---------------------------------
+
+    def bind_sequence_parallel(self, context: SequenceParallelContext) -> None:
+        """Use ``context`` (group, chunk size, backend, offload, checkpointing) in every decoder layer's next
+        forward.
+
+        Raises:
+            NotImplementedError: ``context.activation_checkpointing`` with dropout in a decoder layer; a
+                ``dynamic`` or ``longrope`` RoPE schedule on a group of more than one rank (one process sees
+                every position, so those train exactly there).
+        """
+        if context.size > 1:  # every rank binds the same config: every rank raises together
+            check_static_rope(self.model.config)
+        if context.activation_checkpointing:
+            check_recomputable(self.model, mlp_tiled=self.mlp_tiles != 1, checkpointing=True)
+        self.context, self._bound = context, True
+
+    def attention_heads(self) -> list[tuple[str, int, int]]:
+        """``(layer name, n_heads, n_kv_heads)`` of every attention layer, from the model's config."""
+        n_heads, n_kv_heads = self._head_counts()
+        return [(f"model.{name}", n_heads, n_kv_heads) for name, _ in attention_layers(self.model)]
+
+    def _head_counts(self) -> tuple[int, int]:
+        """``(n_heads, n_kv_heads)`` of every attention layer, from the model's config."""
+        config = self.model.config.get_text_config()
+        return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+    def attention_records(self) -> list[AttentionRecord]:
+        """What each attention layer did in its latest call (chunks, offload statistics), in layer order."""
+        return self.records.in_layer_order()
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The transformers decoder layers, as the strategy shards them and the memory model reads them."""
+        config = self.model.config.get_text_config()
+        n_heads, n_kv_heads = self._head_counts()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        layers = []
+        for name, layer in decoder_modules(self.model):
+            norms = tuple(m for m in layer.children() if "norm" in type(m).__name__.lower())
+            layers.append(DecoderLayer(
+                name=f"model.{name}", module=layer, hidden_size=config.hidden_size, n_heads=n_heads,
+                n_kv_heads=n_kv_heads, head_dim=head_dim, mlp=getattr(layer, "mlp", None),
+                mlp_tiled=self.mlp_tiles != 1, norms=norms, chunked_projections=False,
+            ))
+        return layers
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at global length ``seq_len`` (:func:`~lightning_fpdt.hf.flops.flops_per_token`)."""
+        return flops_per_token(self.model, seq_len)
+
+    # ---- forward and loss ----------------------------------------------------------------------------------
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """Logits ``[batch, seq, vocab]`` of whole sequences in one process (with the family's logit transform)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return self.logits(self.hidden_states({"input_ids": input_ids, "position_ids": position_ids}))
+
+    def hidden_states(self, batch: dict[str, Any]) -> Tensor:
+        """Final hidden states ``[batch, s_local, hidden]`` of this rank's part of a dict batch.
+
+        Raises:
+            NotImplementedError: an attention layer ran without the bound context
+                (:func:`~lightning_fpdt.hf.guards.check_context_arrived`).
+        """
+        batch = self.prepared(batch)
+        self.load_weights(batch["input_ids"].device)  # used without a Trainer: the weights at the first forward
+        self._start_router_pass(batch)
+        # read by fpdt_attention_forward: passed down as keywords by most families, delivered on the attention
+        # layers for those whose layers do not pass them on; every layer must have run with them (hf_guards)
+        keywords = {"fpdt_context": self.context, "documents": batch["documents"], "fpdt_records": self.records}
+        self.records.clear()
+        with delivered_to([m for _, m in attention_layers(self.model)], keywords):
+            out = self.model.base_model(
+                input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **keywords,
+            )
+        check_context_arrived(self.model, self.context, self._bound, batch["documents"], self.records)
+        return out.last_hidden_state
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """``hidden`` ``[..., hidden]`` through the output embedding and the family's own per-logit transform
+        (:attr:`head_transform`: Granite's scaling, Gemma-2's final softcap, ...): ``[..., vocab]``."""
+        return self.head_transform(self.model.get_output_embeddings()(hidden))
+
+    def loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(loss_sum, num_tokens)`` of this rank's part of the batch, on pre-shifted targets. For a mixture
+        of experts whose config sets ``output_router_logits``, ``loss_sum`` also holds this rank's share of
+        ``router_aux_loss_coef * aux`` over the whole batch (:meth:`~lightning_fpdt.hf.experts.RouterLoss.add_to`;
+        a collective over the world), so the token-weighted loss is transformers' loss with the auxiliary loss."""
+        loss_sum, num_tokens = self._token_loss_terms(batch, hidden)
+        if self.router_loss is not None:
+            loss_sum = self.router_loss.add_to(loss_sum, num_tokens)
+        return loss_sum, num_tokens
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """A mixture of experts counts the tokens of ``attention_mask`` in its auxiliary loss: a batch without
+        one gets ones before the strategy pads it (its padding then gets zeros, as no token of one process)."""
+        if self.router_loss is not None and isinstance(batch, dict) and "attention_mask" not in batch:
+            ids = batch.get("input_ids")
+            if isinstance(ids, Tensor) and ids.dim() == 2:
+                batch = {**batch, "attention_mask": torch.ones_like(ids)}
+        return batch
+
+    def _start_router_pass(self, batch: dict[str, Any]) -> None:
+        """Open the router statistics of a forward pass over this rank's tokens (1: counted, 0: padding)."""
+        if self.router_loss is not None:
+            mask = batch.get("attention_mask")
+            self.router_loss.start(None if mask is None else mask.ne(0))
+
+    def _token_loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The token-weighted cross-entropy's ``(loss_sum, num_tokens)``."""
+        batch = self.prepared(batch)  # once: hidden_states and targets then find it prepared
+        hidden = self.hidden_states(batch) if hidden is None else hidden
+        targets = self.targets(batch)
+        if self.loss_tiles == 1:  # no tiling: full logits, kept for backward by autograd
+            return cross_entropy_sum(self.logits(hidden), targets)
+        head = self.model.get_output_embeddings()
+        if isinstance(head, nn.Linear) and head.bias is None and self.head_transform.is_identity:
+            return tiled_cross_entropy_sum(hidden, head.weight, targets, self.loss_tiles)
+        # a head with a bias or a logit transform: token tiles over batch x seq, each recomputed in backward, so only
+        # one tile's logits exist at a time
+        b, s, h = hidden.shape  # s = this rank's tokens
+        total = tiled_call(self._tile_loss_sum, hidden.reshape(1, b * s, h), targets.reshape(1, b * s),
+                           num_tiles=self.loss_tiles, params=head, name="loss_tile")
+        return total, (targets != IGNORE_INDEX).sum()
+
+    def _tile_loss_sum(self, hidden: Tensor, targets: Tensor) -> Tensor:
+        """Summed cross-entropy of one tile: ``hidden`` ``[1, tile, hidden]``, ``targets`` ``[1, tile]``."""
+        return cross_entropy_sum(self.logits(hidden), targets)[0]
+
+    def answer_predictions(self, batch: dict[str, Any], hidden: Tensor) -> tuple[Tensor, Tensor]:
+        mask = batch["answer_mask"].bool()
+        return self.logits(hidden[mask]).argmax(-1), self.targets(batch)[mask]
+
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
+        """Export the transformers model (weights and config) to ``path``; loads with plain transformers
+        (``from_pretrained``), which picks its own attention implementation."""
+        self.load_weights()
+        self.model.save_pretrained(path, **kwargs)

@@ -1,0 +1,34 @@
+"""Training FLOPs per token of a transformers causal LM, counted as the bundled models count theirs (read by
+Lightning's throughput monitor for FLOP/s and MFU)."""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import PreTrainedModel
+
+
+def flops_per_token(model: PreTrainedModel, seq_len: int) -> float:
+    """Training FLOPs per token of ``model`` at global sequence length ``seq_len`` (forward and backward, counted as
+    ``LlamaLM`` counts them): 6 x the parameters each token multiplies through (every parameter but the
+    input embeddings, the output embedding once even when tied, a routed expert's weights times
+    ``num_experts_per_tok / num_experts``), plus 12 x ``heads x head_dim`` x the keys a query attends to per
+    layer: ``seq_len / 2`` under causality, ``w - w^2 / (2 seq_len)`` in a layer with a sliding window
+    ``w < seq_len`` (``layer_types``/``sliding_window`` of the config)."""
+    config = model.config.get_text_config()
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    scale = {}  # a routed expert's weights: only num_experts_per_tok of num_experts run per token
+    for m in model.modules():
+        if type(m).__name__.endswith("Experts") and isinstance(getattr(m, "num_experts", None), int):
+            scale.update({id(p): config.num_experts_per_tok / m.num_experts for p in m.parameters()})
+    active = sum(p.numel() * scale.get(id(p), 1) for p in model.parameters() if id(p) not in embeddings)
+    head = model.get_output_embeddings().weight
+    active += head.numel() if id(head) in embeddings else 0  # tied: the output embedding is still a matmul
+    n_heads = config.num_attention_heads
+    width = n_heads * (getattr(config, "head_dim", None) or config.hidden_size // n_heads)
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    keys = 0.0
+    for kind in layer_types[:config.num_hidden_layers]:
+        w = window if kind == "sliding_attention" and window else seq_len
+        keys += seq_len / 2 if w >= seq_len else w - w * w / (2 * seq_len)
+    return 6 * active + 12 * width * keys

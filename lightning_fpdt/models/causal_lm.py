@@ -1,0 +1,224 @@
+"""The LightningModule that trains a decoder on dict batches: next-token loss, token-weighted across ranks and
+accumulation windows, optimizer and schedule.
+
+:class:`CausalLM` trains any module that provides :class:`~lightning_fpdt.models.contract.DecoderModel` (the
+bundled Llama and GPT, or a user's own model, docs/own-model.md); the contract is checked when the model is
+assigned to ``CausalLM.model``, so a model that does not fit is refused at construction, not in the first step.
+A model built on the meta device reads its weights where they are needed
+(:class:`~lightning_fpdt.models.pending_weights.PendingWeightsModule`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fpdt.accumulation import TokenWindow, scale_window_gradients
+from lightning_fpdt.batches import shard_batch
+from lightning_fpdt.layout import default_position_ids
+from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
+from lightning_fpdt.models.contract import OWN_MODEL_DOC, CountsFlops, DecoderModel, check_decoder_model
+from lightning_fpdt.models.metrics import AnswerAccuracy
+from lightning_fpdt.models.pending_weights import PendingWeightsModule
+
+
+class CausalLM(PendingWeightsModule):
+    """Next-token training for a decoder ``model`` that provides :class:`~lightning_fpdt.models.contract.DecoderModel`.
+
+    Set ``self.model`` in a subclass's ``__init__`` after ``super().__init__(...)``; the model is checked
+    when it is assigned (:func:`check_decoder_model`). Batches are dicts with ``input_ids`` ``[batch, seq]``
+    and optionally ``labels`` (Hugging Face convention: unshifted, -100 ignored), ``shift_labels``
+    (already shifted, as ``FPDTStrategy`` produces them) and ``position_ids``. The loss is token-weighted
+    across every rank, so sequence and data parallel training give the single-process gradient, and across
+    the micro-batches of an accumulation window (``accumulate_grad_batches``; :attr:`token_window`, a
+    :class:`~lightning_fpdt.accumulation.TokenWindow`), so the optimizer gets the window's gradient as one batch.
+
+    Args:
+        loss_tiles: token tiles of the output projection + cross-entropy, each recomputed in backward, so
+            no full ``[tokens, vocab]`` logits tensor exists (``None``: tiles of 1024 tokens; ``1``: off,
+            full logits kept for backward). Read by the memory model for ``chunk_size="auto"``.
+        learning_rate: peak AdamW learning rate.
+        weight_decay: AdamW weight decay for matrices (not for norms, biases and embeddings).
+        betas: AdamW betas.
+        warmup_steps: linear warm-up steps.
+        min_lr_ratio: the cosine schedule decays to ``learning_rate * min_lr_ratio``.
+    """
+
+    def __init__(
+        self,
+        loss_tiles: int | None = None,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if loss_tiles is not None and (isinstance(loss_tiles, bool) or not isinstance(loss_tiles, int)
+                                       or loss_tiles < 1):
+            raise ValueError(
+                f"{type(self).__name__}: loss_tiles must be a positive int or None (automatic), got {loss_tiles!r}."
+            )
+        self.loss_tiles = loss_tiles
+        self.learning_rate = learning_rate
+        self.weight_decay = weight_decay
+        self.betas = tuple(betas)
+        self.warmup_steps = warmup_steps
+        self.min_lr_ratio = min_lr_ratio
+        self.model: DecoderModel
+        self.model_takes_documents = True
+        self.val_answer_accuracy = AnswerAccuracy()
+        self.token_window = TokenWindow()  # training losses: one token mean per accumulation window
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "model" and isinstance(value, nn.Module):  # the contract, checked where a model arrives
+            self.model_takes_documents = self.check_model(value)
+        super().__setattr__(name, value)
+
+    def check_model(self, model: nn.Module) -> bool:
+        """Check ``model`` against :class:`DecoderModel` (see :func:`check_decoder_model`); returns whether
+        it takes ``documents``. A subclass with its own contract (``HFCausalLM``) overrides this."""
+        return check_decoder_model(model, type(self).__name__, self.loss_tiles)
+
+    # ---- forward and loss ------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """Logits ``[batch, seq, vocab]`` of whole sequences in one process (one document per sample)."""
+        self.load_weights(input_ids.device)  # used without a Trainer: the weights at the first forward
+        if position_ids is None:
+            position_ids = default_position_ids(*input_ids.shape, device=input_ids.device)
+        return self.model.lm_head(self.model.hidden_states(input_ids, position_ids))
+
+    def prepared(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The batch as ``FPDTStrategy`` hands it over: pre-shifted targets, position ids, documents.
+
+        A batch that did not come through the strategy (one process, another strategy) gets the same
+        preparation here (:func:`lightning_fpdt.batches.shard_batch` with one rank), so packed documents,
+        ``attention_mask`` and ``loss_mask`` mean the same with and without sequence parallelism.
+        """
+        if not isinstance(batch, dict) or "input_ids" not in batch:
+            keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+            raise ValueError(
+                f"{type(self).__name__} expects dict batches with 'input_ids' [batch, seq]; got {keys}."
+            )
+        if "shift_labels" in batch and "documents" in batch:
+            return batch
+        return shard_batch(batch, 1, 0, owner=type(self).__name__)
+
+    def targets(self, batch: dict[str, Tensor]) -> Tensor:
+        """Pre-shifted targets of a batch (``shift_labels``; see :meth:`prepared`)."""
+        return self.prepared(batch)["shift_labels"]
+
+    def hidden_states(self, batch: dict[str, Any]) -> Tensor:
+        """Final hidden states ``[batch, s_local, hidden]`` of this rank's part of a dict batch.
+
+        Raises:
+            ValueError: on every rank, when a batch of any rank holds packed documents (or right padding,
+                one more document) and the model's ``hidden_states`` takes no ``documents``: its attention
+                would cross the documents' boundaries.
+        """
+        batch = self.prepared(batch)
+        ids, positions, documents = batch["input_ids"], batch["position_ids"], batch["documents"]
+        self.load_weights(ids.device)  # used without a Trainer: the weights at the first forward
+        if self.model_takes_documents:
+            return self.model.hidden_states(ids, positions, documents=documents)
+        self._refuse_documents(documents is not None)
+        return self.model.hidden_states(ids, positions)
+
+    def _refuse_documents(self, packed: bool) -> None:
+        trainer = self._trainer
+        anywhere = packed
+        if trainer is not None and trainer.world_size > 1:  # every rank raises together, before attention
+            anywhere = trainer.strategy.reduce_boolean_decision(packed, all=False)
+        if not anywhere:
+            return
+        where = "this batch holds" if packed else "another rank's batch holds"
+        raise ValueError(
+            f"{type(self).__name__}: {where} packed documents (position_ids restarting at 0 inside a sample, or"
+            f" right padding), but {type(self.model).__name__}.hidden_states takes no 'documents', so its attention"
+            f" would cross document boundaries. Add a parameter hidden_states(input_ids, position_ids,"
+            f" documents=None) and pass documents to every attention layer (FPDTBlock(x, position_ids, documents);"
+            f" {OWN_MODEL_DOC}), or train on unpacked, unpadded samples."
+        )
+
+    def loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(loss_sum, num_tokens)`` of this rank's part of the batch."""
+        batch = self.prepared(batch)  # once: hidden_states and targets then find it prepared
+        hidden = self.hidden_states(batch) if hidden is None else hidden
+        if self.loss_tiles == 1:  # no tiling: full logits, kept for backward by autograd
+            return cross_entropy_sum(self.model.lm_head(hidden), self.targets(batch))
+        return tiled_cross_entropy_sum(hidden, self.model.lm_head.weight, self.targets(batch), self.loss_tiles)
+
+    def answer_predictions(self, batch: dict[str, Any], hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """Greedy predictions and targets where ``answer_mask`` is set (the next token is an answer)."""
+        mask = batch["answer_mask"].bool()
+        logits = self.model.lm_head(hidden[mask])  # only the answer positions: [n_answer, vocab]
+        return logits.argmax(-1), self.targets(batch)[mask]
+
+    def sequence_parallel_size(self) -> int:
+        mesh = self.device_mesh
+        return 1 if mesh is None else mesh["sequence_parallel"].size()
+
+    def flops_per_token(self, seq_len: int) -> float | None:
+        """Training FLOPs per token at global sequence length ``seq_len``: the model's (:class:`CountsFlops`),
+        or ``None`` (no FLOP/s or MFU logged). A subclass whose model cannot count overrides this."""
+        return self.model.flops_per_token(seq_len) if isinstance(self.model, CountsFlops) else None
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        ids = batch["input_ids"]
+        flops = self.flops_per_token(ids.shape[1] * self.sequence_parallel_size())  # of the global sequence
+        if flops is not None:  # read by ThroughputMonitor for FLOP/s and MFU
+            self.flops_per_batch = flops * ids.numel()
+        loss_sum, num_tokens = self.loss_terms(batch)
+        trainer = self._trainer
+        if trainer is not None and self.automatic_optimization:  # one token mean per accumulation window
+            loss, mean = self.token_window.add(loss_sum, num_tokens, trainer.global_step,
+                                               trainer.accumulate_grad_batches)
+        else:
+            loss, mean = token_weighted_loss(loss_sum, num_tokens)
+        # the window's mean so far: at the window's last micro-batch, the mean of all its target tokens
+        self.log("train/loss", mean, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Finish the accumulation window's gradient (before clipping), unless ``FPDTStrategy`` already did
+        (before the step guard): the path for every other strategy. An override must call this."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        scale_window_gradients(self, grads)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        batch = self.prepared(batch)
+        hidden = self.hidden_states(batch)
+        _, mean = token_weighted_loss(*self.loss_terms(batch, hidden))
+        # identical on every rank already; sync_dist only averages equal values
+        self.log("val/loss", mean, prog_bar=True, batch_size=batch["input_ids"].shape[0], sync_dist=True)
+        if "answer_mask" in batch:
+            self.val_answer_accuracy.update(*self.answer_predictions(batch, hidden))
+            self.log("val/answer_accuracy", self.val_answer_accuracy, on_epoch=True, prog_bar=True)
+        return mean
+
+    def configure_optimizers(self) -> Any:
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.learning_rate,
+            betas=self.betas,
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1000
+        warmup, floor = self.warmup_steps, self.min_lr_ratio
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
