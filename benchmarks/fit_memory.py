@@ -46,6 +46,7 @@ import argparse  # noqa: E402  (the first sample is taken before torch is import
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from gradient_release import GradientRelease  # noqa: E402
 from tensor_peak import PeakSnapshot  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
@@ -155,6 +156,24 @@ class PhaseMemory(L.Callback):
         self.rows[-1]["seconds"] = time.perf_counter() - self.started
 
 
+def _gather(report: dict) -> list[dict]:
+    """Every rank's ``report``, in rank order, through a gloo group of its own, destroyed before returning.
+
+    The exchange is the script's last collective, and a gloo worker thread releases a collective's tensors after
+    ``all_gather_object`` has returned. Still doing so while the interpreter exits, it needs the GIL, is made to
+    exit, unwinds through C++ and aborts the process: "terminate called without an active exception". Freeing the
+    group joins its worker threads. The groups Lightning made cannot be freed here: its trainer holds them, and
+    under FSDP2 torch's caches of device meshes hold the world group; their last collectives ended in the fit.
+    """
+    group = dist.new_group(backend="gloo")
+    reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report, group=group)
+    dist.barrier(group)  # no rank tears the group down while another still talks to it
+    dist.destroy_process_group()  # every group: Lightning's launcher never does
+    del group  # the last reference: ~ProcessGroupGloo joins the worker threads
+    return reports
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=8192)
@@ -191,9 +210,7 @@ def main() -> None:
 
     shape, tiling = ModelShape.from_module(module)
     est = estimate(shape, args.seq, strategy.estimate_options.replace(**tiling))
-    report = {"rank": trainer.global_rank, "rows": callback.rows, "tensor_peak": callback.tensor_peak}
-    reports: list = [None] * trainer.world_size
-    torch.distributed.all_gather_object(reports, report)
+    reports = _gather({"rank": trainer.global_rank, "rows": callback.rows, "tensor_peak": callback.tensor_peak})
     if trainer.global_rank != 0:
         return
     print(f"\n{args}; fit {seconds:.0f} s; estimate (lightning_fpdt.memory, MiB): parameters"
