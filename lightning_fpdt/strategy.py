@@ -232,6 +232,9 @@ class FPDTStrategy(DDPStrategy):
         self._guard.setup(self.lightning_module.automatic_optimization, str(self.precision_plugin.precision))
         if self._options.offload_block_inputs and self._layer_input_store is None:
             self._layer_input_store = new_layer_input_store(self.root_device)
+        refuse = getattr(self.lightning_module, "refuse_token_mixers", None)  # CausalLM's: what sees one shard only
+        if refuse is not None:
+            refuse(self.sequence_parallel_size)
         self._bind(self.model)  # before DDP/FSDP wraps the module; raises on bad head counts
         self._gate = BatchGate(self.world_size, self.sequence_parallel_size, self.global_rank, self.root_device,
                                input_vocab_size(self.model))

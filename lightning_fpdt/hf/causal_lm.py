@@ -21,22 +21,24 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from transformers import PretrainedConfig, PreTrainedModel
 
 from lightning_fpdt.binding import AttentionRecord, DecoderLayer, SequenceParallelContext
 from lightning_fpdt.hf.attention import LayerRecords, attention_layers, check_supported, delivered_to, install
 from lightning_fpdt.hf.build import build_model
 from lightning_fpdt.hf.experts import check_experts, router_loss_for
+from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.flops import flops_per_token
 from lightning_fpdt.hf.guards import check_context_arrived, check_static_rope, find_head_transform
 from lightning_fpdt.hf.layers import check_decoder_modules, check_recomputable, decoder_modules, install_memory_stack
 from lightning_fpdt.hf.masks import check_mask_windows
+from lightning_fpdt.hf.mixing import hf_token_mixers
 from lightning_fpdt.hf.weights import PretrainedWeights
 from lightning_fpdt.layout import IGNORE_INDEX
 from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum
 from lightning_fpdt.models.causal_lm import CausalLM
 from lightning_fpdt.tiling import tiled_call
+from lightning_fpdt.token_mixing import TokenMixer
 
 
 class HFCausalLM(CausalLM):
@@ -94,6 +96,8 @@ class HFCausalLM(CausalLM):
         check_experts(self.model, layers)
         self.head_transform = find_head_transform(self.model)  # what its forward does after the output embedding
         check_recomputable(self.model, mlp_tiled=mlp_tiles != 1, checkpointing=False)
+        # what mixes tokens outside attention (refused when bound to more than one rank); None: once the weights are in
+        self._token_mixers = hf_token_mixers(self.model)
         install(self.model)
         self.router_loss = router_loss_for(self.model)  # the auxiliary loss of a mixture of experts, or None
         install_memory_stack(self.model, mlp_tiles, self.router_loss)
@@ -110,28 +114,31 @@ class HFCausalLM(CausalLM):
     # ---- weights: read where they are needed (CausalLM's plumbing, lightning_fpdt.hf.weights) --------
 
     def _weights_loaded(self) -> None:
-        """Probe the masks of a model whose forward could not be probed on the meta device at construction, now
-        that its weights are in; when sharded, through the root's FSDP hooks (every layer's weights gathered
-        once, in turn, then every module sharded again).
+        """Run the probes that need values on a model built on the meta device, now that its weights are in (the
+        masks, where its forward could not be probed on the meta device; what mixes tokens); when sharded,
+        through the root's FSDP hooks (every layer's weights gathered once, in turn, then every module sharded
+        again).
 
         Raises:
-            NotImplementedError: the mask probe's refusal (:func:`~lightning_fpdt.hf.attention.check_supported`).
+            NotImplementedError: the mask probe's refusal (:func:`~lightning_fpdt.hf.attention.check_supported`);
+                a module that mixes tokens outside attention, when already bound to more than one rank.
         """
-        if self._masks_probed:
+        if self._masks_probed and self._token_mixers is not None:
             return
-        sharded = isinstance(self, FSDPModule)
-        if sharded:  # through the root's hooks: FSDP2 initialises from its first forward
-            register_fsdp_forward_method(self, "_check_mask_windows")
-        try:
-            self._check_mask_windows()
-        finally:
-            if sharded:  # every module sharded again (FSDP2 keeps the last layer gathered after a forward)
-                for module in self.modules():
-                    if isinstance(module, FSDPModule):
-                        module.reshard()
+        self._call_with_whole_weights("_probe_with_weights")
+        if self._bound:
+            self.refuse_token_mixers(self.context.size)
 
-    def _check_mask_windows(self) -> None:
-        self._masks_probed = check_mask_windows(self.model, attention_layers(self.model))
+    def _probe_with_weights(self) -> None:
+        if not self._masks_probed:
+            self._masks_probed = check_mask_windows(self.model, attention_layers(self.model))
+        if self._token_mixers is None:
+            self._token_mixers = hf_token_mixers(self.model)
+
+    def token_mixers(self) -> list[TokenMixer] | None:
+        """The modules that mix tokens outside the attention layers (:func:`~lightning_fpdt.hf.mixing.hf_token_mixers`,
+        probed at construction or once the weights are in; ``None`` before)."""
+        return self._token_mixers
 
     def check_model(self, model: nn.Module) -> bool:
         """A transformers model, not a :class:`~lightning_fpdt.models.contract.DecoderModel`: its contract is
@@ -146,12 +153,15 @@ class HFCausalLM(CausalLM):
         forward.
 
         Raises:
-            NotImplementedError: ``context.activation_checkpointing`` with dropout in a decoder layer; a
-                ``dynamic`` or ``longrope`` RoPE schedule on a group of more than one rank (one process sees
-                every position, so those train exactly there).
+            NotImplementedError: ``context.activation_checkpointing`` with dropout in a decoder layer; on a group
+                of more than one rank (one process sees every position, so these train exactly there) a
+                ``dynamic`` or ``longrope`` RoPE schedule, or a module that mixes tokens outside attention
+                (:func:`~lightning_fpdt.hf.mixing.hf_token_mixers`: a gated delta-net, Mamba-2 or short-convolution
+                layer), named with its layer.
         """
         if context.size > 1:  # every rank binds the same config: every rank raises together
             check_static_rope(self.model.config)
+            self.refuse_token_mixers(context.size)
         if context.activation_checkpointing:
             check_recomputable(self.model, mlp_tiled=self.mlp_tiles != 1, checkpointing=True)
         self.context, self._bound = context, True
@@ -180,7 +190,7 @@ class HFCausalLM(CausalLM):
             norms = tuple(m for m in layer.children() if "norm" in type(m).__name__.lower())
             layers.append(DecoderLayer(
                 name=f"model.{name}", module=layer, hidden_size=config.hidden_size, n_heads=n_heads,
-                n_kv_heads=n_kv_heads, head_dim=head_dim, mlp=getattr(layer, "mlp", None),
+                n_kv_heads=n_kv_heads, head_dim=head_dim, mlp=feed_forward(layer),
                 mlp_tiled=self.mlp_tiles != 1, norms=norms, chunked_projections=False,
             ))
         return layers

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.models.mixtral import modeling_mixtral
 
+from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.tiling import mlp_tile_tokens, tiled_call
 
 _MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -67,7 +68,7 @@ def check_experts(model: PreTrainedModel, layers: list[tuple[str, nn.Module]]) -
                 " declares no router_logits output, so its routing and auxiliary loss cannot be reproduced. Mixtral,"
                 " Qwen3-MoE, OLMoE and gpt-oss are supported (docs/hf-support.md#mixture-of-experts)."
             )
-        mlp = getattr(layer, "mlp", None)
+        mlp = feed_forward(layer)
         if len(routers) > 1 or (routers and (mlp is None or not any(m is routers[0] for m in mlp.modules()))):
             raise NotImplementedError(
                 f"HFCausalLM: layer model.{layer_name} has {len(routers)} router(s) of {name} outside one 'mlp' module;"
@@ -83,8 +84,12 @@ def check_experts(model: PreTrainedModel, layers: list[tuple[str, nn.Module]]) -
                 " routing cannot be reproduced. Mixtral, Qwen3-MoE, OLMoE and gpt-oss are supported."
             )
         return
+    if not any(isinstance(m, found[0]) for m in model.modules()):  # a dense form of an MoE family: no router runs
+        return
     loss = getattr(inspect.getmodule(type(model)), "load_balancing_loss_func", None)
-    if loss is None or not _same_loss(loss, model.config.get_text_config().num_experts_per_tok):
+    # a family that adds no auxiliary loss (LFM2-MoE, Kimi Linear) routes per token: nothing to reproduce
+    top_k = model.config.get_text_config().num_experts_per_tok
+    if adds_router_loss(model) and (loss is None or not _same_loss(loss, top_k)):
         raise NotImplementedError(
             f"HFCausalLM: {name}'s auxiliary router loss is not transformers' load_balancing_loss_func as Mixtral,"
             " Qwen3-MoE, OLMoE and gpt-oss compute it, so it cannot be reproduced under sequence parallelism."
@@ -96,6 +101,16 @@ def check_experts(model: PreTrainedModel, layers: list[tuple[str, nn.Module]]) -
             " noise in training, which a recomputation (tiled MLP, checkpointing) would draw again and one"
             " process would draw for other tokens. Set router_jitter_noise=0.0."
         )
+
+
+def adds_router_loss(model: PreTrainedModel) -> bool:
+    """Whether the family's causal LM adds an auxiliary router loss to its loss: its forward computes an
+    ``aux_loss`` (Mixtral, Qwen3-MoE, ...); LFM2-MoE's and Kimi Linear's do not. Where the source cannot be read,
+    assumed to (and then checked like one)."""
+    try:
+        return "aux_loss" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return True
 
 
 def _same_loss(loss: Any, top_k: int) -> bool:
@@ -202,7 +217,7 @@ class RouterLoss:
 def router_loss_for(model: PreTrainedModel) -> RouterLoss | None:
     """The :class:`RouterLoss` of a model whose loss includes the auxiliary loss (``output_router_logits``)."""
     config = model.config.get_text_config()
-    if router_class(model) is None or not getattr(config, "output_router_logits", False):
+    if router_class(model) is None or not getattr(config, "output_router_logits", False) or not adds_router_loss(model):
         return None
     experts = next(getattr(config, k) for k in _MOE_CONFIG_FIELDS if getattr(config, k, None))
     return RouterLoss(experts, config.num_experts_per_tok, float(config.router_aux_loss_coef))
@@ -266,13 +281,13 @@ def install_experts(model: PreTrainedModel, layers: list[tuple[str, nn.Module]],
         return []
     blocks = []
     for _, layer in layers:
-        mlp = getattr(layer, "mlp", None)
+        mlp = feed_forward(layer)
         routers = [] if mlp is None else [m for m in mlp.modules() if isinstance(m, found[0])]
         if routers:
             tap = RouterTap(routers[0], found[1])
             routers[0].forward = tap
-            layer.mlp.forward = ExpertsForward(layer.mlp, tap, mlp_tiles, loss)
-            blocks.append(layer.mlp)
+            mlp.forward = ExpertsForward(mlp, tap, mlp_tiles, loss)
+            blocks.append(mlp)
     return blocks
 
 

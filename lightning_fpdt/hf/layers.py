@@ -36,16 +36,25 @@ from lightning_fpdt.activation_checkpoint import recomputed_layer_call
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.hf.attention import attention_layers, delivering
 from lightning_fpdt.hf.experts import RouterLoss, install_experts, split_captured
+from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.recompute import needs_backward
 from lightning_fpdt.tiling import TiledForward
 
 
 def decoder_modules(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
-    """``(name, layer)`` of every decoder layer of ``model`` (a ``GradientCheckpointingLayer`` holding an
-    attention layer), in module order."""
+    """``(name, layer)`` of every decoder layer of ``model``, in module order: each ``GradientCheckpointingLayer``
+    of a layer stack (a ``ModuleList``) that holds one with an attention layer. A hybrid's layers without
+    attention (gated delta-net, Mamba-2 or short-convolution layers) are decoder layers of the same stack."""
     attention = {id(m) for _, m in attention_layers(model)}
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, GradientCheckpointingLayer) and any(id(c) in attention for c in m.modules())]
+
+    def holds_attention(m: nn.Module) -> bool:
+        return isinstance(m, GradientCheckpointingLayer) and any(id(c) in attention for c in m.modules())
+
+    stacks = [name for name, m in model.named_modules()
+              if isinstance(m, nn.ModuleList) and any(holds_attention(c) for c in m.children())]
+    return [(f"{stack}.{i}", layer) for stack in stacks
+            for i, layer in enumerate(model.get_submodule(stack).children())
+            if isinstance(layer, GradientCheckpointingLayer)]
 
 
 def check_decoder_modules(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
@@ -57,9 +66,10 @@ def check_decoder_modules(model: PreTrainedModel) -> list[tuple[str, nn.Module]]
     """
     layers = decoder_modules(model)
     attention = attention_layers(model)
-    if len(layers) != len(attention):
+    holders = {layer for name, _ in attention for layer, _ in layers if name.startswith(f"{layer}.")}
+    if len(holders) != len(attention):
         raise NotImplementedError(
-            f"HFCausalLM: {type(model).__name__} has {len(attention)} attention layers but {len(layers)} decoder"
+            f"HFCausalLM: {type(model).__name__} has {len(attention)} attention layers but {len(holders)} decoder"
             " layers that hold them (transformers GradientCheckpointingLayer modules); activation checkpointing,"
             " MLP tiling and per-layer sharding are applied to decoder layers, so this model cannot get them."
         )
@@ -77,8 +87,10 @@ def check_recomputable(model: PreTrainedModel, mlp_tiled: bool, checkpointing: b
     for name, layer in decoder_modules(model):
         if checkpointing:
             scope, prefix, why = layer, "", "activation_checkpointing recomputes each decoder layer"
-        elif mlp_tiled and isinstance(getattr(layer, "mlp", None), nn.Module):
-            scope, prefix, why = layer.mlp, "mlp", "the tiled MLP recomputes each tile"
+        elif mlp_tiled and feed_forward(layer) is not None:
+            ffn = feed_forward(layer)
+            prefix = next(n for n, child in layer.named_children() if child is ffn)
+            scope, why = ffn, "the tiled MLP recomputes each tile"
         else:
             continue
         for sub, m in scope.named_modules(prefix=prefix):
@@ -148,17 +160,17 @@ def install_memory_stack(model: PreTrainedModel, mlp_tiles: int | None, router_l
     Raises:
         NotImplementedError: attention layers outside recognisable decoder layers (the stack would silently
             not apply to them).
-        ValueError: a decoder layer without an ``mlp`` module to tile (when ``mlp_tiles != 1``).
+    A decoder layer without a feed-forward (:func:`feed_forward`: a hybrid's mixer-only layer) has nothing to
+    tile.
+
+    Raises:
+        NotImplementedError: attention layers outside recognisable decoder layers (the stack would silently
+            not apply to them).
     """
     layers = check_decoder_modules(model)
-    for name, layer in layers:  # everything checked before anything is changed
-        if mlp_tiles != 1 and not isinstance(getattr(layer, "mlp", None), nn.Module):
-            raise ValueError(
-                f"HFCausalLM: decoder layer model.{name} ({type(layer).__name__}) has no 'mlp' module to tile;"
-                " use mlp_tiles=1."
-            )
     moe = {id(block) for block in install_experts(model, layers, mlp_tiles, router_loss)}
     for name, layer in layers:
         layer.forward = CheckpointedForward(layer, name, router_loss)
-        if isinstance(getattr(layer, "mlp", None), nn.Module) and id(layer.mlp) not in moe:
-            layer.mlp.forward = TiledForward(layer.mlp, mlp_tiles)
+        ffn = feed_forward(layer)
+        if ffn is not None and id(ffn) not in moe:
+            ffn.forward = TiledForward(ffn, mlp_tiles)

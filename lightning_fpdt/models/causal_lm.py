@@ -10,6 +10,7 @@ A model built on the meta device reads its weights where they are needed
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -22,7 +23,9 @@ from lightning_fpdt.layout import default_position_ids
 from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
 from lightning_fpdt.models.contract import OWN_MODEL_DOC, CountsFlops, DecoderModel, check_decoder_model
 from lightning_fpdt.models.metrics import AnswerAccuracy
+from lightning_fpdt.models.mixing import own_token_mixers
 from lightning_fpdt.models.pending_weights import PendingWeightsModule
+from lightning_fpdt.token_mixing import TokenMixer, refusal
 
 
 class CausalLM(PendingWeightsModule):
@@ -70,6 +73,7 @@ class CausalLM(PendingWeightsModule):
         self.min_lr_ratio = min_lr_ratio
         self.model: DecoderModel
         self.model_takes_documents = True
+        self._own_token_mixers: tuple[tuple[int, ...], list[TokenMixer]] | None = None  # (structure, the probe's)
         self.val_answer_accuracy = AnswerAccuracy()
         self.token_window = TokenWindow()  # training losses: one token mean per accumulation window
 
@@ -82,6 +86,42 @@ class CausalLM(PendingWeightsModule):
         """Check ``model`` against :class:`DecoderModel` (see :func:`check_decoder_model`); returns whether
         it takes ``documents``. A subclass with its own contract (``HFCausalLM``) overrides this."""
         return check_decoder_model(model, type(self).__name__, self.loss_tiles)
+
+    # ---- what mixes tokens outside the sequence-parallel attention --------------------------------------------
+
+    def token_mixers(self) -> list[TokenMixer] | None:
+        """The modules of the model that mix tokens outside its sequence-parallel attention
+        (:func:`~lightning_fpdt.models.mixing.own_token_mixers`; names as in the model); ``None`` while its weights
+        are pending (probed once they are read)."""
+        if self.weights_pending:
+            return None
+        structure = tuple(id(m) for m in self.model.modules())  # probed again only when modules were replaced
+        if self._own_token_mixers is None or self._own_token_mixers[0] != structure:
+            self._call_with_whole_weights("_probe_own_model")  # a sharded module: through its FSDP hooks
+        return self._own_token_mixers[1]
+
+    def _probe_own_model(self) -> None:
+        structure = tuple(id(m) for m in self.model.modules())
+        self._own_token_mixers = structure, own_token_mixers(self.model, self.model.lm_head.out_features)
+
+    def refuse_token_mixers(self, sequence_parallel_size: int) -> None:
+        """Refuse, on every rank alike (the probe is deterministic), a model with a module that mixes tokens
+        outside its sequence-parallel attention when ``sequence_parallel_size > 1`` (``FPDTStrategy`` calls this
+        in ``setup``, before any step): it would see only this rank's shard of the sequence.
+
+        Raises:
+            NotImplementedError: naming each such module and its layer.
+        """
+        mixers = self.token_mixers() if sequence_parallel_size > 1 else None
+        if mixers:
+            named = [dataclasses.replace(m, layer=f"model.{m.layer}" if m.layer else "", module=f"model.{m.module}")
+                     for m in mixers]
+            raise NotImplementedError(refusal(type(self).__name__, named, sequence_parallel_size))
+
+    def _weights_loaded(self) -> None:
+        """Probe the model read from a pretrained directory for token mixers once its weights are in (under a
+        sequence-parallel group of more than one rank)."""
+        self.refuse_token_mixers(self.sequence_parallel_size())
 
     # ---- forward and loss ------------------------------------------------------------------------------------
 

@@ -1,12 +1,14 @@
-"""One way from a configuration to a LightningModule: a YAML's ``model`` section, or a checkpoint's saved
-hyper-parameters. ``fpdt-train`` (LightningCLI), ``fpdt-export`` and ``python -m lightning_fpdt.memory`` all read a
-model section by these rules, so a YAML that trains also exports and sizes the same model.
+"""One way from a configuration to a LightningModule: a YAML's ``model`` section, or a checkpoint's saved hyper-
+parameters. ``fpdt-train`` (LightningCLI), ``fpdt-export`` and ``python -m lightning_fpdt.memory`` all read a model
+section by these rules, so a YAML that trains also exports and sizes the same model.
 
 A section is parsed as LightningCLI parses it (:func:`model_parser`: the same ``add_lightning_class_args`` call and
 the same default, ``LlamaLM``): bare class names, nested ``class_path``/``init_args`` objects, dataclass configs and
-type checks are jsonargparse's. ``fpdt-train`` trains :class:`~lightning_fpdt.models.causal_lm.CausalLM`
-subclasses; the parser here takes any LightningModule (the memory estimate sizes a user's own module too). Saved hyper-parameters name their class in ``_class_path`` (a LightningCLI run); without it,
-``HFCausalLM`` is known by its ``model`` argument and a bundled family by the fields of its saved config
+type checks are jsonargparse's. ``fpdt-train`` trains :class:`~lightning_fpdt.models.causal_lm.CausalLM` subclasses;
+the parser here takes any LightningModule (the memory estimate sizes a user's own module too).
+
+Saved hyper-parameters name their class in ``_class_path`` (a LightningCLI run); without it, ``HFCausalLM`` is known
+by its ``model`` argument and a bundled family by the fields of its saved config
 (:func:`~lightning_fpdt.models.convert.family_holding`).
 """
 

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 
 class PendingWeights(Protocol):
@@ -83,6 +84,20 @@ class PendingWeightsModule(pl.LightningModule):
         pending.load_shards(self, device)
         self._pending_weights = None
         self._weights_loaded()
+
+    def _call_with_whole_weights(self, method: str) -> None:
+        """``self.<method>()``, which runs the model: when sharded (FSDP2), through the root's hooks (every layer's
+        weights gathered once, in turn; every rank takes part), then every module sharded again."""
+        sharded = isinstance(self, FSDPModule)
+        if sharded:  # through the root's hooks: FSDP2 initialises from its first forward
+            register_fsdp_forward_method(self, method)
+        try:
+            getattr(self, method)()
+        finally:
+            if sharded:  # every module sharded again (FSDP2 keeps the last layer gathered after a forward)
+                for module in self.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
 
     def _weights_loaded(self) -> None:
         """Called once the pending weights are in (whole or sharded): what a subclass checks on real tensors."""
