@@ -73,6 +73,8 @@ def find_token_mixers(run: Callable[[Tensor], Any], inputs: tuple[Tensor, Tensor
     names = {id(m): name for name, m in root.named_modules()}
     found: dict[str, nn.Module] = {}
     silenced = []
+    modes = [(m, m.training) for m in root.modules()]
+    root.eval()  # no dropout: the runs differ only where the changed position reaches
     try:
         while True:
             new = {name: m for name, m in _probe(run, inputs, root, names).items() if name not in found}
@@ -83,6 +85,8 @@ def find_token_mixers(run: Callable[[Tensor], Any], inputs: tuple[Tensor, Tensor
     finally:
         for handle in silenced:
             handle.remove()
+        for module, training in modes:
+            module.training = training
     order = list(names.values())
     result = []
     for name in sorted(found, key=order.index):

@@ -192,3 +192,16 @@ def test_fit_at_sp2_refuses_on_every_rank_before_any_step(kind: str, tmp_path: P
     with pytest.raises(Exception, match=r"mixes tokens outside attention.*sequence_parallel_size=2"):
         trainer.fit(module, dataloader(TokenDataset(2, 32, 64, 0), 2))
     assert not list(tmp_path.glob("step*"))  # no rank reached an optimizer step
+
+
+def test_dropout_is_not_mixing_and_the_modes_come_back() -> None:
+    """The probe runs in eval mode (dropout would make the runs differ everywhere) and leaves each module's mode as
+    it was."""
+    config = transformers.LlamaConfig(**{**SIZES, "num_hidden_layers": 2, "attention_dropout": 0.0})
+    model = AutoModelForCausalLM.from_config(config).double()
+    model.model.layers[0].mlp.act_fn = nn.Sequential(nn.SiLU(), nn.Dropout(0.5))
+    model.train()
+    model.model.layers[1].eval()
+    module = HFCausalLM(model, mlp_tiles=1)
+    assert module.token_mixers() == []
+    assert model.model.layers[0].training and not model.model.layers[1].training
