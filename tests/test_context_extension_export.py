@@ -18,8 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_fpdt.export import main as export_main  # noqa: E402
 from lightning_fpdt.models.from_config import module_from_hyperparameters  # noqa: E402
+from lightning_fpdt.testing import free_port  # noqa: E402
 from tests.reference import rel_error  # noqa: E402
-from tests.test_cli import ROOT, fpdt_train_forked  # noqa: E402
+from tests.test_cli import ROOT, fpdt_train  # noqa: E402
 
 pytestmark = pytest.mark.distributed  # the fine-tune forks 2 ranks
 
@@ -59,7 +60,8 @@ def _run_yaml(tmp_path: Path, kind: str, checkpoint: Path) -> Path:
                              "init_args": {"hf_checkpoint": str(checkpoint), "config_overrides": OVERRIDES["llama"],
                                            "learning_rate": 3e-3, "warmup_steps": 1}}
     trainer = document["trainer"]
-    trainer["strategy"]["init_args"].update(chunk_size=32, start_method="fork")
+    # spawned from a fresh interpreter (tests/test_examples.py says why)
+    trainer["strategy"]["init_args"].update(chunk_size=32, start_method="spawn")
     trainer.update(max_steps=3, limit_val_batches=0, default_root_dir=str(tmp_path / "run"),
                    enable_checkpointing=True)
     trainer["callbacks"].append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -72,9 +74,11 @@ def _run_yaml(tmp_path: Path, kind: str, checkpoint: Path) -> Path:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["hf", "llama"])
-def test_a_context_extended_fine_tune_exports_with_its_schedule(tmp_path: Path, kind: str, fresh_seed: int) -> None:
+def test_a_context_extended_fine_tune_exports_with_its_schedule(tmp_path: Path, kind: str, fresh_seed: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     checkpoint = _checkpoint(tmp_path / "tiny-llama")
-    proc = fpdt_train_forked("fit", "--config", str(_run_yaml(tmp_path, kind, checkpoint)), cwd=tmp_path)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    proc = fpdt_train("fit", "--config", str(_run_yaml(tmp_path, kind, checkpoint)), cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     saved_yaml, last = tmp_path / "run" / "config.yaml", tmp_path / "ckpt" / "last.ckpt"
     assert saved_yaml.is_file() and last.is_file()
