@@ -193,7 +193,9 @@ def run_in_fork(target: Callable[[], Any], args: list[str], timeout: float) -> s
     without paying the interpreter's imports again (about 9 s of torch, Lightning and transformers each).
 
     The child starts its own session, so it may SIGKILL its whole process group (its own forked ranks
-    included) without touching the parent. Its output (file descriptors 1 and 2, ``sys.stdout``/``sys.stderr``
+    included) without touching the parent, and finds its own rendezvous: the ``MASTER_PORT`` and friends an
+    earlier run left in this process's environment are dropped (the parent's TCPStore may still listen there).
+    Its output (file descriptors 1 and 2, ``sys.stdout``/``sys.stderr``
     and every logging stream handler) goes to files returned as ``stdout``/``stderr``; warnings are printed
     as a script prints them. The return code is the exit status, ``-signal`` when killed, 1 for an uncaught
     exception (its traceback in ``stderr``).
@@ -230,8 +232,17 @@ def run_in_fork(target: Callable[[], Any], args: list[str], timeout: float) -> s
         return subprocess.CompletedProcess(args, code, stdout=out_path.read_text(), stderr=err_path.read_text())
 
 
+# what Lightning's cluster environment leaves in os.environ after a run in this process (its rendezvous: a port whose
+# TCPStore may still listen here); a fresh script has none of it, so a forked run finds its own
+RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK", "RANK",
+                        "LOCAL_WORLD_SIZE")
+
+
 def _run_as_script(target: Callable[[], Any], out_path: Path, err_path: Path) -> int:
-    """``target()`` with its output in the two files; the exit status a script would have."""
+    """``target()`` with its output in the two files and no rendezvous of earlier runs in its environment; the exit
+    status a script would have."""
+    for name in RENDEZVOUS_VARIABLES:
+        os.environ.pop(name, None)
     out, err = open(out_path, "w", buffering=1), open(err_path, "w", buffering=1)
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)

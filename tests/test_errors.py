@@ -22,6 +22,7 @@ from lightning_fpdt.comm import check_heads
 from lightning_fpdt.launcher import Peer, explain_peer_failure, peer_failure_message, process_state
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from lightning_fpdt.options import FPDTOptions
+from lightning_fpdt.testing import RENDEZVOUS_VARIABLES
 from tests.helpers import TokenDataset, dataloader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,8 +196,7 @@ def test_when_a_rank_is_killed_the_survivor_names_it(tmp_path: Path) -> None:
     script.write_text(_KILLED_FIT)
     start = time.monotonic()
     # a fresh rendezvous: earlier fits in this process left MASTER_PORT and friends in os.environ
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK",
-                                                            "LOCAL_RANK", "RANK", "LOCAL_WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path,
                           env=env)
     assert proc.returncode != 0

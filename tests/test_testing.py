@@ -143,3 +143,13 @@ def test_run_in_fork_timeout_kills_the_session(tmp_path: Path) -> None:
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid)
+
+
+def test_a_forked_run_finds_its_own_rendezvous(monkeypatch) -> None:
+    """An earlier run in this process left MASTER_PORT (whose TCPStore may still listen here): a forked run does
+    not inherit it, as a fresh script would not."""
+    monkeypatch.setenv("MASTER_PORT", "12345")
+    monkeypatch.setenv("WORLD_SIZE", "7")
+    proc = run_in_fork(lambda: print(os.environ.get("MASTER_PORT"), os.environ.get("WORLD_SIZE")), ["env"], 60)
+    assert proc.returncode == 0 and proc.stdout.split() == ["None", "None"], proc.stderr
+    assert os.environ["MASTER_PORT"] == "12345"  # the parent's own environment is untouched
