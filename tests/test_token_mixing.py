@@ -45,9 +45,6 @@ HYBRIDS: dict[str, tuple[dict[str, Any], str]] = {
     "olmo_hybrid": (dict(pad_token_id=0, layer_types=["linear_attention", "full_attention"]),
                     "model.model.layers.0.linear_attn (OlmoHybridGatedDeltaNet)"),
     "kimi_linear": (dict(pad_token_id=0), "model.model.layers.0.self_attn (KimiLinearDeltaAttention)"),
-    "lfm2": (dict(layer_types=["conv", "full_attention"]), "model.model.layers.0.conv (Lfm2ShortConv)"),
-    "lfm2_moe": (dict(layer_types=["conv", "full_attention"], num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=16, num_dense_layers=1), "model.model.layers.0.conv (Lfm2MoeShortConv)"),
     "falcon_h1": (dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
                        mamba_chunk_size=8), "model.model.layers.0.mamba (FalconH1Mixer)"),
     "bamba": (dict(attn_layer_indices=[1], **MAMBA), "model.model.layers.0.mamba (BambaMixer)"),
@@ -94,6 +91,18 @@ def test_every_hybrid_family_is_refused_by_name_beyond_one_rank(family: str) -> 
     assert "sequence_parallel_size=2" in message and "sequence_parallel_size=1" in message
     module.bind_sequence_parallel(SequenceParallelContext(chunk_size=8))  # one rank sees every position: accepted
     module.refuse_token_mixers(1)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "lfm2_moe"])
+def test_short_convolution_families_run_sequence_parallel(family: str) -> None:
+    """LFM2's short convolutions run sequence-parallel (tests/test_short_conv.py): nothing is refused."""
+    config = AutoConfig.for_model(family, **SIZES, num_hidden_layers=2, layer_types=["conv", "full_attention"],
+                                  **({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                      "num_dense_layers": 1} if family == "lfm2_moe" else {}))
+    config._experts_implementation = "eager"
+    module = HFCausalLM(config).double()
+    assert module.short_convs == ["model.layers.0.conv"] and module.token_mixers() == []
+    module.refuse_token_mixers(2)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "mixtral", "qwen3_moe", "gpt_oss"])
@@ -154,11 +163,11 @@ def test_every_mixer_is_named_not_only_the_first() -> None:
 
 
 def test_a_model_read_from_a_directory_is_probed_once_its_weights_are_in(tmp_path: Path) -> None:
-    _quiet(lambda: AutoModelForCausalLM.from_config(hybrid_config("lfm2"))).save_pretrained(tmp_path)
+    _quiet(lambda: AutoModelForCausalLM.from_config(hybrid_config("qwen3_5_text"))).save_pretrained(tmp_path)
     module = HFCausalLM(str(tmp_path))
     assert module.weights_pending and module.token_mixers() is None  # on the meta device: nothing to run yet
     module.load_weights()
-    assert [m.module for m in module.token_mixers()] == ["model.layers.0.conv"]
+    assert [m.module for m in module.token_mixers()] == ["model.layers.0.linear_attn"]
 
 
 def test_the_router_loss_counts_the_routers_of_every_layer() -> None:

@@ -33,6 +33,7 @@ from lightning_fpdt.hf.guards import check_context_arrived, check_static_rope, f
 from lightning_fpdt.hf.layers import check_decoder_modules, check_recomputable, decoder_modules, install_memory_stack
 from lightning_fpdt.hf.masks import check_mask_windows
 from lightning_fpdt.hf.mixing import hf_token_mixers
+from lightning_fpdt.hf.short_conv import install_short_convs
 from lightning_fpdt.hf.weights import PretrainedWeights
 from lightning_fpdt.layout import IGNORE_INDEX
 from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum
@@ -96,7 +97,9 @@ class HFCausalLM(CausalLM):
         check_experts(self.model, layers)
         self.head_transform = find_head_transform(self.model)  # what its forward does after the output embedding
         check_recomputable(self.model, mlp_tiled=mlp_tiles != 1, checkpointing=False)
-        # what mixes tokens outside attention (refused when bound to more than one rank); None: once the weights are in
+        # short convolutions run sequence-parallel where exact; what else mixes tokens outside attention is refused
+        # when bound to more than one rank (None: probed once the weights are in)
+        self.short_convs = install_short_convs(self.model)
         self._token_mixers = hf_token_mixers(self.model)
         install(self.model)
         self.router_loss = router_loss_for(self.model)  # the auxiliary loss of a mixture of experts, or None
@@ -133,6 +136,7 @@ class HFCausalLM(CausalLM):
         if not self._masks_probed:
             self._masks_probed = check_mask_windows(self.model, attention_layers(self.model))
         if self._token_mixers is None:
+            self.short_convs = install_short_convs(self.model)
             self._token_mixers = hf_token_mixers(self.model)
 
     def token_mixers(self) -> list[TokenMixer] | None:

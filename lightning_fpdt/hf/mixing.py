@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.hf.layers import decoder_modules
+from lightning_fpdt.hf.short_conv import position_wise
 from lightning_fpdt.token_mixing import PROBE_LENGTH, TokenMixer, changed_inputs, find_token_mixers
 
 _SELF_ONLY = "lightning_fpdt_self_only"
@@ -50,7 +51,8 @@ def hf_token_mixers(model: PreTrainedModel) -> list[TokenMixer] | None:
     before = model.config._attn_implementation
     model.set_attn_implementation(_SELF_ONLY)
     try:
-        return find_token_mixers(lambda x: model.base_model(input_ids=x, use_cache=False),
-                                 changed_inputs(ids, change), model, decoder_modules(model))
+        with position_wise(model):  # the short convolutions run sequence-parallel (hf/short_conv.py)
+            return find_token_mixers(lambda x: model.base_model(input_ids=x, use_cache=False),
+                                     changed_inputs(ids, change), model, decoder_modules(model))
     finally:
         model.set_attn_implementation(before)

@@ -1,0 +1,170 @@
+"""Short-convolution layers (LFM2's ``ShortConv``) sequence-parallel and exact under the FPDT layout.
+
+A short convolution is ``out_proj(C * conv(B * x))`` with ``B, C, x = in_proj(h)`` and a causal depthwise
+convolution of ``K`` taps (LFM2: 3) along the sequence. Token ``t``'s output reads tokens ``t - K + 1 .. t`` of
+its document. Under the FPDT layout a rank holds sub-chunk ``(i, r)`` of every global chunk ``i`` (``C / P``
+tokens each; :func:`lightning_fpdt.layout.fpdt_permutation`), so the ``K - 1`` tokens before a sub-chunk are the
+tail of sub-chunk ``(i, r - 1)`` on rank ``r - 1``, or for ``r = 0`` the tail of ``(i - 1, P - 1)`` on the last
+rank. The convolution's tail is carried that way: one all-gather of every sub-chunk's last ``K - 1`` inputs of
+the convolution (``[P, batch, chunks, K - 1, width]``, autograd-aware), then each sub-chunk convolved with its
+tail in front, sub-chunk by sub-chunk. No whole-sequence tensor exists. A lag reaching into an earlier document
+(packed documents, padding) contributes nothing: the history restarts at every document start, as each document
+alone computes it.
+
+:func:`install_short_convs` gives each such module this forward, after checking on the module itself (one
+process, random input) that it computes what the module's own forward does; a module that does not pass stays as
+it is, and the token-mixing guard refuses it beyond one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+
+from lightning_fpdt.binding import SequenceParallelContext
+from lightning_fpdt.comm import group_size
+from lightning_fpdt.layout import shard_indices
+from lightning_fpdt.packed_documents import PackedDocuments
+
+
+def is_short_conv(module: nn.Module) -> bool:
+    """Whether ``module`` has the parts of a short convolution: ``in_proj`` (width -> 3 x width), a depthwise
+    causal ``conv`` (``Conv1d`` with ``groups == channels`` and ``K - 1`` padding) and ``out_proj``."""
+    conv, inp, out = (getattr(module, n, None) for n in ("conv", "in_proj", "out_proj"))
+    if not (isinstance(conv, nn.Conv1d) and isinstance(inp, nn.Linear) and isinstance(out, nn.Linear)):
+        return False
+    k = conv.kernel_size[0]
+    return (conv.groups == conv.in_channels == conv.out_channels == inp.in_features == out.out_features
+            and inp.out_features == 3 * inp.in_features and conv.padding[0] == k - 1 and conv.stride[0] == 1
+            and conv.dilation[0] == 1)
+
+
+class SequenceParallelShortConv:
+    """A short-convolution module instance's ``forward`` under FPDT (see the module docstring).
+
+    Reads the ``fpdt_context`` and ``documents`` keywords the decoder layer passes on (``None``: one process,
+    one document per sample, one chunk). While :attr:`position_wise` is set (the token-mixing probe), it keeps
+    only the convolution's last tap: a position-wise stand-in, as attention's stand-in sees its own key only.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.position_wise = False
+
+    def __call__(self, hidden_states: Tensor, *args: Any, fpdt_context: SequenceParallelContext | None = None,
+                 documents: PackedDocuments | None = None, **kwargs: Any) -> Tensor:
+        m = self.module
+        b, s_local, width = hidden_states.shape  # s_local = S // sp
+        bcx = m.in_proj(hidden_states)  # [b, s_local, 3 width]
+        gate_b, gate_c, x = bcx.chunk(3, dim=-1)
+        u = gate_b * x  # the convolution's input, [b, s_local, width]
+        weight = m.conv.weight[:, 0, :]  # [width, K]; tap K - 1 multiplies the token itself
+        if self.position_wise:
+            y = u * weight[:, -1]
+        else:
+            y = _causal_conv(u, weight, fpdt_context or SequenceParallelContext(), documents)
+        if m.conv.bias is not None:
+            y = y + m.conv.bias
+        return m.out_proj(gate_c * y)
+
+
+def _causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, documents: PackedDocuments | None) -> Tensor:
+    """The causal depthwise convolution of this rank's tokens ``u`` ``[b, s_local, width]`` (FPDT layout), its
+    tails carried from the sub-chunks before, its history restarting at each document start."""
+    b, s_local, width = u.shape
+    k = weight.shape[1]
+    p, rank = group_size(ctx.group), _rank(ctx)
+    chunks = 1 if ctx.chunk_size is None else s_local * p // ctx.chunk_size  # local sub-chunks
+    n = s_local // chunks  # tokens per sub-chunk
+    if n < k - 1:
+        raise ValueError(f"HFCausalLM: a short convolution of {k} taps needs sub-chunks of at least {k - 1} tokens;"
+                         f" chunk_size={ctx.chunk_size} over {p} ranks gives {n}. Use a larger chunk_size.")
+    parts = u.view(b, chunks, n, width)
+    tails = parts[:, :, n - (k - 1):] if k > 1 else parts[:, :, :0]  # [b, chunks, K - 1, width]
+    if p > 1:  # every rank's tails, [P, b, chunks, K - 1, width]
+        gathered = funcol.all_gather_tensor_autograd(tails.contiguous(), gather_dim=0, group=ctx.group)
+        gathered = gathered.view(p, *tails.shape)
+    else:
+        gathered = tails.unsqueeze(0)
+    zeros = torch.zeros_like(tails[:, :1])
+    if rank > 0:  # the sub-chunk before (i, r) is (i, r - 1)
+        halo = gathered[rank - 1]
+    else:  # before (i, 0) is (i - 1, P - 1); before (0, 0) nothing
+        halo = torch.cat([zeros, gathered[p - 1][:, :-1]], dim=1)
+    extended = torch.cat([halo, parts], dim=2)  # [b, chunks, K - 1 + n, width]
+    windows = extended.unfold(2, k, 1)  # [b, chunks, n, width, K]: window j ends at token j
+    valid = _history(b, s_local, p, rank, ctx.chunk_size, documents, k, u.device)  # [b, s_local, K]
+    windows = windows * valid.view(b, chunks, n, 1, k).to(u.dtype)
+    return torch.einsum("bcnwk,wk->bcnw", windows, weight).reshape(b, s_local, width)
+
+
+def _rank(ctx: SequenceParallelContext) -> int:
+    if ctx.group is None:
+        return 0
+    return torch.distributed.get_rank(ctx.group)
+
+
+def _history(b: int, s_local: int, p: int, rank: int, chunk_size: int | None, documents: PackedDocuments | None,
+             k: int, device: torch.device) -> Tensor:
+    """``[b, s_local, K]`` bool: whether tap ``j`` (lag ``K - 1 - j``) of each local token is in its document."""
+    index = shard_indices(s_local * p, p, rank, chunk_size).to(device)  # global index of each local token
+    if documents is None:
+        position = index.expand(b, -1)
+    else:
+        starts = documents.document_starts(device)  # [b, S]
+        offsets = torch.arange(starts.shape[1], device=device).expand_as(starts)
+        last_start = torch.where(starts, offsets, torch.zeros_like(offsets)).cummax(dim=1).values
+        position = (offsets - last_start)[:, index]  # each local token's position in its document
+    lags = torch.arange(k - 1, -1, -1, device=device)  # tap j reads lag K - 1 - j
+    return position.unsqueeze(-1) >= lags
+
+
+def install_short_convs(model: nn.Module) -> list[str]:
+    """Give every short-convolution module of ``model`` (:func:`is_short_conv`) a
+    :class:`SequenceParallelShortConv` forward where it computes what the module's own forward does (checked on
+    random input in one process, relative 1e-6 in the module's dtype); returns their names."""
+    installed = []
+    for name, module in model.named_modules():
+        if not is_short_conv(module) or isinstance(module.__dict__.get("forward"), SequenceParallelShortConv):
+            continue
+        forward = SequenceParallelShortConv(module)
+        if _agrees(module, forward):
+            module.forward = forward
+            installed.append(name)
+    return installed
+
+
+def _agrees(module: nn.Module, forward: SequenceParallelShortConv) -> bool:
+    param = next(module.parameters())
+    if param.device.type == "meta":
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, module.in_proj.in_features, generator=generator).to(param.device, param.dtype)
+    with torch.no_grad():
+        try:
+            theirs = type(module).forward(module, x)
+        except Exception:
+            return False
+        ours = forward(x)
+    if not isinstance(theirs, Tensor) or theirs.shape != ours.shape:
+        return False
+    tolerance = 1e-10 if param.dtype == torch.float64 else 1e-5
+    return bool(((ours - theirs).abs().max() <= tolerance * theirs.abs().max().clamp_min(1e-30)).item())
+
+
+@contextmanager
+def position_wise(model: nn.Module) -> Iterator[None]:
+    """Every installed short convolution of ``model`` position-wise for the duration (the token-mixing probe)."""
+    forwards = [f for m in model.modules() if isinstance(f := m.__dict__.get("forward"), SequenceParallelShortConv)]
+    for f in forwards:
+        f.position_wise = True
+    try:
+        yield
+    finally:
+        for f in forwards:
+            f.position_wise = False
