@@ -21,14 +21,17 @@ from torch import Tensor, nn
 transformers = pytest.importorskip("transformers")
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
 from lightning_fpdt import FPDTStrategy  # noqa: E402
 from lightning_fpdt.binding import SequenceParallelContext  # noqa: E402
 from lightning_fpdt.hf.experts import RouterTap, router_class  # noqa: E402
 from lightning_fpdt.models import GPTLM, GPTConfig, HFCausalLM, LlamaConfig, LlamaLM  # noqa: E402
 from lightning_fpdt.token_mixing import PROBE_LENGTH  # noqa: E402
-from tests.helpers import TokenDataset, dataloader  # noqa: E402
+from tests.helpers import TokenDataset, assert_same_step, dataloader  # noqa: E402
+from tests.test_hf_causal_lm import _redraw, one_process_step  # noqa: E402
 from tests.test_hf_guards import StepMarker  # noqa: E402
+from tests.test_hf_moe import _float64_source, _oracle, _router_in_input_dtype  # noqa: E402
 
 SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8)
@@ -177,6 +180,25 @@ def test_the_router_loss_counts_the_routers_of_every_layer() -> None:
     module = HFCausalLM(config)
     routers = [m for m in module.modules() if isinstance(m, router_class(module.model)[0])]
     assert len(routers) == 2 and all(isinstance(r.__dict__.get("forward"), RouterTap) for r in routers)
+
+
+def test_qwen3_next_trains_in_one_process_with_the_router_loss_of_every_layer(monkeypatch, fresh_seed: int) -> None:
+    """At sequence_parallel_size=1 Qwen3-Next trains exactly: its auxiliary loss over the routers of its
+    linear-attention layers too (they were left out: 0.055 off), equal to transformers' own loss (float64, the
+    router's softmax and the auxiliary loss's float32 steps in float64 on both sides, as tests/test_hf_moe.py)."""
+    router = next(c for n, c in vars(modeling_qwen3_next).items() if n.endswith("TopKRouter"))
+    monkeypatch.setattr(router, "forward", _router_in_input_dtype)
+    monkeypatch.setattr(modeling_qwen3_next, "load_balancing_loss_func",
+                        _float64_source(modeling_qwen3_next.load_balancing_loss_func))
+    config = hybrid_config("qwen3_next")
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.5
+    module = HFCausalLM(config, mlp_tiles=1, loss_tiles=1)
+    _redraw(module.model, fresh_seed)
+    module = module.double()
+    data = TokenDataset(2, 32, 64, fresh_seed)
+    ref_loss, ref_grads = _oracle(module, "plain", data)
+    ours = one_process_step(module, data)
+    assert_same_step([ours], ref_loss, ref_grads, tol=1e-10, label=f"qwen3_next seed={fresh_seed}")
 
 
 def test_the_probe_length_is_no_model_dimension() -> None:
