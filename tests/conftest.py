@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import tqdm
 
 # Tests fork worker processes (Lightning's "fork" launcher, lightning_fpdt.testing). A process that has
 # already run a parallel OpenMP region cannot fork safely: the child's thread pool is gone and its
@@ -18,6 +19,14 @@ torch.set_num_threads(1)
 # is set (lightning.fabric.utilities.distributed._set_num_threads_if_needed): an in-process fit would turn the
 # pytest process multi-threaded, and every rank forked after it could hang in its first parallel kernel.
 os.environ["OMP_NUM_THREADS"] = "1"
+# Threads of the data stack that hold a lock now and then: a process forked at such a moment blocks on that lock
+# forever (seen: a rank of test_export's fixture in futex wait inside torch.save, a CLI child inside jsonargparse).
+# pyarrow's jemalloc starts a background thread when it loads (datasets imports it): off, before anything imports
+# pyarrow; tqdm's monitor thread (datasets' progress bars) wakes every 10 s under tqdm's lock: not started;
+# tokenizers' thread pool: off in this process (its children turn it off themselves).
+os.environ["JE_ARROW_MALLOC_CONF"] = "background_thread:false"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+tqdm.tqdm.monitor_interval = 0
 
 SEED_VARIABLE = "FPDT_TEST_SEED"
 
