@@ -13,6 +13,7 @@ descriptors unless captured, so under pytest a rank's output lands in the test's
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -94,6 +95,8 @@ def run_on_ranks(
         port = free_port()
         procs = [ctx.Process(target=_rank_main, args=(rank, world, port, backend, threads, fn, args, out_dir))
                  for rank in range(world)]
+        if method == "fork":
+            gc.collect()  # before the fork: see _after_fork
         try:
             for p in procs:
                 p.start()
@@ -111,6 +114,7 @@ def run_on_ranks(
 def _rank_main(rank: int, world: int, port: int, backend: str, threads: int | None, fn: Callable, args: tuple,
                out_dir: str) -> None:
     os.setsid()
+    _after_fork()
     path = os.path.join(out_dir, f"{rank}.pt")
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -205,11 +209,13 @@ def run_in_fork(target: Callable[[], Any], args: list[str], timeout: float) -> s
     """
     with tempfile.TemporaryDirectory() as tmp:
         out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        gc.collect()  # before the fork: see _after_fork
         pid = os.fork()
         if pid == 0:  # the child: never returns into the caller
             code = 1
             try:
                 os.setsid()
+                _after_fork()
                 code = _run_as_script(target, out_path, err_path)
             finally:
                 os._exit(code)
@@ -236,6 +242,15 @@ def run_in_fork(target: Callable[[], Any], args: list[str], timeout: float) -> s
 # TCPStore may still listen here); a fresh script has none of it, so a forked run finds its own
 RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK", "RANK",
                         "LOCAL_WORLD_SIZE")
+
+
+def _after_fork() -> None:
+    """In a forked child: never collect what it inherited. Garbage of earlier runs in the parent may hold a
+    process group; freeing a gloo group whose threads did not survive the fork blocks forever (seen: a rank of a
+    forked fit in ``~ProcessGroupGloo``, from a garbage collection inside ``torch.save``). The parent collects its
+    garbage just before it forks, where the destructors can run; what is left is frozen here (``gc.freeze``), so
+    no child ever collects it (nor do the ranks a forked child forks in turn)."""
+    gc.freeze()
 
 
 def _run_as_script(target: Callable[[], Any], out_path: Path, err_path: Path) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ def fork_safe_test_process() -> Iterator[None]:
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+        gc.collect()  # its groups freed here, where their threads run, never in a forked child (testing._after_fork)
     if torch.get_num_threads() != 1:  # see the top of this file; too late for forks already made, not for later ones
         torch.set_num_threads(1)
 
