@@ -66,7 +66,8 @@ def find_token_mixers(run: Callable[[Tensor], Any], inputs: tuple[Tensor, Tensor
 
     Args:
         run: runs the model on one input (its parts that are sequence-parallel already stood in for).
-        inputs: the input, and the same input with position ``CHANGED[0]``, then ``CHANGED[1]``, changed.
+        inputs: the input, and the same input with position ``CHANGED[0]``, then ``CHANGED[1]``, changed
+            (:func:`probe_ids`).
         root: the module whose submodules are watched (names are relative to it).
         layers: ``(name, module)`` of its decoder layers, to say which one holds a mixer.
     """
@@ -87,9 +88,9 @@ def find_token_mixers(run: Callable[[Tensor], Any], inputs: tuple[Tensor, Tensor
             handle.remove()
         for module, training in modes:
             module.training = training
-    order = list(names.values())
+    order = {name: i for i, name in enumerate(names.values())}
     result = []
-    for name in sorted(found, key=order.index):
+    for name in sorted(found, key=order.__getitem__):
         layer = next((n for n, _ in layers if name == n or name.startswith(f"{n}.")), "")
         result.append(TokenMixer(layer=layer, module=name, kind=type(found[name]).__name__))
     return result
@@ -103,11 +104,12 @@ def _probe(run: Callable[[Tensor], Any], inputs: tuple[Tensor, ...], root: nn.Mo
            names: dict[int, str]) -> dict[str, nn.Module]:
     """The innermost modules one round of the probe finds mixing."""
     flagged: dict[str, nn.Module] = {}
-    with _recording(root) as calls:
-        with torch.no_grad():
-            for x in inputs:
-                run(x)
-    baseline, *changed_runs = _split_runs(calls, len(inputs))
+    runs = []
+    for x in inputs:
+        with _recording(root) as calls, torch.no_grad():
+            run(x)
+        runs.append(calls)
+    baseline, *changed_runs = runs
     for changed in changed_runs:
         for key, (module, before) in baseline.items():
             after = changed.get(key)
@@ -117,9 +119,17 @@ def _probe(run: Callable[[Tensor], Any], inputs: tuple[Tensor, ...], root: nn.Mo
             if not any(other != name and other.startswith(f"{name}.") for other in flagged)}
 
 
-def changed_inputs(x: Tensor, change: Callable[[Tensor, int], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """``x`` and the two copies of it with position ``CHANGED[i]`` of dim 1 set by ``change(x, position)``."""
-    return (x, *(change(x, p) for p in CHANGED))
+def probe_ids(vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The probe's token ids ``[1, PROBE_LENGTH]`` on ``device``, and the two copies of them with the id at position
+    ``CHANGED[i]`` changed. Drawn from a fixed seed: the same probe on every rank, so every rank decides alike."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (1, PROBE_LENGTH), generator=generator).to(device)
+    changed = []
+    for position in CHANGED:
+        other = ids.clone()
+        other[:, position] = (other[:, position] + 1) % vocab_size
+        changed.append(other)
+    return (ids, *changed)
 
 
 # ---- the recording of every module call ------------------------------------------------------------------------
@@ -128,13 +138,17 @@ Call = tuple[list[Tensor], list[Tensor]]  # (input tensors, output tensors) of o
 
 
 @contextmanager
-def _recording(root: nn.Module) -> Iterator[list[tuple[nn.Module, Call]]]:
-    calls: list[tuple[nn.Module, Call]] = []
+def _recording(root: nn.Module) -> Iterator[dict[tuple[int, int], tuple[nn.Module, Call]]]:
+    """Every call of a module under ``root`` while in the block, keyed by (module, its how-many-th call)."""
+    calls: dict[tuple[int, int], tuple[nn.Module, Call]] = {}
+    counts: dict[int, int] = {}
 
     def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         ins = [t.detach().clone() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         outs = [t.detach().clone() for t in tree_leaves(output) if isinstance(t, Tensor)]
-        calls.append((module, (ins, outs)))
+        n = counts.get(id(module), 0)
+        counts[id(module)] = n + 1
+        calls[(id(module), n)] = (module, (ins, outs))
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in root.modules()]
     try:
@@ -142,21 +156,6 @@ def _recording(root: nn.Module) -> Iterator[list[tuple[nn.Module, Call]]]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _split_runs(calls: list[tuple[nn.Module, Call]], runs: int) -> list[dict[tuple[int, int], tuple[nn.Module, Call]]]:
-    """Each run's calls keyed by (module, its how-many-th call in the run)."""
-    per_run = len(calls) // runs
-    result = []
-    for r in range(runs):
-        seen: dict[int, int] = {}
-        keyed = {}
-        for module, call in calls[r * per_run:(r + 1) * per_run]:
-            n = seen.get(id(module), 0)
-            seen[id(module)] = n + 1
-            keyed[(id(module), n)] = (module, call)
-        result.append(keyed)
-    return result
 
 
 def _positions(t: Tensor) -> int | None:

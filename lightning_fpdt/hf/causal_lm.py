@@ -97,10 +97,9 @@ class HFCausalLM(CausalLM):
         check_experts(self.model, layers)
         self.head_transform = find_head_transform(self.model)  # what its forward does after the output embedding
         check_recomputable(self.model, mlp_tiled=mlp_tiles != 1, checkpointing=False)
-        # short convolutions run sequence-parallel where exact; what else mixes tokens outside attention is refused
-        # when bound to more than one rank (None: probed once the weights are in)
+        # short convolutions run sequence-parallel where exact (once the weights are in, for a meta-device model);
+        # what else mixes tokens outside attention is refused when bound to more than one rank (token_mixers)
         self.short_convs = install_short_convs(self.model)
-        self._token_mixers = hf_token_mixers(self.model)
         install(self.model)
         self.router_loss = router_loss_for(self.model)  # the auxiliary loss of a mixture of experts, or None
         install_memory_stack(self.model, mlp_tiles, self.router_loss)
@@ -117,8 +116,9 @@ class HFCausalLM(CausalLM):
     # ---- weights: read where they are needed (CausalLM's plumbing, lightning_fpdt.hf.weights) --------
 
     def _weights_loaded(self) -> None:
-        """Run the probes that need values on a model built on the meta device, now that its weights are in (the
-        masks, where its forward could not be probed on the meta device; what mixes tokens); when sharded,
+        """Run what needs values on a model built on the meta device, now that its weights are in (the mask probe,
+        where its forward could not be probed on the meta device; the check that installs the short convolutions),
+        and refuse what mixes tokens when already bound to more than one rank; when sharded,
         through the root's FSDP hooks (every layer's weights gathered once, in turn, then every module sharded
         again).
 
@@ -126,8 +126,6 @@ class HFCausalLM(CausalLM):
             NotImplementedError: the mask probe's refusal (:func:`~lightning_fpdt.hf.attention.check_supported`);
                 a module that mixes tokens outside attention, when already bound to more than one rank.
         """
-        if self._masks_probed and self._token_mixers is not None:
-            return
         self._call_with_whole_weights("_probe_with_weights")
         if self._bound:
             self.refuse_token_mixers(self.context.size)
@@ -135,14 +133,11 @@ class HFCausalLM(CausalLM):
     def _probe_with_weights(self) -> None:
         if not self._masks_probed:
             self._masks_probed = check_mask_windows(self.model, attention_layers(self.model))
-        if self._token_mixers is None:
-            self.short_convs = install_short_convs(self.model)
-            self._token_mixers = hf_token_mixers(self.model)
+        self.short_convs += install_short_convs(self.model)
 
-    def token_mixers(self) -> list[TokenMixer] | None:
-        """The modules that mix tokens outside the attention layers (:func:`~lightning_fpdt.hf.mixing.hf_token_mixers`,
-        probed at construction or once the weights are in; ``None`` before)."""
-        return self._token_mixers
+    def _find_token_mixers(self) -> list[TokenMixer] | None:
+        """What mixes tokens outside the attention layers (:func:`~lightning_fpdt.hf.mixing.hf_token_mixers`)."""
+        return hf_token_mixers(self.model)
 
     def check_model(self, model: nn.Module) -> bool:
         """A transformers model, not a :class:`~lightning_fpdt.models.contract.DecoderModel`: its contract is

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.hf.layers import decoder_modules
 from lightning_fpdt.hf.short_conv import position_wise
-from lightning_fpdt.token_mixing import PROBE_LENGTH, TokenMixer, changed_inputs, find_token_mixers
+from lightning_fpdt.token_mixing import TokenMixer, find_token_mixers, probe_ids
 
 _SELF_ONLY = "lightning_fpdt_self_only"
 
@@ -39,20 +38,12 @@ def hf_token_mixers(model: PreTrainedModel) -> list[TokenMixer] | None:
     param = next(model.parameters(), None)
     if param is None or param.device.type == "meta":
         return None
-    vocab = model.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(0)  # the same probe on every rank: every rank decides alike
-    ids = torch.randint(0, vocab, (1, PROBE_LENGTH), generator=generator).to(param.device)
-
-    def change(x: Tensor, position: int) -> Tensor:
-        y = x.clone()
-        y[:, position] = (y[:, position] + 1) % vocab
-        return y
-
+    inputs = probe_ids(model.config.get_text_config().vocab_size, param.device)
     before = model.config._attn_implementation
     model.set_attn_implementation(_SELF_ONLY)
     try:
         with position_wise(model):  # the short convolutions run sequence-parallel (hf/short_conv.py)
             return find_token_mixers(lambda x: model.base_model(input_ids=x, use_cache=False),
-                                     changed_inputs(ids, change), model, decoder_modules(model))
+                                     inputs, model, decoder_modules(model))
     finally:
         model.set_attn_implementation(before)

@@ -73,7 +73,7 @@ class CausalLM(PendingWeightsModule):
         self.min_lr_ratio = min_lr_ratio
         self.model: DecoderModel
         self.model_takes_documents = True
-        self._own_token_mixers: tuple[tuple[int, ...], list[TokenMixer]] | None = None  # (structure, the probe's)
+        self._token_mixer_probe: tuple[tuple[int, ...], list[TokenMixer] | None] | None = None  # (structure, found)
         self.val_answer_accuracy = AnswerAccuracy()
         self.token_window = TokenWindow()  # training losses: one token mean per accumulation window
 
@@ -90,19 +90,23 @@ class CausalLM(PendingWeightsModule):
     # ---- what mixes tokens outside the sequence-parallel attention --------------------------------------------
 
     def token_mixers(self) -> list[TokenMixer] | None:
-        """The modules of the model that mix tokens outside its sequence-parallel attention
-        (:func:`~lightning_fpdt.models.mixing.own_token_mixers`; names as in the model); ``None`` while its weights
-        are pending (probed once they are read)."""
-        if self.weights_pending:
+        """The modules of the model that mix tokens outside its sequence-parallel attention (:meth:`_find_token_mixers`;
+        names as in the model), probed when first asked for and again only when its modules were replaced; ``None``
+        while its weights are pending or on the meta device (nothing to run)."""
+        if self.weights_pending or next(self.model.parameters()).is_meta:
             return None
-        structure = tuple(id(m) for m in self.model.modules())  # probed again only when modules were replaced
-        if self._own_token_mixers is None or self._own_token_mixers[0] != structure:
-            self._call_with_whole_weights("_probe_own_model")  # a sharded module: through its FSDP hooks
-        return self._own_token_mixers[1]
-
-    def _probe_own_model(self) -> None:
         structure = tuple(id(m) for m in self.model.modules())
-        self._own_token_mixers = structure, own_token_mixers(self.model, self.model.lm_head.out_features)
+        if self._token_mixer_probe is None or self._token_mixer_probe[0] != structure:
+            self._call_with_whole_weights("_probe_token_mixers")  # a sharded module: through its FSDP hooks
+        return self._token_mixer_probe[1]
+
+    def _probe_token_mixers(self) -> None:
+        self._token_mixer_probe = tuple(id(m) for m in self.model.modules()), self._find_token_mixers()
+
+    def _find_token_mixers(self) -> list[TokenMixer] | None:
+        """The probe of :meth:`token_mixers` (:func:`~lightning_fpdt.models.mixing.own_token_mixers`); a subclass
+        with its own kind of model overrides it."""
+        return own_token_mixers(self.model, self.model.lm_head.out_features)
 
     def refuse_token_mixers(self, sequence_parallel_size: int) -> None:
         """Refuse, on every rank alike (the probe is deterministic), a model with a module that mixes tokens

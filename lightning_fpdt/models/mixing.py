@@ -20,25 +20,17 @@ from torch import Tensor, nn
 from lightning_fpdt.binding import sequence_parallel_modules
 from lightning_fpdt.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layout import default_position_ids
-from lightning_fpdt.token_mixing import PROBE_LENGTH, TokenMixer, changed_inputs, find_token_mixers
+from lightning_fpdt.token_mixing import PROBE_LENGTH, TokenMixer, find_token_mixers, probe_ids
 
 
 def own_token_mixers(model: nn.Module, vocab_size: int) -> list[TokenMixer]:
     """The modules of ``model`` (its ``hidden_states(input_ids, position_ids)`` run on random ids) that mix tokens
     outside its sequence-parallel attention (names as in ``model``)."""
-    param = next(model.parameters())
-    generator = torch.Generator().manual_seed(0)  # the same probe on every rank: every rank decides alike
-    ids = torch.randint(0, vocab_size, (1, PROBE_LENGTH), generator=generator).to(param.device)
-    positions = default_position_ids(1, PROBE_LENGTH, device=param.device)
-
-    def change(x: Tensor, position: int) -> Tensor:
-        y = x.clone()
-        y[:, position] = (y[:, position] + 1) % vocab_size
-        return y
-
+    device = next(model.parameters()).device
+    positions = default_position_ids(1, PROBE_LENGTH, device=device)
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, FPDTBlock)]
     with _stood_in(model):
-        return find_token_mixers(lambda x: model.hidden_states(x, positions), changed_inputs(ids, change), model,
+        return find_token_mixers(lambda x: model.hidden_states(x, positions), probe_ids(vocab_size, device), model,
                                  layers)
 
 
