@@ -29,6 +29,11 @@ def group_size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank in ``group``; ``None`` means one process (rank 0)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
 def _seq_to_head_send(x: Tensor, p: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
     """The send buffer of :func:`seq_to_head` and the map from the received buffer to its result."""
     b, s_local, h, d = x.shape

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -52,7 +51,7 @@ from lightning_fpdt.attention.ends import ChunkSink, ChunkSource, PipelineEnds
 from lightning_fpdt.attention.kernels import AttentionKernel, accumulate_dtype, check_softcap
 from lightning_fpdt.attention.merge import merge_sink, sink_grad, update_out_and_lse
 from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
-from lightning_fpdt.comm import Exchange, PendingAllToAll, group_size
+from lightning_fpdt.comm import Exchange, PendingAllToAll, group_rank, group_size
 from lightning_fpdt.layout import validate_chunk_size
 from lightning_fpdt.packed_documents import PackedDocuments
 from lightning_fpdt.profiling import named_range
@@ -365,7 +364,7 @@ def _rank_heads(n_heads: int, group: ProcessGroup | None) -> slice:
     """This rank's heads after the all-to-all: rank ``r`` of ``P`` holds heads ``r * H/P`` up to
     ``(r + 1) * H/P`` (``lightning_fpdt.comm``)."""
     per_rank = n_heads // group_size(group)
-    rank = 0 if group is None else dist.get_rank(group)
+    rank = group_rank(group)
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 

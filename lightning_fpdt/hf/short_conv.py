@@ -27,7 +27,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.comm import group_size
+from lightning_fpdt.comm import group_rank, group_size
 from lightning_fpdt.layout import shard_indices
 from lightning_fpdt.packed_documents import PackedDocuments
 
@@ -78,7 +78,7 @@ def _causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, docume
     tails carried from the sub-chunks before, its history restarting at each document start."""
     b, s_local, width = u.shape
     k = weight.shape[1]
-    p, rank = group_size(ctx.group), _rank(ctx)
+    p, rank = group_size(ctx.group), group_rank(ctx.group)
     chunks = 1 if ctx.chunk_size is None else s_local * p // ctx.chunk_size  # local sub-chunks
     n = s_local // chunks  # tokens per sub-chunk
     if n < k - 1:
@@ -101,12 +101,6 @@ def _causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, docume
     valid = _history(b, s_local, p, rank, ctx.chunk_size, documents, k, u.device)  # [b, s_local, K]
     windows = windows * valid.view(b, chunks, n, 1, k).to(u.dtype)
     return torch.einsum("bcnwk,wk->bcnw", windows, weight).reshape(b, s_local, width)
-
-
-def _rank(ctx: SequenceParallelContext) -> int:
-    if ctx.group is None:
-        return 0
-    return torch.distributed.get_rank(ctx.group)
 
 
 def _history(b: int, s_local: int, p: int, rank: int, chunk_size: int | None, documents: PackedDocuments | None,

@@ -3,8 +3,8 @@ family through its :class:`~lightning_fpdt.models.family.Family` record.
 
 This module sits above the family files: it imports :mod:`~lightning_fpdt.models.llama` and
 :mod:`~lightning_fpdt.models.gpt` (their ``FAMILY`` records), never the reverse, and is the one place that lists
-the bundled families (:data:`FAMILIES`) and finds one: by our model (:func:`family_of`), by a ``transformers``
-``model_type`` (:func:`family_for_model_type`) or by a saved config dict (:func:`family_holding`).
+the bundled families (:data:`FAMILIES`) and finds one: by our model (:func:`family_of`) or by a saved config dict
+(:func:`family_holding`).
 
 Public entry points: :func:`llama_from_hf`, :func:`gpt_from_hf` (both :func:`from_hf`) and :func:`to_hf`.
 """
@@ -38,11 +38,6 @@ def family_of(model: nn.Module) -> Family:
             return family
     names = ", ".join(f.name for f in FAMILIES)
     raise TypeError(f"to_hf: expected a lightning_fpdt {names.replace(', ', ' or ')}, got {type(model).__name__}.")
-
-
-def family_for_model_type(model_type: str) -> Family | None:
-    """The family whose ``transformers`` ``model_type`` is ``model_type``, or ``None``."""
-    return next((f for f in FAMILIES if f.model_type == model_type), None)
 
 
 def family_holding(config: Mapping[str, Any]) -> Family | None:
