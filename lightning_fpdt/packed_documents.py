@@ -69,6 +69,16 @@ class PackedDocuments:
             mask[b, list(starts)] = True
         return mask.to(device)
 
+    def pieces(self, lo: int, hi: int) -> list[tuple[slice, list[tuple[int, int, bool]]]]:
+        """The global tokens ``lo:hi`` cut at document starts, per group of samples that share their documents:
+        ``(samples, [(start, end, starts_a_document), ...])``, the pieces in order and covering ``lo:hi``. A
+        recurrence runs piece by piece, its state restarting where ``starts_a_document``."""
+        out = []
+        for batch, starts in self._groups():
+            cuts = [lo, *(s for s in starts if lo < s < hi), hi]
+            out.append((batch, [(a, c, a in starts) for a, c in zip(cuts, cuts[1:])]))
+        return out
+
     def _groups(self) -> list[tuple[slice, tuple[int, ...]]]:
         """Samples with the same documents, as one slice when all agree (one kernel call per document)."""
         if all(s == self.starts[0] for s in self.starts):

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import Lfm2Config, Lfm2MoeConfig  # noqa: E402
 
 from lightning_fpdt.binding import SequenceParallelContext  # noqa: E402
-from lightning_fpdt.hf.short_conv import _causal_conv, install_short_convs, is_short_conv  # noqa: E402
+from lightning_fpdt.hf.short_conv import causal_conv, install_short_convs, is_short_conv  # noqa: E402
 from lightning_fpdt.models import HFCausalLM  # noqa: E402
 from lightning_fpdt.packed_documents import PackedDocuments  # noqa: E402
 from tests.helpers import TokenDataset, assert_same_step  # noqa: E402
@@ -76,7 +76,7 @@ def test_one_process_tails_and_document_restarts_equal_conv1d(chunk_size: int | 
     u = torch.randn(b, s, width, generator=g, dtype=torch.float64)
     lengths = [[1, 6, 9], [5, 11]] if packed else [[s], [s]]
     documents = PackedDocuments(tuple(tuple(sum(n[:i]) for i in range(len(n))) for n in lengths), s) if packed else None
-    ours = _causal_conv(u, conv.weight[:, 0, :], SequenceParallelContext(chunk_size=chunk_size), documents)
+    ours = causal_conv(u, conv.weight[:, 0, :], SequenceParallelContext(chunk_size=chunk_size), documents)
     expected = torch.zeros_like(u)
     for i, doc_lengths in enumerate(lengths):
         start = 0

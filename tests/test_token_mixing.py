@@ -1,8 +1,9 @@
 """Nothing that mixes tokens runs unguarded (lightning_fpdt.token_mixing, hf/mixing.py, models/mixing.py).
 
-Every hybrid family transformers 5.24 ships as a causal LM (gated delta-net, Mamba-2, short-convolution,
-RG-LRU and lightning-attention layers) is refused by name, layer and module, when bound to more than one rank of
-a sequence-parallel group, and trains at one rank; dense families are not refused; a hand-written causal
+Every hybrid family transformers 5.24 ships as a causal LM either runs its token-mixing layers sequence-parallel
+(gated delta-net, Mamba-2 and short-convolution layers: nothing is refused) or is refused by name, layer and module
+when bound to more than one rank of a sequence-parallel group, and trains at one rank (Kimi's delta attention,
+Jamba's Mamba-1, MiniMax's lightning attention, RecurrentGemma's RG-LRU); dense families are not refused; a hand-written causal
 convolution in an otherwise supported model (a transformers Llama, or the bundled Llama) is found too, from its
 behaviour alone; through ``Trainer.fit`` at sp=2 every rank raises before any optimizer step.
 """
@@ -40,31 +41,33 @@ DELTA_NET = dict(layer_types=["linear_attention", "full_attention"], linear_num_
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
 MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8, mamba_expand=2)
 
-# family: (its tiny config's fields, the first module the guard names)
+# family: (its tiny config's fields, the first module the guard names; "" for a family whose layers run
+# sequence-parallel: tests/test_short_conv.py, tests/test_recurrent.py)
 HYBRIDS: dict[str, tuple[dict[str, Any], str]] = {
-    "qwen3_5_text": (DELTA_NET, "model.model.layers.0.linear_attn (Qwen3_5GatedDeltaNet)"),
-    "qwen3_5_moe_text": ({**DELTA_NET, **EXPERTS}, "model.model.layers.0.linear_attn (Qwen3_5MoeGatedDeltaNet)"),
-    "qwen3_next": ({**DELTA_NET, **EXPERTS}, "model.model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)"),
-    "olmo_hybrid": (dict(pad_token_id=0, layer_types=["linear_attention", "full_attention"]),
-                    "model.model.layers.0.linear_attn (OlmoHybridGatedDeltaNet)"),
-    "kimi_linear": (dict(pad_token_id=0), "model.model.layers.0.self_attn (KimiLinearDeltaAttention)"),
+    "qwen3_5_text": (DELTA_NET, ""),
+    "qwen3_5_moe_text": ({**DELTA_NET, **EXPERTS}, ""),
+    "qwen3_next": ({**DELTA_NET, **EXPERTS}, ""),
+    "olmo_hybrid": (dict(pad_token_id=0, layer_types=["linear_attention", "full_attention"]), ""),
     "falcon_h1": (dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
-                       mamba_chunk_size=8), "model.model.layers.0.mamba (FalconH1Mixer)"),
-    "bamba": (dict(attn_layer_indices=[1], **MAMBA), "model.model.layers.0.mamba (BambaMixer)"),
+                       mamba_chunk_size=8), ""),
+    "bamba": (dict(attn_layer_indices=[1], **MAMBA), ""),
     "granitemoehybrid": (dict(layer_types=["mamba", "attention"], num_local_experts=0, shared_intermediate_size=48,
-                              **MAMBA), "model.model.layers.0.mamba (GraniteMoeHybridMambaLayer)"),
+                              **MAMBA), ""),
     "nemotron_h": (dict(hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
-                        n_groups=1, chunk_size=8, expand=2), "model.model.layers.0.mixer (NemotronHMamba2Mixer)"),
+                        n_groups=1, chunk_size=8, expand=2), ""),
+    "zamba2": (dict(layers_block_type=["mamba", "hybrid"], mamba_headdim=8, mamba_d_state=8, mamba_ngroups=1,
+                    chunk_size=8, num_mem_blocks=1), ""),
+    "kimi_linear": (dict(pad_token_id=0), "model.model.layers.0.self_attn (KimiLinearDeltaAttention)"),
     "jamba": (dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100, expert_layer_offset=99,
                    num_experts=1, mamba_d_state=8, mamba_expand=2), "model.model.layers.0.mamba (JambaMambaMixer)"),
-    "zamba2": (dict(layers_block_type=["mamba", "hybrid"], mamba_headdim=8, mamba_d_state=8, mamba_ngroups=1,
-                    chunk_size=8, num_mem_blocks=1), "model.model.layers.0.mamba (Zamba2MambaMixer)"),
     "minimax": (dict(layer_types=["linear_attention", "full_attention"], num_local_experts=2, num_experts_per_tok=1),
                 "model.model.layers.0 (MiniMaxDecoderLayer)"),
     "recurrent_gemma": (dict(num_hidden_layers=3, lru_width=32, attention_window_size=16,
                              block_types=["recurrent", "recurrent", "attention"]),
                         "model.model.layers.0.temporal_block.rg_lru (RecurrentGemmaRglru)"),
 }
+REFUSED = [f for f, (_, first) in HYBRIDS.items() if first]
+SEQUENCE_PARALLEL = [f for f, (_, first) in HYBRIDS.items() if not first]
 
 
 def hybrid_config(family: str) -> Any:
@@ -82,8 +85,8 @@ def _quiet(module: Any) -> Any:
         return module()
 
 
-@pytest.mark.parametrize("family", list(HYBRIDS))
-def test_every_hybrid_family_is_refused_by_name_beyond_one_rank(family: str) -> None:
+@pytest.mark.parametrize("family", REFUSED)
+def test_every_other_hybrid_family_is_refused_by_name_beyond_one_rank(family: str) -> None:
     torch.manual_seed(0)
     module = _quiet(lambda: HFCausalLM(hybrid_config(family)).double())
     first = HYBRIDS[family][1]
@@ -94,6 +97,15 @@ def test_every_hybrid_family_is_refused_by_name_beyond_one_rank(family: str) -> 
     assert "sequence_parallel_size=2" in message and "sequence_parallel_size=1" in message
     module.bind_sequence_parallel(SequenceParallelContext(chunk_size=8))  # one rank sees every position: accepted
     module.refuse_token_mixers(1)
+
+
+@pytest.mark.parametrize("family", SEQUENCE_PARALLEL)
+def test_gated_delta_net_and_mamba2_families_run_sequence_parallel(family: str) -> None:
+    """Their recurrences run sequence-parallel (tests/test_recurrent.py) and nothing else mixes: nothing is
+    refused."""
+    module = _quiet(lambda: HFCausalLM(hybrid_config(family)).double())
+    assert module.recurrences and module.token_mixers() == []
+    module.refuse_token_mixers(2)
 
 
 @pytest.mark.parametrize("family", ["lfm2", "lfm2_moe"])
@@ -159,18 +171,19 @@ def test_a_hand_written_convolution_in_the_own_llama_is_found() -> None:
 def test_every_mixer_is_named_not_only_the_first() -> None:
     """A mixer spreads the changed position to every later one, which hides the next mixer: the probe silences
     each one found and looks again."""
-    config = hybrid_config("qwen3_5_text")
-    config.num_hidden_layers, config.layer_types = 4, ["linear_attention"] * 3 + ["full_attention"]
+    config = hybrid_config("recurrent_gemma")
+    config.num_hidden_layers, config.block_types = 4, ["recurrent"] * 3 + ["attention"]
     module = HFCausalLM(config).double()
-    assert [m.module for m in module.token_mixers()] == [f"model.layers.{i}.linear_attn" for i in range(3)]
+    assert [m.module for m in module.token_mixers()] == [f"model.layers.{i}.temporal_block.rg_lru" for i in range(3)]
 
 
 def test_a_model_read_from_a_directory_is_probed_once_its_weights_are_in(tmp_path: Path) -> None:
     _quiet(lambda: AutoModelForCausalLM.from_config(hybrid_config("qwen3_5_text"))).save_pretrained(tmp_path)
     module = HFCausalLM(str(tmp_path))
-    assert module.weights_pending and module.token_mixers() is None  # on the meta device: nothing to run yet
+    # on the meta device: nothing to run yet, so nothing installed or probed
+    assert module.weights_pending and module.recurrences == [] and module.token_mixers() is None
     module.load_weights()
-    assert [m.module for m in module.token_mixers()] == ["model.layers.0.linear_attn"]
+    assert module.recurrences == ["model.layers.0.linear_attn"] and module.token_mixers() == []
 
 
 def test_the_router_loss_counts_the_routers_of_every_layer() -> None:
@@ -212,10 +225,10 @@ def _own_conv_model() -> LlamaLM:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind", ["qwen3_5", "own-conv"])
+@pytest.mark.parametrize("kind", ["jamba", "own-conv"])
 def test_fit_at_sp2_refuses_on_every_rank_before_any_step(kind: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
-    module = HFCausalLM(hybrid_config("qwen3_5_text")) if kind == "qwen3_5" else _own_conv_model()
+    module = _quiet(lambda: HFCausalLM(hybrid_config("jamba"))) if kind == "jamba" else _own_conv_model()
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[StepMarker(str(tmp_path))],
                         strategy=FPDTStrategy(sequence_parallel_size=2, chunk_size=8, attention_backend="math",

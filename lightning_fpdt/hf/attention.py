@@ -101,19 +101,28 @@ def delivered_to(modules: Iterable[nn.Module], keywords: dict[str, Any]) -> Iter
 
 def delivering(layer: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` of decoder layer ``layer``, delivering the FPDT keywords of each call to ``layer``'s attention
-    layers while it runs: so a recomputation in backward (activation checkpointing), which calls it with the
-    keywords its forward had, delivers them again after the base model's own delivery has ended."""
-    attention = [m for m in layer.modules() if is_attention_layer(m)]
+    layers (and recurrences: :func:`receives_keywords`) while it runs: so a recomputation in backward (activation
+    checkpointing), which calls it with the keywords its forward had, delivers them again after the base model's
+    own delivery has ended. The receivers are looked up at each call: a recurrence installed once the weights are
+    in is one too."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with delivered_to(attention, kwargs):
+        with delivered_to([m for m in layer.modules() if receives_keywords(m)], kwargs):
             return forward(*args, **kwargs)
 
     return run
 
 
-def _delivered(module: Any) -> dict[str, Any]:
+def delivered_keywords(module: Any) -> dict[str, Any]:
+    """The FPDT keywords delivered on ``module`` while a call that carries them runs (:func:`delivered_to`), or
+    ``{}``."""
     return getattr(module, "__dict__", {}).get(_DELIVERED) or {}
+
+
+def receives_keywords(module: nn.Module) -> bool:
+    """An attention layer, or a module whose installed forward reads the FPDT keywords (``fpdt_keywords``: the
+    recurrences of :mod:`lightning_fpdt.hf.recurrent`): where :func:`delivered_to` delivers them."""
+    return is_attention_layer(module) or getattr(module.__dict__.get("forward"), "fpdt_keywords", False)
 
 
 def fpdt_attention_forward(
@@ -165,7 +174,7 @@ def fpdt_attention_forward(
             " strategy turns into documents. Do not pass a mask to the model yourself."
         )
     if fpdt_context is None:  # a layer that does not pass its keywords on: delivered on the layer (delivered_to)
-        delivered = _delivered(module)
+        delivered = delivered_keywords(module)
         fpdt_context, documents, fpdt_records = (delivered.get(k) for k in FPDT_KEYWORDS)
     ctx = fpdt_context or _ONE_PROCESS
     # [b, h, s_local, d] -> [b, s_local, h, d]: the pipeline's layout (s_local = S // sp)

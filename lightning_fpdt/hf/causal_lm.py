@@ -24,7 +24,14 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from lightning_fpdt.binding import AttentionRecord, DecoderLayer, SequenceParallelContext
-from lightning_fpdt.hf.attention import LayerRecords, attention_layers, check_supported, delivered_to, install
+from lightning_fpdt.hf.attention import (
+    LayerRecords,
+    attention_layers,
+    check_supported,
+    delivered_to,
+    install,
+    receives_keywords,
+)
 from lightning_fpdt.hf.build import build_model
 from lightning_fpdt.hf.experts import check_experts, router_loss_for
 from lightning_fpdt.hf.feed_forward import feed_forward
@@ -33,6 +40,7 @@ from lightning_fpdt.hf.guards import check_context_arrived, check_static_rope, f
 from lightning_fpdt.hf.layers import check_decoder_modules, check_recomputable, decoder_modules, install_memory_stack
 from lightning_fpdt.hf.masks import check_mask_windows
 from lightning_fpdt.hf.mixing import hf_token_mixers
+from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, install_recurrences
 from lightning_fpdt.hf.short_conv import install_short_convs
 from lightning_fpdt.hf.weights import PretrainedWeights
 from lightning_fpdt.layout import IGNORE_INDEX
@@ -97,9 +105,11 @@ class HFCausalLM(CausalLM):
         check_experts(self.model, layers)
         self.head_transform = find_head_transform(self.model)  # what its forward does after the output embedding
         check_recomputable(self.model, mlp_tiled=mlp_tiles != 1, checkpointing=False)
-        # short convolutions run sequence-parallel where exact (once the weights are in, for a meta-device model);
-        # what else mixes tokens outside attention is refused when bound to more than one rank (token_mixers)
+        # short convolutions, gated delta-nets and Mamba-2 mixers run sequence-parallel where exact (once the weights
+        # are in, for a meta-device model); what else mixes tokens outside attention is refused when bound to more
+        # than one rank (token_mixers)
         self.short_convs = install_short_convs(self.model)
+        self.recurrences = install_recurrences(self.model)
         install(self.model)
         self.router_loss = router_loss_for(self.model)  # the auxiliary loss of a mixture of experts, or None
         install_memory_stack(self.model, mlp_tiles, self.router_loss)
@@ -134,6 +144,7 @@ class HFCausalLM(CausalLM):
         if not self._masks_probed:
             self._masks_probed = check_mask_windows(self.model, attention_layers(self.model))
         self.short_convs += install_short_convs(self.model)
+        self.recurrences += install_recurrences(self.model)
 
     def _find_token_mixers(self) -> list[TokenMixer] | None:
         """What mixes tokens outside the attention layers (:func:`~lightning_fpdt.hf.mixing.hf_token_mixers`)."""
@@ -157,10 +168,15 @@ class HFCausalLM(CausalLM):
                 ``dynamic`` or ``longrope`` RoPE schedule, or a module that mixes tokens outside attention
                 (:func:`~lightning_fpdt.hf.mixing.hf_token_mixers`: a gated delta-net, Mamba-2 or short-convolution
                 layer), named with its layer.
+            ValueError: a gated delta-net or Mamba-2 layer whose head counts the group cannot split
+                (:meth:`~lightning_fpdt.hf.recurrent.SequenceParallelRecurrence.check_heads`).
         """
         if context.size > 1:  # every rank binds the same config: every rank raises together
             check_static_rope(self.model.config)
             self.refuse_token_mixers(context.size)
+            for m in self.model.modules():  # head counts the group cannot split (hf/recurrent.py)
+                if isinstance(forward := m.__dict__.get("forward"), SequenceParallelRecurrence):
+                    forward.check_heads(context.size)
         if context.activation_checkpointing:
             check_recomputable(self.model, mlp_tiled=self.mlp_tiles != 1, checkpointing=True)
         self.context, self._bound = context, True
@@ -216,11 +232,12 @@ class HFCausalLM(CausalLM):
         batch = self.prepared(batch)
         self.load_weights(batch["input_ids"].device)  # used without a Trainer: the weights at the first forward
         self._start_router_pass(batch)
-        # read by fpdt_attention_forward: passed down as keywords by most families, delivered on the attention
-        # layers for those whose layers do not pass them on; every layer must have run with them (hf_guards)
+        # read by fpdt_attention_forward and the recurrences: passed down as keywords by most families, delivered on
+        # the attention layers and recurrences for those whose layers do not pass them on; every attention layer must
+        # have run with them (hf_guards)
         keywords = {"fpdt_context": self.context, "documents": batch["documents"], "fpdt_records": self.records}
         self.records.clear()
-        with delivered_to([m for _, m in attention_layers(self.model)], keywords):
+        with delivered_to([m for m in self.model.modules() if receives_keywords(m)], keywords):
             out = self.model.base_model(
                 input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **keywords,
             )

@@ -9,13 +9,14 @@ convolution of q, k or v before the attention call is still seen; transformers b
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.hf.layers import decoder_modules
-from lightning_fpdt.hf.short_conv import position_wise
 from lightning_fpdt.token_mixing import TokenMixer, find_token_mixers, probe_ids
 
 _SELF_ONLY = "lightning_fpdt_self_only"
@@ -42,8 +43,23 @@ def hf_token_mixers(model: PreTrainedModel) -> list[TokenMixer] | None:
     before = model.config._attn_implementation
     model.set_attn_implementation(_SELF_ONLY)
     try:
-        with position_wise(model):  # the short convolutions run sequence-parallel (hf/short_conv.py)
+        with position_wise(model):  # what runs sequence-parallel besides attention (hf/short_conv.py, hf/recurrent.py)
             return find_token_mixers(lambda x: model.base_model(input_ids=x, use_cache=False),
                                      inputs, model, decoder_modules(model))
     finally:
         model.set_attn_implementation(before)
+
+
+@contextmanager
+def position_wise(model: nn.Module) -> Iterator[None]:
+    """Every sequence-parallel forward installed on a module of ``model`` (a short convolution, a recurrence: each
+    has a ``position_wise`` switch) computes each position from itself alone for the duration: the stand-ins of the
+    token-mixing probe, as attention's is."""
+    forwards = [f for m in model.modules() if hasattr(f := m.__dict__.get("forward"), "position_wise")]
+    for f in forwards:
+        f.position_wise = True
+    try:
+        yield
+    finally:
+        for f in forwards:
+            f.position_wise = False

@@ -5,9 +5,10 @@ convolution of ``K`` taps (LFM2: 3) along the sequence. Token ``t``'s output rea
 its document. Under the FPDT layout a rank holds sub-chunk ``(i, r)`` of every global chunk ``i`` (``C / P``
 tokens each; :func:`lightning_fpdt.layout.fpdt_permutation`), so the ``K - 1`` tokens before a sub-chunk are the
 tail of sub-chunk ``(i, r - 1)`` on rank ``r - 1``, or for ``r = 0`` the tail of ``(i - 1, P - 1)`` on the last
-rank. The convolution's tail is carried that way: one all-gather of every sub-chunk's last ``K - 1`` inputs of
-the convolution (``[P, batch, chunks, K - 1, width]``, autograd-aware), then each sub-chunk convolved with its
-tail in front, sub-chunk by sub-chunk. No whole-sequence tensor exists. A lag reaching into an earlier document
+rank (and the sub-chunks before that too where sub-chunks are shorter than ``K - 1`` tokens: a short last chunk).
+The convolution's tail is carried that way: one all-gather of every sub-chunk's last ``K - 1`` inputs of the
+convolution (``[P, batch, chunks, K - 1, width]``, autograd-aware), then each sub-chunk convolved with its tail in
+front, sub-chunk by sub-chunk. No whole-sequence tensor exists. A lag reaching into an earlier document
 (packed documents, padding) contributes nothing: the history restarts at every document start, as each document
 alone computes it.
 
@@ -18,17 +19,16 @@ it is, and the token-mixing guard refuses it beyond one rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.comm import group_rank, group_size
-from lightning_fpdt.layout import shard_indices
+from lightning_fpdt.layout import chunk_lengths, shard_indices
 from lightning_fpdt.packed_documents import PackedDocuments
 
 
@@ -67,40 +67,51 @@ class SequenceParallelShortConv:
         if self.position_wise:
             y = u * weight[:, -1]
         else:
-            y = _causal_conv(u, weight, fpdt_context or SequenceParallelContext(), documents)
+            y = causal_conv(u, weight, fpdt_context or SequenceParallelContext(), documents)
         if m.conv.bias is not None:
             y = y + m.conv.bias
         return m.out_proj(gate_c * y)
 
 
-def _causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, documents: PackedDocuments | None) -> Tensor:
-    """The causal depthwise convolution of this rank's tokens ``u`` ``[b, s_local, width]`` (FPDT layout), its
-    tails carried from the sub-chunks before, its history restarting at each document start."""
+def causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, documents: PackedDocuments | None) -> Tensor:
+    """The causal depthwise convolution of this rank's tokens ``u`` ``[b, s_local, width]`` (FPDT layout) with
+    ``weight`` ``[width, K]`` (tap ``K - 1`` multiplies the token itself), its history restarting at each document
+    start: ``[b, s_local, width]``.
+
+    Each sub-chunk's last ``K - 1`` inputs (all of them, when it is shorter) are all-gathered; the ``K - 1`` tokens
+    before a sub-chunk are then the tails of the sub-chunks before it in global order, nearest first, as many as it
+    takes (one, unless sub-chunks are shorter than ``K - 1`` tokens: a short last chunk).
+    """
     b, s_local, width = u.shape
-    k = weight.shape[1]
+    k1 = weight.shape[1] - 1  # the taps before the token itself
     p, rank = group_size(ctx.group), group_rank(ctx.group)
-    chunks = 1 if ctx.chunk_size is None else s_local * p // ctx.chunk_size  # local sub-chunks
-    n = s_local // chunks  # tokens per sub-chunk
-    if n < k - 1:
-        raise ValueError(f"HFCausalLM: a short convolution of {k} taps needs sub-chunks of at least {k - 1} tokens;"
-                         f" chunk_size={ctx.chunk_size} over {p} ranks gives {n}. Use a larger chunk_size.")
-    parts = u.view(b, chunks, n, width)
-    tails = parts[:, :, n - (k - 1):] if k > 1 else parts[:, :, :0]  # [b, chunks, K - 1, width]
+    lengths = [n // p for n in chunk_lengths(s_local * p, ctx.chunk_size)]  # every rank's sub-chunks, in order
+    parts = u.split(lengths, dim=1)
+    # each sub-chunk's tail, left-padded to K - 1 tokens: [b, chunks, K - 1, width]
+    tails = torch.stack([F.pad(part[:, max(part.shape[1] - k1, 0):], (0, 0, k1 - min(part.shape[1], k1), 0))
+                         for part in parts], dim=1)
     if p > 1:  # every rank's tails, [P, b, chunks, K - 1, width]
         gathered = funcol.all_gather_tensor_autograd(tails.contiguous(), gather_dim=0, group=ctx.group)
         gathered = gathered.view(p, *tails.shape)
     else:
         gathered = tails.unsqueeze(0)
-    zeros = torch.zeros_like(tails[:, :1])
-    if rank > 0:  # the sub-chunk before (i, r) is (i, r - 1)
-        halo = gathered[rank - 1]
-    else:  # before (i, 0) is (i - 1, P - 1); before (0, 0) nothing
-        halo = torch.cat([zeros, gathered[p - 1][:, :-1]], dim=1)
-    extended = torch.cat([halo, parts], dim=2)  # [b, chunks, K - 1 + n, width]
-    windows = extended.unfold(2, k, 1)  # [b, chunks, n, width, K]: window j ends at token j
-    valid = _history(b, s_local, p, rank, ctx.chunk_size, documents, k, u.device)  # [b, s_local, K]
-    windows = windows * valid.view(b, chunks, n, 1, k).to(u.dtype)
-    return torch.einsum("bcnwk,wk->bcnw", windows, weight).reshape(b, s_local, width)
+    windows = []
+    for i, part in enumerate(parts):  # sub-chunk (i, rank)
+        halo, need, chunk, owner = [], k1, i, rank - 1
+        while need > 0:  # the sub-chunks before it, nearest first: (i, rank - 1), ..., (i - 1, P - 1), ...
+            if owner < 0:
+                chunk, owner = chunk - 1, p - 1
+            if chunk < 0:  # the start of the sequence; the empty slice keeps the gather in this rank's graph even
+                # when it reads no tail (rank 0, one chunk), so every rank runs its backward (a reduce-scatter)
+                halo.insert(0, torch.cat([u.new_zeros(b, need, width), gathered[0][:, 0, :0]], dim=1))
+                break
+            take = min(lengths[chunk], k1, need)
+            halo.insert(0, gathered[owner][:, chunk, k1 - take:])
+            need, owner = need - take, owner - 1
+        # window j ends at token j of the sub-chunk: [b, n, width, K]
+        windows.append(torch.cat([*halo, part], dim=1).unfold(1, k1 + 1, 1))
+    valid = _history(b, s_local, p, rank, ctx.chunk_size, documents, k1 + 1, u.device)  # [b, s_local, K]
+    return torch.einsum("bswk,wk->bsw", torch.cat(windows, dim=1) * valid.unsqueeze(2).to(u.dtype), weight)
 
 
 def _history(b: int, s_local: int, p: int, rank: int, chunk_size: int | None, documents: PackedDocuments | None,
@@ -149,16 +160,3 @@ def _agrees(module: nn.Module, forward: SequenceParallelShortConv) -> bool:
         return False
     tolerance = 1e-10 if param.dtype == torch.float64 else 1e-5
     return bool(((ours - theirs).abs().max() <= tolerance * theirs.abs().max().clamp_min(1e-30)).item())
-
-
-@contextmanager
-def position_wise(model: nn.Module) -> Iterator[None]:
-    """Every installed short convolution of ``model`` position-wise for the duration (the token-mixing probe)."""
-    forwards = [f for m in model.modules() if isinstance(f := m.__dict__.get("forward"), SequenceParallelShortConv)]
-    for f in forwards:
-        f.position_wise = True
-    try:
-        yield
-    finally:
-        for f in forwards:
-            f.position_wise = False

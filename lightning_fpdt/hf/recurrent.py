@@ -1,0 +1,333 @@
+"""Gated delta-net and Mamba-2 layers sequence-parallel and exact under the FPDT layout.
+
+Such a layer is position-wise projections, gates and norms around a sequence-mixing core, and transformers' families
+call that core as module-level kernels: a causal depthwise convolution (``causal_conv1d_fn``), then a gated delta rule
+(``torch_chunk_gated_delta_rule``: Qwen3.5, Qwen3-Next, OLMo-hybrid) or a Mamba-2 selective scan
+(``mamba2_chunk_scan``: Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1, Zamba2). :func:`install_recurrences` gives each
+such module its class's own forward with these names bound to sequence-parallel versions
+(:class:`SequenceParallelRecurrence`), so the family's projections, gates and norms run as written and only the
+kernels change:
+
+- the convolution runs on this rank's tokens, each sub-chunk with the ``K - 1`` inputs before it carried from the
+  rank that holds them (:func:`lightning_fpdt.hf.short_conv.causal_conv`, as for LFM2's short convolutions);
+- the delta rule and the scan run the FPDT way, chunk by chunk: an all-to-all turns this rank's sub-chunk of every
+  head into the whole chunk of ``heads / P`` heads, the family's own kernel runs on it from the recurrent state the
+  chunk before left (its ``initial_state`` / ``initial_states`` argument), and the reverse all-to-all brings the
+  output back. The state (``[batch, heads / P, ...]``) is all that crosses chunks; no tensor of the whole
+  sequence exists.
+- packed documents: the kernel runs per piece of a chunk between document starts, its state restarting at each
+  start (and the convolution's history with it), as each document alone computes it.
+
+Why the all-to-all and not the state handed from rank to rank: a delta rule's transition over a rank's tokens is a
+``d_k x d_k`` matrix per head that no kernel returns, so a state passed along would make the ranks run one after
+another; with the all-to-all every rank works on its heads at once, at the communication cost attention already
+pays. Head counts the group does not divide: a delta rule's key heads are replicated where each rank's value heads
+read one key head (as attention's KV heads), Mamba-2's ``B``/``C`` groups likewise (each chunk's ``B`` and ``C`` are
+gathered whole, and each rank keeps the groups its heads read); anything else is refused with the numbers.
+
+On CUDA the family's kernels are whatever transformers bound (flash-linear-attention, mamba-ssm, causal-conv1d when
+installed); the fused Mamba-2 training kernel (``mamba2_split_conv1d_scan_combined``), which would convolve and scan
+this rank's tokens alone, is kept out, so the family takes its unfused path through the two kernels above.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+from transformers.activations import ACT2FN
+
+from lightning_fpdt.binding import SequenceParallelContext
+from lightning_fpdt.comm import HeadToSeq, SeqToHead, expand_kv_heads, group_rank, group_size
+from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
+from lightning_fpdt.hf.short_conv import causal_conv
+from lightning_fpdt.layout import chunk_lengths
+from lightning_fpdt.packed_documents import PackedDocuments
+
+CONV = "causal_conv1d_fn"
+DELTA_RULE = "torch_chunk_gated_delta_rule"
+SCAN = "mamba2_chunk_scan"
+FUSED_SCAN = "mamba2_split_conv1d_scan_combined"
+_NOT_FOR_THE_KERNEL = (*FPDT_KEYWORDS, "cu_seqlens", "seq_idx")  # ours, or packed-input forms the pieces replace
+_ONE_PROCESS = SequenceParallelContext()
+
+Kernel = Callable[[list[Tensor], Tensor | None], tuple[Tensor, Tensor]]
+"""One kernel call on one piece: ``(inputs, state or None) -> (output, final state)``."""
+
+
+def recurrence_core(module: nn.Module) -> str | None:
+    """``DELTA_RULE`` or ``SCAN`` when ``module``'s class forward calls that kernel and the convolution kernel by
+    these names (read from its code), else ``None``."""
+    forward = getattr(type(module), "forward", None)
+    if forward is None or not hasattr(inspect.unwrap(forward), "__code__"):
+        return None
+    names = inspect.unwrap(forward).__code__.co_names
+    if CONV not in names:
+        return None
+    return DELTA_RULE if DELTA_RULE in names else SCAN if SCAN in names else None
+
+
+class SequenceParallelRecurrence:
+    """The ``forward`` of one gated delta-net or Mamba-2 module instance under FPDT (see the module docstring).
+
+    Reads the ``fpdt_context`` and ``documents`` keywords its decoder layer passes on, or that are delivered on the
+    module (:func:`~lightning_fpdt.hf.attention.delivered_to`); ``None``: one process, one chunk, one document per
+    sample. While :attr:`position_wise` is set (the token-mixing probe) its kernels run on every position alone.
+    """
+
+    fpdt_keywords = True  # hf/attention.keyword_receivers delivers the FPDT keywords on this module
+
+    def __init__(self, module: nn.Module, core: str) -> None:
+        self.module, self.core = module, core
+        self.position_wise = False
+        function = inspect.unwrap(type(module).forward)
+        self._family = function.__globals__  # the family's namespace: its kernels, read at each call
+        namespace = {**function.__globals__, CONV: self._conv, FUSED_SCAN: _no_fused_kernel,
+                     core: self._delta_rule if core == DELTA_RULE else self._scan}
+        self._forward = types.FunctionType(function.__code__, namespace, function.__name__, function.__defaults__,
+                                           function.__closure__)
+        self._forward.__kwdefaults__ = function.__kwdefaults__
+        self._context: SequenceParallelContext = _ONE_PROCESS
+        self._documents: PackedDocuments | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        delivered = delivered_keywords(self.module)
+        context = kwargs.get("fpdt_context") or delivered.get("fpdt_context")
+        documents = kwargs.get("documents") if kwargs.get("fpdt_context") is not None else delivered.get("documents")
+        kwargs = {k: v for k, v in kwargs.items() if k not in FPDT_KEYWORDS}
+        self._context, self._documents = context or _ONE_PROCESS, documents
+        try:
+            return self._forward(self.module, *args, **kwargs)
+        finally:
+            self._context, self._documents = _ONE_PROCESS, None
+
+    # ---- the kernels, as the family calls them ------------------------------------------------------------
+
+    def _conv(self, hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None,
+              **kwargs: Any) -> Tensor:
+        """``causal_conv1d_fn``: ``[b, channels, s_local]`` in and out, ``weight`` ``[channels, K]``."""
+        x = hidden_states.transpose(1, 2).to(weight.dtype)  # [b, s_local, channels]
+        if self.position_wise:  # the last tap only: each position reads itself
+            y = x * weight[:, -1]
+        else:
+            y = causal_conv(x, weight, self._context, self._documents)
+        if bias is not None:
+            y = y + bias
+        if activation is not None:
+            y = ACT2FN[activation](y)
+        return y.to(hidden_states.dtype).transpose(1, 2)
+
+    def _delta_rule(self, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
+                    initial_state: Tensor | None = None, output_final_state: bool = False,
+                    **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """``torch_chunk_gated_delta_rule``: ``query``/``key`` ``[b, s_local, n_k, d_k]``, ``value``
+        ``[b, s_local, n_v, d_v]``, ``g``/``beta`` ``[b, s_local, n_v]`` in; ``([b, s_local, n_v, d_v], None)``."""
+        kernel = self._family[DELTA_RULE]
+        options = {k: v for k, v in kwargs.items() if k not in _NOT_FOR_THE_KERNEL}
+        if self._plain():
+            return kernel(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                          output_final_state=output_final_state, **options)
+        self._refuse_cached(initial_state is not None or output_final_state)
+        if self.position_wise:
+            out, _ = kernel(*_each_position(query, key, value), g=_each_position(g)[0], beta=_each_position(beta)[0],
+                            **options)
+            return out.reshape(*value.shape[:2], *out.shape[2:]), None
+        p = self._context.size
+        n_k, n_v = key.shape[2], value.shape[2]
+        _refuse_split(self._where(), delta_rule_split(n_k, n_v, p))
+        query, key = expand_kv_heads(query, p), expand_kv_heads(key, p)  # n_k < P: replicated
+
+        def run(pieces: list[Tensor], state: Tensor | None) -> tuple[Tensor, Tensor]:
+            q, k, v, gate, b = pieces
+            return kernel(q, k, v, g=gate[..., 0], beta=b[..., 0], initial_state=state, output_final_state=True,
+                          **options)
+
+        return self._chunk_by_chunk(run, [query, key, value, g.unsqueeze(-1), beta.unsqueeze(-1)], []), None
+
+    def _scan(self, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+              D: Tensor | None = None, dt_bias: Tensor | None = None, initial_states: Tensor | None = None,
+              dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, float("inf")),
+              return_final_states: bool = False, **kwargs: Any) -> Any:
+        """``mamba2_chunk_scan``: ``hidden_states`` ``[b, s_local, heads, head_dim]``, ``dt`` ``[b, s_local, heads]``,
+        ``A`` ``[heads]``, ``B``/``C`` ``[b, s_local, groups, state]`` in; ``[b, s_local, heads, head_dim]`` out."""
+        kernel = self._family[SCAN]
+        options = dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                       **{k: v for k, v in kwargs.items() if k not in _NOT_FOR_THE_KERNEL})
+        if self._plain():
+            return kernel(hidden_states, dt, A, B, C, D=D, dt_bias=dt_bias, initial_states=initial_states,
+                          return_final_states=return_final_states, **options)
+        self._refuse_cached(initial_states is not None or return_final_states)
+        if self.position_wise:
+            out = kernel(*_each_position(hidden_states, dt), A, *_each_position(B, C), D=D, dt_bias=dt_bias,
+                         **options)
+            return out.reshape(hidden_states.shape)
+        p, rank = self._context.size, group_rank(self._context.group)
+        heads, groups = hidden_states.shape[2], B.shape[2]
+        _refuse_split(self._where(), scan_split(heads, groups, p))
+        local = slice(rank * heads // p, (rank + 1) * heads // p)
+        first_group = local.start // (heads // groups)
+        kept = slice(first_group, first_group + max(groups // p, 1))  # the groups this rank's heads read
+        a, d, bias = A[local], None if D is None else D[local], None if dt_bias is None else dt_bias[local]
+
+        def run(pieces: list[Tensor], state: Tensor | None) -> tuple[Tensor, Tensor]:
+            x, step, b, c = pieces
+            return kernel(x, step[..., 0], a, b[:, :, kept], c[:, :, kept], D=d, dt_bias=bias, initial_states=state,
+                          return_final_states=True, **options)
+
+        return self._chunk_by_chunk(run, [hidden_states, dt.unsqueeze(-1)], [B, C])
+
+    # ---- chunk by chunk, piece by piece ------------------------------------------------------------------
+
+    def _chunk_by_chunk(self, run: Kernel, by_head: list[Tensor], whole: list[Tensor]) -> Tensor:
+        """``run`` over the sequence chunk by chunk: ``by_head`` tensors ``[b, s_local, heads, ...]`` all-to-all'd
+        to the whole chunk of this rank's heads, ``whole`` ones ``[b, s_local, ...]`` gathered whole (every rank the
+        chunk's tokens in order), the outputs all-to-all'd back: ``[b, s_local, heads, ...]``."""
+        group, p = self._context.group, self._context.size
+        s = by_head[0].shape[1] * p
+        states: dict[tuple[int | None, int | None], Tensor] = {}
+        outputs, lo = [], 0
+        for length in chunk_lengths(s, self._context.chunk_size):
+            part = slice(lo // p, (lo + length) // p)  # this rank's sub-chunk of the chunk
+            inputs = [SeqToHead.apply(t[:, part].contiguous(), group) for t in by_head]
+            inputs += [t[:, part] if p == 1 else funcol.all_gather_tensor_autograd(
+                t[:, part].contiguous(), gather_dim=1, group=group) for t in whole]
+            outputs.append(HeadToSeq.apply(self._pieces(run, inputs, lo, lo + length, states).contiguous(), group))
+            lo += length
+        return torch.cat(outputs, dim=1)
+
+    def _pieces(self, run: Kernel, inputs: list[Tensor], lo: int, hi: int,
+                states: dict[tuple[int | None, int | None], Tensor]) -> Tensor:
+        """``run`` on the global tokens ``lo:hi`` (``inputs`` ``[b, hi - lo, ...]``), cut at document starts: the
+        state of each group of samples carried from piece to piece and chunk to chunk, restarting at a start."""
+        documents = self._documents
+        groups = documents.pieces(lo, hi) if documents is not None else [(slice(None), [(lo, hi, lo == 0)])]
+        rows = []
+        for samples, pieces in groups:
+            key, outputs = (samples.start, samples.stop), []
+            for a, c, starts_document in pieces:
+                out, state = run([t[samples, a - lo:c - lo] for t in inputs], None if starts_document else states[key])
+                states[key] = state
+                outputs.append(out)
+            rows.append(torch.cat(outputs, dim=1))
+        return torch.cat(rows, dim=0)
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+
+    def check_heads(self, sp_size: int) -> None:
+        """Refuse, before any step, head counts ``sp_size`` ranks cannot split (read from the module's
+        ``num_k_heads``/``num_v_heads`` or ``num_heads``/``n_groups``, where it has them; the kernels check the
+        shapes they are given in any case).
+
+        Raises:
+            ValueError: naming the layer, the head counts and the sizes that work.
+        """
+        m = self.module
+        if self.core == DELTA_RULE and isinstance(n_k := getattr(m, "num_k_heads", None), int):
+            _refuse_split(self._where(), delta_rule_split(n_k, m.num_v_heads, sp_size))
+        if self.core == SCAN and isinstance(heads := getattr(m, "num_heads", None), int):
+            _refuse_split(self._where(), scan_split(heads, m.n_groups, sp_size))
+
+    def _plain(self) -> bool:
+        """One process, one chunk, one document per sample, not probed: the family's kernel as it is."""
+        c = self._context
+        return c.size == 1 and c.chunk_size is None and self._documents is None and not self.position_wise
+
+    def _refuse_cached(self, cached: bool) -> None:
+        if cached:
+            raise NotImplementedError(
+                f"HFCausalLM: {self._where()} was called with a recurrent state to start from or to return (a"
+                " generation cache) under chunks or sequence parallelism; training passes neither (use_cache=False).")
+
+    def _where(self) -> str:
+        return f"{type(self.module).__name__} (layer {getattr(self.module, 'layer_idx', '?')})"
+
+
+def delta_rule_split(n_k: int, n_v: int, p: int) -> str | None:
+    """Why a gated delta rule of ``n_k`` key and ``n_v`` value heads cannot run over ``p`` ranks, or ``None``: each
+    rank takes ``n_v / p`` value heads, with their key heads split too or replicated (``p`` a multiple of ``n_k``)."""
+    if n_v % p == 0 and (n_k % p == 0 or p % n_k == 0):
+        return None
+    return (f"{n_k} key heads and {n_v} value heads, which sequence_parallel_size={p} cannot split: each rank takes"
+            f" n_v / {p} value heads, with their key heads split too (n_k divisible by {p}) or replicated"
+            f" (sequence_parallel_size a multiple of n_k). Use a sequence_parallel_size in"
+            f" {_divisors_or_multiples(n_k, n_v)}")
+
+
+def scan_split(heads: int, groups: int, p: int) -> str | None:
+    """Why a Mamba-2 scan of ``heads`` heads in ``groups`` ``B``/``C`` groups cannot run over ``p`` ranks, or
+    ``None``: each rank takes ``heads / p`` heads, which must cover whole groups or lie in one."""
+    if heads % p == 0 and (groups % p == 0 or p % groups == 0):
+        return None
+    return (f"{heads} heads in {groups} groups, which sequence_parallel_size={p} cannot split: each rank takes"
+            f" heads / {p} heads, and they must cover whole groups (groups divisible by {p}) or lie in one"
+            f" (sequence_parallel_size a multiple of the groups). Use a sequence_parallel_size in"
+            f" {_divisors_or_multiples(groups, heads)}")
+
+
+def _refuse_split(where: str, why: str | None) -> None:
+    if why is not None:
+        raise ValueError(f"HFCausalLM: {where} has {why}.")
+
+
+def _no_fused_kernel(*args: Any, **kwargs: Any) -> None:
+    """Stands in for ``mamba2_split_conv1d_scan_combined``: ``None`` sends the family to its unfused path."""
+    return None
+
+
+def _each_position(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``[b, s, ...] -> [b * s, 1, ...]``: every position its own sequence."""
+    return tuple(t.reshape(t.shape[0] * t.shape[1], 1, *t.shape[2:]) for t in tensors)
+
+
+def _divisors_or_multiples(small: int, large: int) -> list[int]:
+    """Sizes ``P <= large`` that divide ``large`` and either divide ``small`` or are a multiple of it."""
+    return [p for p in range(1, large + 1) if large % p == 0 and (small % p == 0 or p % small == 0)]
+
+
+def install_recurrences(model: nn.Module) -> list[str]:
+    """Give every gated delta-net and Mamba-2 module of ``model`` (:func:`recurrence_core`) a
+    :class:`SequenceParallelRecurrence` forward where it computes what the module's own forward does (checked in one
+    process on random input, in chunks of 4 tokens, to the kernels' float32 rounding); returns their names.
+    A module that does not pass stays as it is, and the token-mixing guard refuses it beyond one rank."""
+    installed = []
+    for name, module in model.named_modules():
+        core = recurrence_core(module)
+        if core is None or isinstance(module.__dict__.get("forward"), SequenceParallelRecurrence):
+            continue
+        forward = SequenceParallelRecurrence(module, core)
+        if _agrees(module, forward):
+            module.forward = forward
+            installed.append(name)
+    return installed
+
+
+def _agrees(module: nn.Module, forward: SequenceParallelRecurrence) -> bool:
+    param = next(module.parameters(), None)
+    width = getattr(module, "hidden_size", None)
+    if param is None or param.device.type == "meta" or not isinstance(width, int):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 12, width, generator=generator).to(param.device, param.dtype)
+    training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            theirs = type(module).forward(module, x)
+            ours = forward(x, fpdt_context=SequenceParallelContext(chunk_size=4))  # 3 chunks: the state carried
+    except Exception:
+        return False
+    finally:
+        module.train(training)
+    if not isinstance(theirs, Tensor) or not isinstance(ours, Tensor) or theirs.shape != ours.shape:
+        return False
+    # the family's kernels may compute in float32 whatever the dtype (transformers' torch ones do): agreement to
+    # their rounding; a different computation is off by the size of the output
+    tolerance = 1e-5 if param.dtype in (torch.float64, torch.float32) else 5e-2
+    scale = theirs.abs().max().clamp_min(math.ulp(1.0))
+    return bool(((ours - theirs).abs().max() <= tolerance * scale).item())
