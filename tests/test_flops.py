@@ -82,3 +82,32 @@ def test_throughput_monitor_takes_a_peak_for_mfu() -> None:
     assert TokenThroughputMonitor(available_flops=1e12).peak_flops == 1e12
     with pytest.raises(ValueError, match=r"available_flops must be a positive peak FLOP/s per device, got 0"):
         TokenThroughputMonitor(available_flops=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_a_hybrid_counts_attention_in_its_attention_layers_and_each_recurrence_linearly(family: str) -> None:
+    """Qwen3.5 (a gated delta-net then an attention layer) and Nemotron-H (a Mamba-2 mixer then an attention
+    layer): the keys term for the one attention layer only; each recurrence's kernel per token, linear in the
+    length (delta rule: ``6 d_k d_v + 64 (5 d_k + 3 d_v)`` per value head; scan: ``4 p n + 2 c (n + p)`` per head,
+    3x for training)."""
+    seq = 1024
+    if family == "qwen3_5_text":
+        config = transformers.AutoConfig.for_model(
+            family, vocab_size=V, hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=HEADS,
+            num_key_value_heads=KV, head_dim=8, layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=16)
+        core = 3 * 4 * (6 * 8 * 16 + 64 * (5 * 8 + 3 * 16))
+    else:
+        config = transformers.AutoConfig.for_model(
+            family, vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV,
+            head_dim=8, hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
+            n_groups=1, chunk_size=32, expand=2)
+        core = 3 * 4 * (4 * 16 * 8 + 2 * 32 * (8 + 16))
+    module = HFCausalLM(config)
+    model = module.model
+    embeddings = {id(p) for p in model.get_input_embeddings().parameters()}
+    active = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        active += V * H
+    attention = 12 * HEADS * 8 * seq / 2  # one attention layer
+    assert module.flops_per_token(seq) == pytest.approx(6 * active + attention + core, rel=1e-15)

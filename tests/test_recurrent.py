@@ -36,6 +36,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 from transformers.models.zamba2 import modeling_zamba2  # noqa: E402
 
 from lightning_fpdt.binding import SequenceParallelContext  # noqa: E402
+from lightning_fpdt.hf import recurrent  # noqa: E402
 from lightning_fpdt.hf.recurrent import (  # noqa: E402
     DELTA_RULE,
     SCAN,
@@ -238,7 +239,8 @@ def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
 @pytest.mark.parametrize("chunk_size", [3, 4, 7])
-def test_one_process_chunks_carry_the_state(family: str, chunk_size: int, fresh_seed: int) -> None:
+def test_one_process_chunks_carry_the_state(family: str, chunk_size: int, fresh_seed: int,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """In chunks (the last one shorter for 3 and 7), the state and the convolution's tail carried from chunk to
     chunk: equal to the family's forward over the whole sequence; dropping the state between chunks is caught."""
     layer, forward = _layer(family, fresh_seed)
@@ -247,12 +249,12 @@ def test_one_process_chunks_carry_the_state(family: str, chunk_size: int, fresh_
     theirs = type(layer).forward(layer, x)
     ours = forward(x, fpdt_context=SequenceParallelContext(chunk_size=chunk_size))
     assert _relative(ours, theirs) <= 1e-12
-    real = forward._pieces
+    real = recurrent.run_pieces
 
-    def forgetful(run: Any, inputs: list[torch.Tensor], lo: int, hi: int, states: dict) -> torch.Tensor:
-        return real(lambda pieces, state: run(pieces, None), inputs, lo, hi, states)  # every piece from zero
+    def forgetful(run: Any, *args: Any) -> Any:  # every piece from a zero state
+        return real(lambda pieces, params, state: run(pieces, params, None), *args)
 
-    forward._pieces = forgetful
+    monkeypatch.setattr(recurrent, "run_pieces", forgetful)
     assert _relative(forward(x, fpdt_context=SequenceParallelContext(chunk_size=chunk_size)), theirs) > 1e-3
 
 

@@ -6,14 +6,19 @@ from __future__ import annotations
 from torch import nn
 from transformers import PreTrainedModel
 
+from lightning_fpdt.hf.attention import attention_layers
+from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence
+
 
 def flops_per_token(model: PreTrainedModel, seq_len: int) -> float:
     """Training FLOPs per token of ``model`` at global sequence length ``seq_len`` (forward and backward, counted as
     ``LlamaLM`` counts them): 6 x the parameters each token multiplies through (every parameter but the
     input embeddings, the output embedding once even when tied, a routed expert's weights times
     ``num_experts_per_tok / num_experts``), plus 12 x ``heads x head_dim`` x the keys a query attends to per
-    layer: ``seq_len / 2`` under causality, ``w - w^2 / (2 seq_len)`` in a layer with a sliding window
-    ``w < seq_len`` (``layer_types``/``sliding_window`` of the config)."""
+    attention layer: ``seq_len / 2`` under causality, ``w - w^2 / (2 seq_len)`` in a layer with a sliding window
+    ``w < seq_len`` (``layer_types``/``sliding_window`` of the config), plus each gated delta-net or Mamba-2 layer's
+    core kernel (:meth:`~lightning_fpdt.hf.recurrent.SequenceParallelRecurrence.flops_per_token`: linear in the
+    length, so a hybrid's MFU is not counted against attention it does not run)."""
     config = model.config.get_text_config()
     embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     scale = {}  # a routed expert's weights: only num_experts_per_tok of num_experts run per token
@@ -26,9 +31,13 @@ def flops_per_token(model: PreTrainedModel, seq_len: int) -> float:
     n_heads = config.num_attention_heads
     width = n_heads * (getattr(config, "head_dim", None) or config.hidden_size // n_heads)
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None) or []
     keys = 0.0
-    for kind in layer_types[:config.num_hidden_layers]:
+    for _, layer in attention_layers(model):  # a hybrid's linear layers have no keys to attend to
+        index = layer.layer_idx if isinstance(layer.layer_idx, int) else -1
+        kind = layer_types[index] if 0 <= index < len(layer_types) else "sliding_attention"
         w = window if kind == "sliding_attention" and window else seq_len
         keys += seq_len / 2 if w >= seq_len else w - w * w / (2 * seq_len)
-    return 6 * active + 12 * width * keys
+    recurrences = sum(f.flops_per_token() for m in model.modules()
+                      if isinstance(f := m.__dict__.get("forward"), SequenceParallelRecurrence))
+    return 6 * active + 12 * width * keys + recurrences

@@ -36,6 +36,7 @@ import inspect
 import math
 import types
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -57,8 +58,8 @@ FUSED_SCAN = "mamba2_split_conv1d_scan_combined"
 _NOT_FOR_THE_KERNEL = (*FPDT_KEYWORDS, "cu_seqlens", "seq_idx")  # ours, or packed-input forms the pieces replace
 _ONE_PROCESS = SequenceParallelContext()
 
-Kernel = Callable[[list[Tensor], Tensor | None], tuple[Tensor, Tensor]]
-"""One kernel call on one piece: ``(inputs, state or None) -> (output, final state)``."""
+Kernel = Callable[[list[Tensor], list[Tensor], Tensor | None], tuple[Tensor, Tensor]]
+"""One kernel call on one piece: ``(inputs, parameters, state or None) -> (output, final state)``."""
 
 
 def recurrence_core(module: nn.Module) -> str | None:
@@ -143,12 +144,12 @@ class SequenceParallelRecurrence:
         _refuse_split(self._where(), delta_rule_split(n_k, n_v, p))
         query, key = expand_kv_heads(query, p), expand_kv_heads(key, p)  # n_k < P: replicated
 
-        def run(pieces: list[Tensor], state: Tensor | None) -> tuple[Tensor, Tensor]:
+        def run(pieces: list[Tensor], params: list[Tensor], state: Tensor | None) -> tuple[Tensor, Tensor]:
             q, k, v, gate, b = pieces
             return kernel(q, k, v, g=gate[..., 0], beta=b[..., 0], initial_state=state, output_final_state=True,
                           **options)
 
-        return self._chunk_by_chunk(run, [query, key, value, g.unsqueeze(-1), beta.unsqueeze(-1)], []), None
+        return self._chunk_by_chunk(run, [query, key, value, g.unsqueeze(-1), beta.unsqueeze(-1)], [], []), None
 
     def _scan(self, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
               D: Tensor | None = None, dt_bias: Tensor | None = None, initial_states: Tensor | None = None,
@@ -173,49 +174,42 @@ class SequenceParallelRecurrence:
         local = slice(rank * heads // p, (rank + 1) * heads // p)
         first_group = local.start // (heads // groups)
         kept = slice(first_group, first_group + max(groups // p, 1))  # the groups this rank's heads read
-        a, d, bias = A[local], None if D is None else D[local], None if dt_bias is None else dt_bias[local]
+        # this rank's heads' A, D and dt_bias: inputs of every chunk (their gradients come back through it)
+        params = [t[local] for t in (A, D, dt_bias) if t is not None]
+        has_d, has_bias = D is not None, dt_bias is not None
 
-        def run(pieces: list[Tensor], state: Tensor | None) -> tuple[Tensor, Tensor]:
+        def run(pieces: list[Tensor], params: list[Tensor], state: Tensor | None) -> tuple[Tensor, Tensor]:
             x, step, b, c = pieces
+            a, rest = params[0], list(params[1:])
+            d = rest.pop(0) if has_d else None
+            bias = rest.pop(0) if has_bias else None
             return kernel(x, step[..., 0], a, b[:, :, kept], c[:, :, kept], D=d, dt_bias=bias, initial_states=state,
                           return_final_states=True, **options)
 
-        return self._chunk_by_chunk(run, [hidden_states, dt.unsqueeze(-1)], [B, C])
+        return self._chunk_by_chunk(run, [hidden_states, dt.unsqueeze(-1)], [B, C], params)
 
     # ---- chunk by chunk, piece by piece ------------------------------------------------------------------
 
-    def _chunk_by_chunk(self, run: Kernel, by_head: list[Tensor], whole: list[Tensor]) -> Tensor:
+    def _chunk_by_chunk(self, run: Kernel, by_head: list[Tensor], whole: list[Tensor], params: list[Tensor]) -> Tensor:
         """``run`` over the sequence chunk by chunk: ``by_head`` tensors ``[b, s_local, heads, ...]`` all-to-all'd
         to the whole chunk of this rank's heads, ``whole`` ones ``[b, s_local, ...]`` gathered whole (every rank the
-        chunk's tokens in order), the outputs all-to-all'd back: ``[b, s_local, heads, ...]``."""
+        chunk's tokens in order), ``params`` given to every chunk, the outputs all-to-all'd back:
+        ``[b, s_local, heads, ...]``. Each chunk is a :class:`_RecurrentChunk`: only its inputs and the state it
+        starts from are kept for backward, where it is computed again."""
         group, p = self._context.group, self._context.size
         s = by_head[0].shape[1] * p
-        states: dict[tuple[int | None, int | None], Tensor] = {}
+        states: list[Tensor] = []  # per group of samples (PackedDocuments.pieces), after the chunk before
         outputs, lo = [], 0
         for length in chunk_lengths(s, self._context.chunk_size):
             part = slice(lo // p, (lo + length) // p)  # this rank's sub-chunk of the chunk
             inputs = [SeqToHead.apply(t[:, part].contiguous(), group) for t in by_head]
             inputs += [t[:, part] if p == 1 else funcol.all_gather_tensor_autograd(
                 t[:, part].contiguous(), gather_dim=1, group=group) for t in whole]
-            outputs.append(HeadToSeq.apply(self._pieces(run, inputs, lo, lo + length, states).contiguous(), group))
+            compute = partial(run_pieces, run, lo, lo + length, self._documents)
+            out, *states = _RecurrentChunk.apply(compute, len(inputs), len(params), *inputs, *params, *states)
+            outputs.append(HeadToSeq.apply(out.contiguous(), group))
             lo += length
         return torch.cat(outputs, dim=1)
-
-    def _pieces(self, run: Kernel, inputs: list[Tensor], lo: int, hi: int,
-                states: dict[tuple[int | None, int | None], Tensor]) -> Tensor:
-        """``run`` on the global tokens ``lo:hi`` (``inputs`` ``[b, hi - lo, ...]``), cut at document starts: the
-        state of each group of samples carried from piece to piece and chunk to chunk, restarting at a start."""
-        documents = self._documents
-        groups = documents.pieces(lo, hi) if documents is not None else [(slice(None), [(lo, hi, lo == 0)])]
-        rows = []
-        for samples, pieces in groups:
-            key, outputs = (samples.start, samples.stop), []
-            for a, c, starts_document in pieces:
-                out, state = run([t[samples, a - lo:c - lo] for t in inputs], None if starts_document else states[key])
-                states[key] = state
-                outputs.append(out)
-            rows.append(torch.cat(outputs, dim=1))
-        return torch.cat(rows, dim=0)
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -243,6 +237,27 @@ class SequenceParallelRecurrence:
             raise NotImplementedError(
                 f"HFCausalLM: {self._where()} was called with a recurrent state to start from or to return (a"
                 " generation cache) under chunks or sequence parallelism; training passes neither (use_cache=False).")
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token of the core kernel (forward and backward: 3 x the forward's matmuls, as the
+        kernel computes them; the convolution and projections are parameters, counted by the caller), from the
+        module's head counts and widths; 0 where it has none of them.
+
+        Gated delta rule (chunks of ``c = 64``, per value head): ``6 d_k d_v`` against the state (read, delta,
+        update) and ``c (5 d_k + 3 d_v)`` within the chunk (the two ``c x c`` score matrices, the two triangular
+        solves, the scores times the new values). Mamba-2 scan (chunks of the config's ``chunk_size``, per head):
+        ``4 p n`` against the state and ``2 c (n + p)`` within the chunk.
+        """
+        m = self.module
+        if self.core == DELTA_RULE and all(isinstance(getattr(m, a, None), int)
+                                           for a in ("num_v_heads", "head_k_dim", "head_v_dim")):
+            dk, dv, c = m.head_k_dim, m.head_v_dim, 64
+            return 3.0 * m.num_v_heads * (6 * dk * dv + c * (5 * dk + 3 * dv))
+        if self.core == SCAN and all(isinstance(getattr(m, a, None), int)
+                                     for a in ("num_heads", "head_dim", "ssm_state_size", "chunk_size")):
+            p, n, c = m.head_dim, m.ssm_state_size, m.chunk_size
+            return 3.0 * m.num_heads * (4 * p * n + 2 * c * (n + p))
+        return 0.0
 
     def _where(self) -> str:
         return f"{type(self.module).__name__} (layer {getattr(self.module, 'layer_idx', '?')})"
@@ -273,6 +288,55 @@ def scan_split(heads: int, groups: int, p: int) -> str | None:
 def _refuse_split(where: str, why: str | None) -> None:
     if why is not None:
         raise ValueError(f"HFCausalLM: {where} has {why}.")
+
+
+def run_pieces(run: Kernel, lo: int, hi: int, documents: PackedDocuments | None, inputs: list[Tensor],
+               params: list[Tensor], states: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """``run`` on the global tokens ``lo:hi`` (``inputs`` ``[b, hi - lo, ...]``), cut at document starts: each group
+    of samples from its state ``states[g]`` (none: the chunk starts the sequence), carried from piece to piece and
+    restarting at a document start; ``(output [b, hi - lo, ...], each group's state after the chunk)``."""
+    groups = documents.pieces(lo, hi) if documents is not None else [(slice(None), [(lo, hi, lo == 0)])]
+    rows, finals = [], []
+    for g, (samples, pieces) in enumerate(groups):
+        state, outputs = (states[g] if states else None), []
+        for a, c, starts_document in pieces:
+            out, state = run([t[samples, a - lo:c - lo] for t in inputs], params, None if starts_document else state)
+            outputs.append(out)
+        rows.append(torch.cat(outputs, dim=1))
+        finals.append(state)
+    return torch.cat(rows, dim=0), finals
+
+
+class _RecurrentChunk(torch.autograd.Function):
+    """One chunk of a recurrence, ``compute(inputs, params, states) -> (output, states after)``: run without a
+    graph in forward, and again from its saved inputs, parameters and starting states in backward, so a layer keeps
+    its chunks' inputs for backward, not its kernel's intermediates (the chunk-sized ``c x c`` matrices of every
+    head), and a checkpointed layer's recomputation holds one chunk's at a time."""
+
+    @staticmethod
+    def forward(ctx: Any, compute: Callable[..., tuple[Tensor, list[Tensor]]], n_inputs: int, n_params: int,
+                *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.compute, ctx.sizes = compute, (n_inputs, n_params)
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad():
+            out, states = compute(*_split(list(tensors), n_inputs, n_params))
+        return (out, *states)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        needs = ctx.needs_input_grad[3:]
+        leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+        with torch.enable_grad():
+            out, states = ctx.compute(*_split(leaves, *ctx.sizes))
+        pairs = [(o, g) for o, g in zip((out, *states), grads) if g is not None and o.requires_grad]
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                     if pairs and wanted else [None] * len(wanted))
+        return (None, None, None, *(next(found) if leaf.requires_grad else None for leaf in leaves))
+
+
+def _split(tensors: list[Tensor], n_inputs: int, n_params: int) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    return tensors[:n_inputs], tensors[n_inputs:n_inputs + n_params], tensors[n_inputs + n_params:]
 
 
 def _no_fused_kernel(*args: Any, **kwargs: Any) -> None:
