@@ -61,7 +61,7 @@ def needs_backward(inputs: Tensor | Sequence[Tensor], params: Params = ()) -> bo
 
 
 def recomputed_call(
-    fn: Callable[..., Tensor],
+    fn: Callable[..., Tensor | tuple[Tensor, ...]],
     *inputs: Tensor,
     params: Params = (),
     store: ChunkStore | None = None,
@@ -84,7 +84,8 @@ def recomputed_call(
         name: the profiler range of each run, ``fpdt/<name>`` (``fpdt/<name>_backward`` when recomputed).
 
     Returns:
-        ``fn``'s result: ``[batch, seq, ...]`` assembled from the tiles, or their sum.
+        ``fn``'s result: ``[batch, seq, ...]`` assembled from the tiles, or their sum; untiled, a tuple of tensors
+        where ``fn`` returns one (a recurrence's output and the states it leaves: :mod:`lightning_fpdt.hf.recurrent`).
 
     Raises:
         ValueError: a ``store`` with more than one input or with tiles.
@@ -114,7 +115,7 @@ def _previous_input(store: ChunkStore, key: Key) -> Key | None:
 class _Call:
     """One recomputed call: what :class:`_Recomputed` runs in forward and again in backward."""
 
-    fn: Callable[..., Tensor]
+    fn: Callable[..., Tensor | tuple[Tensor, ...]]
     params: Params
     store: ChunkStore | None
     tiles: list[tuple[int, int]] | None
@@ -128,7 +129,7 @@ class _Call:
             return [(None, list(inputs))]
         return [(slice(lo, hi), [x[:, lo:hi] for x in inputs]) for lo, hi in self.tiles]
 
-    def run(self, inputs: Sequence[Tensor]) -> Tensor:
+    def run(self, inputs: Sequence[Tensor]) -> Tensor | tuple[Tensor, ...]:
         """``fn`` over every piece, assembled (the forward, and a call that needs no backward)."""
         out: Tensor | None = None
         for where, piece in self.pieces(inputs):
@@ -136,6 +137,8 @@ class _Call:
                 y = self.fn(*piece)
             if where is None:
                 return y
+            if isinstance(y, tuple):
+                raise TypeError(f"recomputed_call: {self.name} returns a tuple, which tiles cannot assemble.")
             if y.dim() == 0:
                 out = y if out is None else out + y
                 continue
@@ -145,9 +148,10 @@ class _Call:
         assert out is not None, "tile_bounds never gives an empty list"
         return out
 
-    def gradients(self, grad: Tensor, inputs: Sequence[Tensor], wanted: Sequence[bool], scalar: bool,
-                  autocast: AutocastState) -> list[Tensor | None]:
-        """The gradients of ``(*inputs, *params)``: each piece recomputed and differentiated in turn."""
+    def gradients(self, grad: Tensor | tuple[Tensor | None, ...], inputs: Sequence[Tensor], wanted: Sequence[bool],
+                  scalar: bool, autocast: AutocastState) -> list[Tensor | None]:
+        """The gradients of ``(*inputs, *params)``: each piece recomputed and differentiated in turn (``grad``: one
+        per result of ``fn``, ``None`` for a result nothing used)."""
         params = _grad_params(self.params)
         whole = self.tiles is None
         d_inputs: list[Tensor | None] = [
@@ -156,7 +160,7 @@ class _Call:
         d_params: list[Tensor | None] = [None] * len(params)
         for where, piece in self.pieces(inputs):
             piece = [x.detach().requires_grad_(w) for x, w in zip(piece, wanted)]
-            g = grad if scalar or where is None else grad[:, where]
+            g = grad if scalar or where is None else grad[:, where]  # type: ignore[index]
             with autocast.restore(), named_range(f"fpdt/{self.name}_backward"):
                 if self.tile_grad is not None:
                     found = list(self.tile_grad(g, piece, d_params))
@@ -173,13 +177,17 @@ class _Call:
                     d_inputs[i][:, where] = d  # type: ignore[index]
         return [*d_inputs, *(None if d is None else d.to(p.dtype) for d, p in zip(d_params, params))]
 
-    def _autograd(self, grad: Tensor, piece: list[Tensor], params: list[Tensor],
+    def _autograd(self, grad: Tensor | tuple[Tensor | None, ...], piece: list[Tensor], params: list[Tensor],
                   d_params: list[Tensor | None]) -> list[Tensor | None]:
         """``fn`` run again with grad on one piece; its parameters' gradients are added into ``d_params``."""
         wanted = [x for x in piece if x.requires_grad]
         with torch.enable_grad():
             y = self.fn(*piece)
-            found = torch.autograd.grad(y, [*wanted, *params], grad, allow_unused=True)
+            # the results something used (a recurrence's last states may have no gradient)
+            pairs = [(r, g) for r, g in zip(*((y, grad) if isinstance(y, tuple) else ((y,), (grad,))))
+                     if g is not None and r.requires_grad]
+            found = torch.autograd.grad([r for r, _ in pairs], [*wanted, *params], [g for _, g in pairs],
+                                        allow_unused=True) if pairs else (None,) * (len(wanted) + len(params))
         for i, d in enumerate(found[len(wanted):]):
             if d is not None:
                 d_params[i] = d if d_params[i] is None else d_params[i].add_(d)
@@ -191,10 +199,11 @@ class _Recomputed(torch.autograd.Function):
     """Runs a :class:`_Call`, keeping only its inputs; backward recomputes it piece by piece."""
 
     @staticmethod
-    def forward(ctx: Any, call: _Call, *tensors: Tensor) -> Tensor:
+    def forward(ctx: Any, call: _Call, *tensors: Tensor) -> Tensor | tuple[Tensor, ...]:
         inputs = tensors[: call.num_inputs]
         out = call.run(inputs)
-        ctx.call, ctx.scalar = call, out.dim() == 0
+        ctx.call, ctx.several = call, isinstance(out, tuple)
+        ctx.scalar = not ctx.several and out.dim() == 0
         ctx.autocast = AutocastState.capture(inputs[0].device.type)
         ctx.wanted = [x.requires_grad for x in inputs]
         if call.store is not None:
@@ -207,7 +216,8 @@ class _Recomputed(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        grad = grads if ctx.several else grads[0]
         call, store = ctx.call, ctx.call.store
         if store is not None:
             inputs = [store.get(ctx.key)]

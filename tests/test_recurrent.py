@@ -58,7 +58,6 @@ from tests.test_hf_causal_lm import (  # noqa: E402
     _mean_ce,
     _plain,
     _redraw,
-    each_sample_alone,
 )
 from tests.test_hf_moe import _float64_source, _router_in_input_dtype  # noqa: E402
 

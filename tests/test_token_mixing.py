@@ -3,9 +3,9 @@
 Every hybrid family transformers 5.24 ships as a causal LM either runs its token-mixing layers sequence-parallel
 (gated delta-net, Mamba-2 and short-convolution layers: nothing is refused) or is refused by name, layer and module
 when bound to more than one rank of a sequence-parallel group, and trains at one rank (Kimi's delta attention,
-Jamba's Mamba-1, MiniMax's lightning attention, RecurrentGemma's RG-LRU); dense families are not refused; a hand-written causal
-convolution in an otherwise supported model (a transformers Llama, or the bundled Llama) is found too, from its
-behaviour alone; through ``Trainer.fit`` at sp=2 every rank raises before any optimizer step.
+Jamba's Mamba-1, MiniMax's lightning attention, RecurrentGemma's RG-LRU); dense families are not refused; a
+hand-written causal convolution in an otherwise supported model (a transformers Llama, or the bundled Llama) is
+found too, from its behaviour alone; through ``Trainer.fit`` at sp=2 every rank raises before any optimizer step.
 """
 
 from __future__ import annotations

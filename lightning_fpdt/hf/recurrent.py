@@ -45,11 +45,12 @@ from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
 from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.comm import HeadToSeq, SeqToHead, expand_kv_heads, group_rank, group_size
+from lightning_fpdt.comm import HeadToSeq, SeqToHead, expand_kv_heads, group_rank
 from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
 from lightning_fpdt.hf.short_conv import causal_conv
 from lightning_fpdt.layout import chunk_lengths
 from lightning_fpdt.packed_documents import PackedDocuments
+from lightning_fpdt.recompute import recomputed_call
 
 CONV = "causal_conv1d_fn"
 DELTA_RULE = "torch_chunk_gated_delta_rule"
@@ -194,8 +195,10 @@ class SequenceParallelRecurrence:
         """``run`` over the sequence chunk by chunk: ``by_head`` tensors ``[b, s_local, heads, ...]`` all-to-all'd
         to the whole chunk of this rank's heads, ``whole`` ones ``[b, s_local, ...]`` gathered whole (every rank the
         chunk's tokens in order), ``params`` given to every chunk, the outputs all-to-all'd back:
-        ``[b, s_local, heads, ...]``. Each chunk is a :class:`_RecurrentChunk`: only its inputs and the state it
-        starts from are kept for backward, where it is computed again."""
+        ``[b, s_local, heads, ...]``. Each chunk is a :func:`~lightning_fpdt.recompute.recomputed_call`: only its
+        inputs and the states it starts from are kept for backward, where it runs again, so a layer keeps its chunks'
+        inputs, not its kernel's intermediates (the ``c x c`` matrices of every head), and a checkpointed layer's
+        recomputation holds one chunk's at a time."""
         group, p = self._context.group, self._context.size
         s = by_head[0].shape[1] * p
         states: list[Tensor] = []  # per group of samples (PackedDocuments.pieces), after the chunk before
@@ -205,8 +208,8 @@ class SequenceParallelRecurrence:
             inputs = [SeqToHead.apply(t[:, part].contiguous(), group) for t in by_head]
             inputs += [t[:, part] if p == 1 else funcol.all_gather_tensor_autograd(
                 t[:, part].contiguous(), gather_dim=1, group=group) for t in whole]
-            compute = partial(run_pieces, run, lo, lo + length, self._documents)
-            out, *states = _RecurrentChunk.apply(compute, len(inputs), len(params), *inputs, *params, *states)
+            compute = partial(_chunk, run, lo, lo + length, self._documents, params, len(inputs))
+            out, *states = recomputed_call(compute, *inputs, *states, params=params, name="recurrence")
             outputs.append(HeadToSeq.apply(out.contiguous(), group))
             lo += length
         return torch.cat(outputs, dim=1)
@@ -307,36 +310,12 @@ def run_pieces(run: Kernel, lo: int, hi: int, documents: PackedDocuments | None,
     return torch.cat(rows, dim=0), finals
 
 
-class _RecurrentChunk(torch.autograd.Function):
-    """One chunk of a recurrence, ``compute(inputs, params, states) -> (output, states after)``: run without a
-    graph in forward, and again from its saved inputs, parameters and starting states in backward, so a layer keeps
-    its chunks' inputs for backward, not its kernel's intermediates (the chunk-sized ``c x c`` matrices of every
-    head), and a checkpointed layer's recomputation holds one chunk's at a time."""
-
-    @staticmethod
-    def forward(ctx: Any, compute: Callable[..., tuple[Tensor, list[Tensor]]], n_inputs: int, n_params: int,
-                *tensors: Tensor) -> tuple[Tensor, ...]:
-        ctx.compute, ctx.sizes = compute, (n_inputs, n_params)
-        ctx.save_for_backward(*tensors)
-        with torch.no_grad():
-            out, states = compute(*_split(list(tensors), n_inputs, n_params))
-        return (out, *states)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        needs = ctx.needs_input_grad[3:]
-        leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
-        with torch.enable_grad():
-            out, states = ctx.compute(*_split(leaves, *ctx.sizes))
-        pairs = [(o, g) for o, g in zip((out, *states), grads) if g is not None and o.requires_grad]
-        wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                     if pairs and wanted else [None] * len(wanted))
-        return (None, None, None, *(next(found) if leaf.requires_grad else None for leaf in leaves))
-
-
-def _split(tensors: list[Tensor], n_inputs: int, n_params: int) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    return tensors[:n_inputs], tensors[n_inputs:n_inputs + n_params], tensors[n_inputs + n_params:]
+def _chunk(run: Kernel, lo: int, hi: int, documents: PackedDocuments | None, params: list[Tensor], n_inputs: int,
+           *tensors: Tensor) -> tuple[Tensor, ...]:
+    """One chunk for :func:`~lightning_fpdt.recompute.recomputed_call`: ``tensors`` are its ``n_inputs`` inputs and
+    the states it starts from; ``(output, *states after)``."""
+    out, states = run_pieces(run, lo, hi, documents, list(tensors[:n_inputs]), params, list(tensors[n_inputs:]))
+    return (out, *states)
 
 
 def _no_fused_kernel(*args: Any, **kwargs: Any) -> None:
