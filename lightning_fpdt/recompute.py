@@ -76,7 +76,8 @@ def recomputed_call(
             tables, documents) must need no gradient and stay unchanged until backward.
         inputs: tensors whose dimension 1 is the sequence when ``tiles`` are given.
         params: what ``fn`` differentiates besides ``inputs`` (see :data:`Params`).
-        store: keep the one input here (host memory when it offloads) instead of in the autograd graph.
+        store: keep the first input here (host memory when it offloads) instead of in the autograd graph (the
+            others, if any, stay in the graph: small ones, such as a recurrence's starting states).
         tiles: ``[lo, hi)`` ranges of dimension 1: ``fn`` runs on ``x[:, lo:hi]`` of every input, one tile at
             a time; tensor results are written at their tile of the output, 0-dimensional ones summed.
         tile_grad: a closed form for one tile's gradients instead of autograd through ``fn`` (see
@@ -88,12 +89,10 @@ def recomputed_call(
         where ``fn`` returns one (a recurrence's output and the states it leaves: :mod:`lightning_fpdt.hf.recurrent`).
 
     Raises:
-        ValueError: a ``store`` with more than one input or with tiles.
+        ValueError: a ``store`` with tiles.
     """
-    if store is not None and (len(inputs) != 1 or tiles is not None):
-        raise ValueError(
-            f"recomputed_call: a store keeps one untiled input; got {len(inputs)} inputs and tiles={tiles!r}."
-        )
+    if store is not None and tiles is not None:
+        raise ValueError(f"recomputed_call: a store keeps an untiled input; got tiles={tiles!r}.")
     call = _Call(fn, params, store, None if tiles is None else list(tiles), tile_grad, name, len(inputs))
     if not needs_backward(inputs, params):  # nothing will come back for the inputs: keep nothing
         return call.run(inputs)
@@ -211,6 +210,7 @@ class _Recomputed(torch.autograd.Function):
             call.store.put(ctx.key, inputs[0].detach())
             # no backward will come if the graph is dropped: give the input back then
             ctx.release = weakref.finalize(ctx, call.store.delete_later, ctx.key)
+            ctx.save_for_backward(*inputs[1:])
         else:
             ctx.save_for_backward(*inputs)
         return out
@@ -220,7 +220,7 @@ class _Recomputed(torch.autograd.Function):
         grad = grads if ctx.several else grads[0]
         call, store = ctx.call, ctx.call.store
         if store is not None:
-            inputs = [store.get(ctx.key)]
+            inputs = [store.get(ctx.key), *ctx.saved_tensors]
             previous = _previous_input(store, ctx.key)
             if previous is not None:  # its backward runs next: fetch its input while this call recomputes
                 store.prefetch(previous)

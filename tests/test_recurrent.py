@@ -36,6 +36,8 @@ from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 from transformers.models.zamba2 import modeling_zamba2  # noqa: E402
 
 from lightning_fpdt.binding import SequenceParallelContext  # noqa: E402
+from lightning_fpdt.chunk_store import ChunkStore  # noqa: E402
+from lightning_fpdt.copy_engine import release_copy_engines  # noqa: E402
 from lightning_fpdt.hf import recurrent  # noqa: E402
 from lightning_fpdt.hf.recurrent import (  # noqa: E402
     DELTA_RULE,
@@ -277,6 +279,32 @@ def test_one_process_documents_restart_the_state(family: str, fresh_seed: int) -
     object.__setattr__(unreset, "pieces", lambda lo, hi: [(slice(None), [(lo, hi, lo == 0)])])
     mixed = forward(x, fpdt_context=SequenceParallelContext(chunk_size=4), documents=unreset)
     assert _relative(mixed[1:, 5:], ours[1:, 5:]) > 1e-3  # the second document read the first one's state
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_offloaded_chunk_inputs_come_back_for_backward(family: str, fresh_seed: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With offload, every chunk's inputs go into a store (host memory) and come back, prefetched, for its
+    backward: the output and every gradient equal the family's forward over the whole sequence."""
+    layer, forward = _layer(family, fresh_seed)
+    stored = []
+    put = ChunkStore.put
+    monkeypatch.setattr(ChunkStore, "put", lambda store, key, x, **kw: (stored.append(key), put(store, key, x, **kw)))
+    g = torch.Generator().manual_seed(fresh_seed)
+    x = torch.randn(2, 16, layer.hidden_size, generator=g, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(2, 16, layer.hidden_size, generator=g, dtype=torch.float64)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    try:
+        theirs = type(layer).forward(layer, x)
+        expected = torch.autograd.grad((theirs * weights).sum(), [x, *params], allow_unused=True)
+        ours = forward(x, fpdt_context=SequenceParallelContext(chunk_size=4, offload=True))
+        found = torch.autograd.grad((ours * weights).sum(), [x, *params], allow_unused=True)
+    finally:
+        release_copy_engines()
+    assert len(stored) == 4  # one packed input per chunk
+    assert _relative(ours, theirs) <= 1e-12
+    for e, f in zip(expected, found):
+        assert (e is None) == (f is None) and (e is None or _relative(f, e) <= 1e-10)
 
 
 def test_head_counts_the_group_cannot_split_are_refused_with_the_numbers() -> None:

@@ -45,12 +45,13 @@ from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
 from lightning_fpdt.binding import SequenceParallelContext
+from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.comm import HeadToSeq, SeqToHead, expand_kv_heads, group_rank
 from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
 from lightning_fpdt.hf.short_conv import causal_conv
 from lightning_fpdt.layout import chunk_lengths
 from lightning_fpdt.packed_documents import PackedDocuments
-from lightning_fpdt.recompute import recomputed_call
+from lightning_fpdt.recompute import INPUT_KIND, recomputed_call
 
 CONV = "causal_conv1d_fn"
 DELTA_RULE = "torch_chunk_gated_delta_rule"
@@ -202,14 +203,24 @@ class SequenceParallelRecurrence:
         group, p = self._context.group, self._context.size
         s = by_head[0].shape[1] * p
         states: list[Tensor] = []  # per group of samples (PackedDocuments.pieces), after the chunk before
+        # with offload, each chunk's inputs wait for backward in host memory (as attention's chunks do)
+        store = ChunkStore(by_head[0].device, offload=True, groups={INPUT_KIND: "recurrence"}) \
+            if self._context.offload else None
         outputs, lo = [], 0
         for length in chunk_lengths(s, self._context.chunk_size):
             part = slice(lo // p, (lo + length) // p)  # this rank's sub-chunk of the chunk
             inputs = [SeqToHead.apply(t[:, part].contiguous(), group) for t in by_head]
             inputs += [t[:, part] if p == 1 else funcol.all_gather_tensor_autograd(
                 t[:, part].contiguous(), gather_dim=1, group=group) for t in whole]
-            compute = partial(_chunk, run, lo, lo + length, self._documents, params, len(inputs))
-            out, *states = recomputed_call(compute, *inputs, *states, params=params, name="recurrence")
+            if store is None:
+                compute = partial(_chunk, run, lo, lo + length, self._documents, params, len(inputs))
+                out, *states = recomputed_call(compute, *inputs, *states, params=params, name="recurrence")
+            else:  # one tensor of the chunk's inputs into the store, offloaded; its backward prefetches the one before
+                shapes = [t.shape for t in inputs]
+                packed = torch.cat([t.reshape(*t.shape[:2], -1) for t in inputs], dim=-1)
+                compute = partial(_chunk, run, lo, lo + length, self._documents, params, shapes)
+                out, *states = recomputed_call(compute, packed, *states, params=params, store=store,
+                                               name="recurrence")
             outputs.append(HeadToSeq.apply(out.contiguous(), group))
             lo += length
         return torch.cat(outputs, dim=1)
@@ -310,12 +321,19 @@ def run_pieces(run: Kernel, lo: int, hi: int, documents: PackedDocuments | None,
     return torch.cat(rows, dim=0), finals
 
 
-def _chunk(run: Kernel, lo: int, hi: int, documents: PackedDocuments | None, params: list[Tensor], n_inputs: int,
-           *tensors: Tensor) -> tuple[Tensor, ...]:
-    """One chunk for :func:`~lightning_fpdt.recompute.recomputed_call`: ``tensors`` are its ``n_inputs`` inputs and
-    the states it starts from; ``(output, *states after)``."""
-    out, states = run_pieces(run, lo, hi, documents, list(tensors[:n_inputs]), params, list(tensors[n_inputs:]))
-    return (out, *states)
+def _chunk(run: Kernel, lo: int, hi: int, documents: PackedDocuments | None, params: list[Tensor],
+           layout: int | list[torch.Size], *tensors: Tensor) -> tuple[Tensor, ...]:
+    """One chunk for :func:`~lightning_fpdt.recompute.recomputed_call`: ``tensors`` are its inputs, then the states
+    it starts from (``layout``: the number of inputs, or their shapes when they come packed into the first tensor,
+    ``[b, L, sum of widths]``, as a store keeps one); ``(output, *states after)``."""
+    if isinstance(layout, int):
+        inputs, states = list(tensors[:layout]), list(tensors[layout:])
+    else:
+        widths = [math.prod(shape[2:]) for shape in layout]
+        inputs = [t.reshape(shape) for t, shape in zip(tensors[0].split(widths, dim=-1), layout)]
+        states = list(tensors[1:])
+    out, finals = run_pieces(run, lo, hi, documents, inputs, params, states)
+    return (out, *finals)
 
 
 def _no_fused_kernel(*args: Any, **kwargs: Any) -> None:
