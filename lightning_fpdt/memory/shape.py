@@ -98,7 +98,8 @@ class ModelShape:
           ``config`` (tiled unless 1); without one the loss is taken as untiled (the larger estimate).
 
         Raises:
-            ValueError: when ``module`` cannot be sized (no decoder layer; layers of different shapes; an
+            ValueError: when ``module`` cannot be sized (no decoder layer; a hybrid's gated delta-net, Mamba-2
+                or short-convolution layer, whose memory is not counted yet; layers of different shapes; an
                 MLP without an ``nn.Linear`` back to ``hidden_size``; no output projection and no token
                 embedding), naming what is missing.
         """
@@ -109,6 +110,14 @@ class ModelShape:
                 f"{name} has no FPDTBlock and no Hugging Face decoder layer (HFCausalLM), so its memory cannot be"
                 f" estimated (the memory model reads the layer shapes from them): build its layers from FPDTBlock,"
                 f" or {_EXPLICIT}."
+            )
+        mixers = [(layer.name, kind) for layer in layers for kind in _sequence_mixers(layer)]
+        if mixers:
+            where, kind = mixers[0]
+            raise ValueError(
+                f"{name}: layer {where} runs a {kind} (a linear-attention, state-space or convolution layer)"
+                f" sequence-parallel, {len(mixers)} such module(s) in all; the memory model sizes attention layers and"
+                f" does not count these layers' states, chunk inputs and kernel buffers yet: {_EXPLICIT}."
             )
         read = [_read_layer(layer) for layer in layers]
         shapes = sorted({dims for dims, _ in read})
@@ -145,6 +154,13 @@ class ModelShape:
                     mlp_tiles=None if mlp_count == 1 else mlp_count, loss_tiles=None if loss_count == 1 else loss_count,
                     experts_per_token=top_k)
         return shape, {"mlp_tiled": all(tiled for _, tiled in read), "loss_tiled": loss_count != 1}
+
+
+def _sequence_mixers(layer: DecoderLayer) -> list[str]:
+    """Class names of the modules of ``layer`` that mix tokens outside attention and run sequence-parallel (short
+    convolutions, gated delta-nets, Mamba-2 mixers: their installed forward has a ``position_wise`` switch, as
+    :mod:`lightning_fpdt.hf.recurrent` and :mod:`lightning_fpdt.hf.short_conv` install it)."""
+    return [type(m).__name__ for m in layer.module.modules() if hasattr(m.__dict__.get("forward"), "position_wise")]
 
 
 def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], bool]:
