@@ -103,6 +103,9 @@ class DecoderLayer:
         norms: its norm modules (LayerNorm keeps only its input for backward; RMSNorm also its output).
         chunked_projections: q/k/v are projected chunk by chunk inside the attention pipeline
             (``FPDTBlock``) rather than for the whole local sequence before it (Hugging Face layers).
+        attention: whether it has an attention layer (a hybrid's gated delta-net or Mamba-2 layer may not).
+        mixers: what its sequence-parallel modules besides attention keep (:class:`SequenceMixerMemory`: a gated
+            delta-net, a Mamba-2 mixer, a short convolution).
     """
 
     name: str
@@ -115,6 +118,35 @@ class DecoderLayer:
     mlp_tiled: bool
     norms: tuple[nn.Module, ...]
     chunked_projections: bool = True
+    attention: bool = True
+    mixers: tuple[SequenceMixerMemory, ...] = ()
+
+
+@runtime_checkable
+class SequenceMixerMemory(Protocol):
+    """What a module that mixes tokens outside attention and runs sequence-parallel keeps, as the memory model
+    counts it: values per token of a rank (``T = batch x S / sp`` tokens), at ``sp`` ranks and chunks of
+    ``chunk_size`` global tokens (``None``: one chunk)."""
+
+    kind: str
+
+    def saved(self, sp: int, chunk_size: int | None, seq_len: int) -> float:
+        """Values per rank-token kept for backward, in the activations' dtype (its chunk inputs included)."""
+        ...
+
+    def offloaded(self, sp: int) -> float:
+        """Of :meth:`saved`, the values ``offload`` keeps in host memory (its chunk inputs)."""
+        ...
+
+    def work(self) -> float:
+        """float32 values per token of one chunk on a rank (``batch x chunk / sp``) that its backward holds while
+        it recomputes the chunk (the kernel's intermediates and their gradients)."""
+        ...
+
+    def released(self) -> float:
+        """Of :meth:`saved`, the values per rank-token its backward has freed before it recomputes the kernel's
+        chunks (what the ops after the kernel kept)."""
+        ...
 
 
 @runtime_checkable

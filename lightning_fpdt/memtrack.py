@@ -59,8 +59,12 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor) -> None:
         local = getattr(t, "_local_tensor", None)  # a DTensor: the wrapper has no storage, its shard has
-        storage = (local if isinstance(local, torch.Tensor) else t).untyped_storage()
-        nbytes = storage.nbytes()
+        try:
+            storage = (local if isinstance(local, torch.Tensor) else t).untyped_storage()
+            nbytes = storage.nbytes()
+            storage.data_ptr()
+        except RuntimeError:  # a wrapper without a storage of its own (a functional collective's pending result)
+            return
         if self._resizable:  # by identity: the size may change (to 0 and back) while the storage lives
             ref = StorageWeakRef(storage)
             if ref.cdata not in self._live:

@@ -106,3 +106,19 @@ def test_fit_memory_benchmark_smoke() -> None:
     for rank in (0, 1):
         assert f"rank {rank} (MiB): peak RSS" in out, out
     assert out.count("step 3: optimizer step") == 2 and out.count("strategy set up") == 2, out
+
+
+def test_hybrid_benchmark_smoke() -> None:
+    # the Qwen3.5-shaped hybrid at tiny sizes: every variant at two lengths, then the layer table
+    out = _run("hybrid.py", "--quick")
+    assert "correctness: sp=2" in out
+    rows = _table_rows(out)
+    steps = {(r[0], r[1]): r for r in rows if len(r) == 8 and r[0] in ("sp1", "sp1_stack", "sp2", "sp2_stack")}
+    assert set(steps) == {(v, s) for v in ("sp1", "sp1_stack", "sp2", "sp2_stack") for s in ("256", "512")}, out
+    for (variant, _), row in steps.items():
+        assert row[2] == ("1" if variant.startswith("sp1") else "2") and row[3] == ("4" if "stack" in variant else "1")
+        assert all(float(row[i]) > 0 for i in (4, 5, 6, 7)), row  # s/step, tokens/s, RSS, tensors
+    layers = {r[0]: r for r in rows if len(r) == 8 and r[0].isdigit()}
+    assert set(layers) == {"128", "256", "512"}, out
+    assert all(float(layers[s][i]) > 0 for s in layers for i in (1, 2, 6)), out  # seconds of each layer
+    assert layers["128"][4] == "-" and layers["512"][4].endswith("x"), out  # growth per doubling

@@ -431,8 +431,9 @@ def test_auto_needs_a_model_it_can_size_and_sane_options() -> None:
                                          r" hidden_size=48 .*nor a token embedding.*explicit chunk_size"):
         ModelShape.from_module(blocks)
     blocks[1].mlp = TiledMLP(GeluMLP(48, 96))
-    with pytest.raises(ValueError, match=r"OwnDecoder: its decoder layers differ in shape .*\(48, 4, 2, 16, 80, 1,"
-                                         r" .*\(48, 4, 2, 16, 96, 1, .*explicit chunk_size"):
+    with pytest.raises(ValueError, match=r"OwnDecoder: its decoder layers differ in shape .*intermediate, MLP"
+                                         r" projections, experts per token: \[\(80, 1, 1\), \(96, 1, 1\)\].*explicit"
+                                         r" chunk_size"):
         ModelShape.from_module(_with_blocks(blocks))
     blocks[1].mlp = nn.GELU()
     with pytest.raises(
@@ -577,3 +578,56 @@ def test_experts_count_every_weight_and_each_routed_expert_activations() -> None
     more = estimate(shape, 256, options).saved_activations - estimate(dense, 256, options).saved_activations
     per_value = PRECISION_BYTES[options.precision][1]  # one more routed expert's values per token, every layer
     assert more == 2 * options.batch_size * 256 * dense.mlp_intermediates * per_value > 0
+
+
+HYBRID_SHAPES: dict[str, dict[str, Any]] = {  # 4 layers each, hidden 128
+    "qwen3_5_text": dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                         intermediate_size=352, head_dim=32),
+    "nemotron_h": dict(hybrid_override_pattern="M-M*", mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16,
+                       n_groups=2, chunk_size=64, expand=1, intermediate_size=352, head_dim=32),
+}
+
+
+def _hybrid_measured_and_estimated(rank: int, world: int, seq: int, full: bool, family: str) -> tuple[int, int]:
+    """One training step of a small hybrid (Qwen3.5's gated delta-nets, Nemotron-H's Mamba-2 mixers, mixer-only,
+    MLP-only and attention-only layers) at sp=``world``, as :func:`_measured_and_estimated` measures it."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, vocab_size=1024, hidden_size=128, num_hidden_layers=4,
+                                               num_attention_heads=4, num_key_value_heads=2, **HYBRID_SHAPES[family])
+    module = HFCausalLM(config, mlp_tiles=None if full else 1, loss_tiles=None if full else 1)
+    shape, tiling = ModelShape.from_module(module)
+    chunk = seq // 4 if full else None
+    context = SequenceParallelContext(group=dist.group.WORLD, chunk_size=chunk, attention_backend="sdpa",
+                                      activation_checkpointing=full)
+    bind(module, context)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    ids = torch.randint(0, shape.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
+    batch = shard_batch({"input_ids": ids}, world, rank, chunk)
+
+    def step() -> None:
+        loss, _ = token_weighted_loss(*module.loss_terms(batch))
+        loss.backward()
+        for p in module.parameters():
+            dist.all_reduce(p.grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # creates the optimizer state
+    measured = peak_step_bytes(step, module, optimizer)
+    estimated = estimate(shape, seq, EstimateOptions(sequence_parallel_size=world, chunk_size=chunk,
+                                                     activation_checkpointing=full, **tiling)).device_peak
+    return measured, estimated
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", list(HYBRID_SHAPES))
+@pytest.mark.parametrize("full", [False, True], ids=["ulysses", "chunked_tiled_checkpointed"])
+def test_estimate_of_a_hybrid_matches_a_measured_step_at_two_lengths(full: bool, family: str) -> None:
+    """The gated delta-net and Mamba-2 layers' chunk inputs, conv windows, states and kernel buffers counted
+    (``lightning_fpdt.hf.recurrent.RecurrenceMemory``), with layers of different kinds."""
+    for seq in (1024, 4096):
+        measured, estimated = run_on_ranks(_hybrid_measured_and_estimated, 2, seq, full, family)[0]
+        print(f"{family} full={full} seq={seq}: measured {measured / 2**20:.1f} MiB, estimate/measured"
+              f" {estimated / measured:.3f}")
+        assert abs(estimated / measured - 1) <= 0.15, (seq, measured / 2**20, estimated / 2**20)

@@ -330,12 +330,16 @@ def test_a_generation_cache_under_chunks_is_refused() -> None:
                       x.new_zeros(1, 8, 2, 8), chunk_size=8, return_final_states=True)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "falcon_h1"])
-def test_the_memory_model_refuses_to_size_a_hybrid_by_its_real_reason(family: str) -> None:
-    """Not counted yet, so refused by name (Falcon-H1, whose layers all have attention beside their Mamba-2 mixer,
-    was sized as an attention model before, its mixers' memory left out)."""
-    module = _hybrid(family, 0)
-    kind = type(module.get_submodule(f"model.{module.recurrences[0]}")).__name__
-    with pytest.raises(ValueError, match=rf"runs a {kind} \(a linear-attention, state-space or convolution layer\)"
-                                         r" sequence-parallel.*set an explicit chunk_size"):
-        ModelShape.from_module(module)
+@pytest.mark.parametrize(("family", "kinds"), [
+    ("qwen3_5_text", [(False, True, 1), (True, True, 0), (False, True, 1)]),  # delta-net, attention, delta-net
+    ("falcon_h1", [(True, True, 1)] * 3),  # attention beside a Mamba-2 mixer in every layer
+    ("nemotron_h", [(False, False, 1), (True, False, 0), (False, False, 1)]),  # one kind per block
+])
+def test_the_memory_model_reads_what_each_layer_of_a_hybrid_has(family: str, kinds: list) -> None:
+    """Attention, an MLP and sequence-parallel mixers, per layer (Falcon-H1 was sized as an attention model before,
+    its mixers left out; Nemotron-H and Granite-4.0-H were refused for 'no mlp module')."""
+    shape, _ = ModelShape.from_module(_hybrid(family, 0))
+    assert [(k.attention, k.mlp, len(k.mixers)) for k in shape.layer_kinds()] == kinds
+    mixer = next(m for k in shape.layer_kinds() for m in k.mixers)
+    assert mixer.saved(4, 8, 32) > mixer.saved(2, 8, 32) or family == "qwen3_5_text"  # Mamba-2's B/C gathered
+    assert mixer.offloaded(2) < mixer.saved(2, 8, 32) and mixer.work() > 0

@@ -30,6 +30,7 @@ from lightning_fpdt.hf.attention import (
     check_supported,
     delivered_to,
     install,
+    is_attention_layer,
     receives_keywords,
 )
 from lightning_fpdt.hf.build import build_model
@@ -40,7 +41,7 @@ from lightning_fpdt.hf.guards import check_context_arrived, check_static_rope, f
 from lightning_fpdt.hf.layers import check_decoder_modules, check_recomputable, decoder_modules, install_memory_stack
 from lightning_fpdt.hf.masks import check_mask_windows
 from lightning_fpdt.hf.mixing import hf_token_mixers
-from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, install_recurrences
+from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, install_recurrences, mixer_memory
 from lightning_fpdt.hf.short_conv import install_short_convs
 from lightning_fpdt.hf.weights import PretrainedWeights
 from lightning_fpdt.layout import IGNORE_INDEX
@@ -203,10 +204,12 @@ class HFCausalLM(CausalLM):
         layers = []
         for name, layer in decoder_modules(self.model):
             norms = tuple(m for m in layer.children() if "norm" in type(m).__name__.lower())
+            mixers = tuple(memory for m in layer.modules() if (memory := mixer_memory(m)) is not None)
             layers.append(DecoderLayer(
                 name=f"model.{name}", module=layer, hidden_size=config.hidden_size, n_heads=n_heads,
                 n_kv_heads=n_kv_heads, head_dim=head_dim, mlp=feed_forward(layer),
                 mlp_tiled=self.mlp_tiles != 1, norms=norms, chunked_projections=False,
+                attention=any(is_attention_layer(m) for m in layer.modules()), mixers=mixers,
             ))
         return layers
 

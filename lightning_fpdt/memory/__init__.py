@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from lightning_fpdt.memory.estimate_options import OPTIMIZER_STATES, PRECISION_BYTES, EstimateOptions
-from lightning_fpdt.memory.shape import ModelShape
+from lightning_fpdt.memory.shape import LayerKind, ModelShape
 from lightning_fpdt.tiling import largest_tile, mlp_tile_tokens
 
 __all__ = ["GIB", "EstimateOptions", "MemoryEstimate", "ModelShape", "auto_chunk_size", "estimate", "format_bytes",
@@ -130,13 +130,27 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
         if options.offload_optimizer:  # sharded parameters, gradients and optimizer state live on the host
             notes.append(f"offload_optimizer: {format_bytes(params + grads + opt)} of sharded state in host memory")
 
-    # what one layer saves between its forward and its backward (bytes)
+    # what one layer saves between its forward and its backward (bytes), by what it has (a hybrid's layers differ)
     pipeline_saved = t * e * (2 * qd + 2 * kv_eff) + t * shape.num_heads * 4  # q, out, k, v chunks + lse
     rope = 4 * t * hd * e if chunk_size is None else 0  # with chunking RoPE runs inside the pipeline
     mlp_saved = 0 if options.mlp_tiled else t * shape.mlp_intermediates * e
-    # x, the norms' outputs and extras, the residual; o_proj's input
-    layer_saved = t * e * ((4 + shape.norm_extras) * h + qd) + pipeline_saved + rope + mlp_saved
-    layer_device = layer_saved - (pipeline_saved if options.offload else 0)
+    kinds = shape.layer_kinds()
+
+    def layer_saved(kind: LayerKind, device_only: bool) -> float:
+        # x, the norms' outputs and extras, the residual; o_proj's input and the pipeline's chunks; the MLP's
+        # intermediates; each sequence-parallel mixer's own (chunk inputs offloaded with the pipeline's chunks)
+        saved = t * e * (4 + shape.norm_extras) * h + (mlp_saved if kind.mlp else 0)
+        if kind.attention:
+            saved += t * e * qd + rope + (0 if device_only and options.offload else pipeline_saved)
+        for m in kind.mixers:
+            kept = m.saved(p, chunk_size, s_pad) - (m.offloaded(p) if device_only and options.offload else 0)
+            saved += t * e * kept
+        return saved
+
+    layer_device = max(layer_saved(k, True) for k in kinds)  # the largest layer, recomputed or last
+    all_layers_device = sum(layer_saved(k, True) for k in kinds)
+    offloaded_layer = max(layer_saved(k, False) - layer_saved(k, True) for k in kinds)
+    offloaded_layers = sum(layer_saved(k, False) - layer_saved(k, True) for k in kinds)
     layer_input = t * h * e  # what activation checkpointing keeps of a block
 
     # the loss: full float32 logits unless tiled (then one tile of the rank's tokens at a time)
@@ -169,21 +183,32 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # gradients exist while a layer's attention runs (forward, and its recomputation's backward)
     qkv_local = 0 if shape.chunked_projections else 2 * t * (qd + 2 * shape.num_kv_heads * hd) * e
 
+    # a sequence-parallel mixer's backward recomputes one chunk at a time: its kernel's float32 intermediates and
+    # their gradients for one chunk's tokens of the rank, once the ops after the kernel have given theirs back
+    def layer_work(kind: LayerKind) -> float:
+        mixer = max((min(chunk_tokens_rank, t) * 4 * m.work() - t * e * m.released() for m in kind.mixers),
+                    default=0)
+        return max(chunk_buffers + qkv_local if kind.attention else 0, mlp_work if kind.mlp else 0, mixer)
+
     # one block's backward: the incoming gradient and the larger of the attention chunk buffers (with the whole
-    # local q/k/v of a Hugging Face layer) and the MLP's backward
-    block_backward = t * h * e + max(chunk_buffers + qkv_local, mlp_work)
+    # local q/k/v of a Hugging Face layer), the MLP's backward and a mixer's chunk; recomputed, on top of the
+    # block's own saved activations (the largest layer of a hybrid may not be the one with the largest backward)
+    block_backward = t * h * e + max(layer_work(k) for k in kinds)
+    recomputed_block = max(layer_saved(k, True) + t * h * e + layer_work(k) for k in kinds)
     if options.activation_checkpointing:
         stored = 0 if options.offload_checkpoints else layer_input  # one block's input on the device
-        saved = shape.num_layers * stored + final
+        all_stored = shape.num_layers * stored
+        saved = all_stored + final
         # one block recomputed and its backward: its saved activations besides the above. The loss's saved
         # logits are freed before the first block is recomputed (the final norm's activations are counted on:
         # measured on CPU, one of them outlives the first recomputation)
-        recompute = layer_device + block_backward
+        recompute = recomputed_block
         transient = max(loss_saved + loss_transient, recompute)
         loss_phase = saved + loss_saved + loss_transient
     else:
         stored = layer_device  # every block's activations, until its backward
-        saved = shape.num_layers * layer_device + final + loss_saved
+        all_stored = all_layers_device
+        saved = all_stored + final + loss_saved
         recompute = block_backward
         # with offload, the chunks of the layer being computed stay on the device
         transient = max(loss_transient, chunk_buffers) if options.offload else loss_transient
@@ -193,7 +218,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
         host += params + grads + opt
         params = grads = opt = 0
     if options.offload:
-        host += pipeline_saved * (1 if options.activation_checkpointing else shape.num_layers)
+        host += offloaded_layer if options.activation_checkpointing else offloaded_layers
     if options.activation_checkpointing and options.offload_checkpoints:
         host += shape.num_layers * layer_input
     # the blocks' backward, from the last block to the first: the gradients made so far grow by one block's
@@ -202,8 +227,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # block's activations). The input embedding's gradient comes after the first block's backward (under FSDP2
     # the root's sharded gradients too: it reduce-scatters the root's at the very end).
     layer_grads = 0 if grads == 0 else shape.num_layers * layer * pe // shards
-    backward_phase = unsharded_grads + final + recompute + out_proj_grad + max(
-        shape.num_layers * stored, layer_grads + stored)
+    backward_phase = unsharded_grads + final + recompute + out_proj_grad + max(all_stored, layer_grads + stored)
     # gradients are created during backward; AdamW's update adds about half a parameter set
     device_peak = gathered + buckets + max(params + grads + opt + shape.num_params * pe // 2 // shards,
                                            params + opt + max(loss_phase, backward_phase))

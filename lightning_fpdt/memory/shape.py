@@ -12,11 +12,22 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_fpdt.binding import DecoderLayer, decoder_layers
+from lightning_fpdt.binding import DecoderLayer, SequenceMixerMemory, decoder_layers
 from lightning_fpdt.memory.experts import read_experts
 from lightning_fpdt.tiling import configured_tiles
 
 _EXPLICIT = "set an explicit chunk_size instead of 'auto' (`python -m lightning_fpdt.memory` helps choose one)"
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What one decoder layer has, for a hybrid: attention, an MLP, and the sequence-parallel modules that mix
+    tokens besides attention (:class:`~lightning_fpdt.binding.SequenceMixerMemory`: a gated delta-net, a Mamba-2
+    mixer, a short convolution)."""
+
+    attention: bool = True
+    mlp: bool = True
+    mixers: tuple[SequenceMixerMemory, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,8 @@ class ModelShape:
             ``None``: automatic (also for an untiled MLP: what an estimate with ``mlp_tiled`` assumes).
         loss_tiles: the loss's ``num_tiles`` when it is tiled, likewise.
         experts_per_token: an MoE layer's ``top_k`` (1: dense): MLP activations count once per routed expert.
+        layers: what each decoder layer has (:class:`LayerKind`), for a hybrid; ``None``: every layer an attention
+            layer with an MLP.
     """
 
     hidden_size: int
@@ -60,10 +73,15 @@ class ModelShape:
     mlp_tiles: int | None = None
     loss_tiles: int | None = None
     experts_per_token: int = 1
+    layers: tuple[LayerKind, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's :class:`LayerKind` (every one the default: attention and an MLP, unless :attr:`layers`)."""
+        return self.layers if self.layers is not None else (LayerKind(),) * self.num_layers
 
     @property
     def mlp_intermediates(self) -> int:
@@ -98,8 +116,7 @@ class ModelShape:
           ``config`` (tiled unless 1); without one the loss is taken as untiled (the larger estimate).
 
         Raises:
-            ValueError: when ``module`` cannot be sized (no decoder layer; a hybrid's gated delta-net, Mamba-2
-                or short-convolution layer, whose memory is not counted yet; layers of different shapes; an
+            ValueError: when ``module`` cannot be sized (no decoder layer; layers of different shapes; an
                 MLP without an ``nn.Linear`` back to ``hidden_size``; no output projection and no token
                 embedding), naming what is missing.
         """
@@ -111,23 +128,20 @@ class ModelShape:
                 f" estimated (the memory model reads the layer shapes from them): build its layers from FPDTBlock,"
                 f" or {_EXPLICIT}."
             )
-        mixers = [(layer.name, kind) for layer in layers for kind in _sequence_mixers(layer)]
-        if mixers:
-            where, kind = mixers[0]
-            raise ValueError(
-                f"{name}: layer {where} runs a {kind} (a linear-attention, state-space or convolution layer)"
-                f" sequence-parallel, {len(mixers)} such module(s) in all; the memory model sizes attention layers and"
-                f" does not count these layers' states, chunk inputs and kernel buffers yet: {_EXPLICIT}."
-            )
         read = [_read_layer(layer) for layer in layers]
-        shapes = sorted({dims for dims, _ in read})
-        if len(shapes) > 1:
+        shapes = sorted({dims for dims, _, _, _ in read})
+        mlps = sorted({mlp for _, mlp, _, _ in read if mlp is not None})
+        if len(shapes) > 1 or len(mlps) > 1:
             raise ValueError(
-                f"{name}: its decoder layers differ in shape (hidden, heads, kv heads, head_dim, intermediate, MLP"
-                f" projections, parameters, norm extras): {shapes}; the memory model assumes one shape per layer:"
-                f" {_EXPLICIT}."
+                f"{name}: its decoder layers differ in shape (hidden, heads, kv heads, head_dim, norm extras:"
+                f" {shapes}; intermediate, MLP projections, experts per token: {mlps}); the memory model assumes one"
+                f" attention shape and one MLP shape: {_EXPLICIT}."
             )
-        hidden, heads, kv_heads, head_dim, inter, projections, block_params, norm_extras, top_k = shapes[0]
+        hidden, heads, kv_heads, head_dim, norm_extras = shapes[0]
+        inter, projections, top_k = mlps[0] if mlps else (0, 2, 1)
+        block_params = max(params for _, _, params, _ in read)  # FSDP2 gathers the largest layer too
+        kinds = tuple(LayerKind(layer.attention, mlp is not None, layer.mixers)
+                      for layer, (_, mlp, _, _) in zip(layers, read))
         in_layers = {id(m) for layer in layers for m in layer.module.modules()}
         outside = [m for m in module.modules() if id(m) not in in_layers]
         heads_out = [m for m in outside if isinstance(m, nn.Linear) and m.in_features == hidden]
@@ -144,7 +158,7 @@ class ModelShape:
                 f" size, and with it the loss's memory, cannot be read: {_EXPLICIT}."
             )
         num_params = sum(p.numel() for p in module.parameters())  # parameters() yields a shared one once
-        mlp_tiles = {configured_tiles(layer.module) for layer in layers}
+        mlp_tiles = {configured_tiles(layer.module) for layer, kind in zip(layers, kinds) if kind.mlp} or {1}
         if len(mlp_tiles) > 1:
             raise ValueError(f"{name}: its decoder layers' MLPs run in different tile counts ({mlp_tiles}); the"
                              f" memory model assumes one: {_EXPLICIT}.")
@@ -152,22 +166,24 @@ class ModelShape:
         shape = cls(hidden, len(layers), heads, kv_heads, inter, vocab, num_params, tied, head_dim, projections,
                     block_params, norm_extras, all(layer.chunked_projections for layer in layers),
                     mlp_tiles=None if mlp_count == 1 else mlp_count, loss_tiles=None if loss_count == 1 else loss_count,
-                    experts_per_token=top_k)
-        return shape, {"mlp_tiled": all(tiled for _, tiled in read), "loss_tiled": loss_count != 1}
+                    experts_per_token=top_k, layers=None if all(k == LayerKind() for k in kinds) else kinds)
+        return shape, {"mlp_tiled": all(tiled for _, mlp, _, tiled in read if mlp is not None),
+                       "loss_tiled": loss_count != 1}
 
 
-def _sequence_mixers(layer: DecoderLayer) -> list[str]:
-    """Class names of the modules of ``layer`` that mix tokens outside attention and run sequence-parallel (short
-    convolutions, gated delta-nets, Mamba-2 mixers: their installed forward has a ``position_wise`` switch, as
-    :mod:`lightning_fpdt.hf.recurrent` and :mod:`lightning_fpdt.hf.short_conv` install it)."""
-    return [type(m).__name__ for m in layer.module.modules() if hasattr(m.__dict__.get("forward"), "position_wise")]
-
-
-def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], bool]:
-    """``((hidden, heads, kv_heads, head_dim, intermediate, mlp_projections, parameters, norm_extras,
-    experts_per_token), mlp_tiled)``; an MoE MLP is read by :func:`~lightning_fpdt.memory.experts.read_experts`."""
+def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], tuple[int, int, int] | None, int, bool]:
+    """``((hidden, heads, kv_heads, head_dim, norm_extras), (intermediate, mlp_projections, experts_per_token) or
+    None without an MLP, parameters, mlp_tiled)``; an MoE MLP is read by
+    :func:`~lightning_fpdt.memory.experts.read_experts`."""
     hidden, mlp = layer.hidden_size, layer.mlp
+    # LayerNorm's kernel keeps only its input (and per-token statistics); RMSNorm, torch's included, also
+    # keeps the normalized values
+    norm_extras = sum(not isinstance(norm, nn.LayerNorm) for norm in layer.norms)
+    dims = (hidden, layer.n_heads, layer.n_kv_heads, layer.head_dim, norm_extras)
+    params = sum(p.numel() for p in layer.module.parameters())
     if mlp is None:
+        if layer.attention or layer.mixers:  # a hybrid's attention-only or mixer-only layer (Nemotron-H)
+            return dims, None, params, layer.mlp_tiled
         raise ValueError(f"{layer.name} has no 'mlp' module, so its intermediate size cannot be read: {_EXPLICIT}.")
     linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)]
     back = [m for m in linears if m.out_features == hidden]
@@ -182,13 +198,7 @@ def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], bool]:
         # gate and up (SwiGLU: 2), a fused gate_up (Phi-3: 2), fc (GeLU: 1): their width over the intermediate's
         widths = sum(m.out_features for m in linears if m is not down and m.out_features % down.in_features == 0)
         experts = (down.in_features, max(1, widths // down.in_features), 1)
-    inter, projections, top_k = experts
-    params = sum(p.numel() for p in layer.module.parameters())
-    # LayerNorm's kernel keeps only its input (and per-token statistics); RMSNorm, torch's included, also
-    # keeps the normalized values
-    norm_extras = sum(not isinstance(norm, nn.LayerNorm) for norm in layer.norms)
-    dims = (hidden, layer.n_heads, layer.n_kv_heads, layer.head_dim, inter, projections, params, norm_extras, top_k)
-    return dims, layer.mlp_tiled
+    return dims, experts, params, layer.mlp_tiled
 
 
 def _loss_tiles(module: nn.Module) -> int | None:
