@@ -10,10 +10,13 @@ The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-w
 - parameters, gradients (twice under DDP without ``gradient_as_bucket_view``: its buckets) and AdamW state
   (every rank holds all of them, or ``1 / world`` of them and the gathered layers in use with ``shard_parameters``);
 - saved activations per layer (block input, norm outputs, the attention pipeline's head-sharded
-  q/k/v/out chunks and lse, the o_proj input, the MLP intermediates unless tiled); with activation
-  checkpointing only the block input (on the host with ``offload_checkpoints``);
+  q/k/v/out chunks and lse, the o_proj input, the MLP intermediates unless tiled; a hybrid's layers by what each
+  has, a gated delta-net's or Mamba-2 mixer's conv windows, chunk inputs and states as its
+  :class:`~lightning_fpdt.binding.SequenceMixerMemory` says); with activation checkpointing only the block input (on
+  the host with ``offload_checkpoints``);
 - the largest transient: the loss (full logits unless tiled) or the backward of one block (recomputed
-  with activation checkpointing), plus the attention working set of one chunk;
+  with activation checkpointing), plus the attention working set of one chunk (a mixer's: one chunk's kernel
+  intermediates and their gradients);
 - the gradients made so far during backward: a block's backward is the peak when it runs late in the
   backward, with the gradients of every later block (and, under ``shard_parameters``, the unsharded
   gradients of the root's parameters and of one block, and a block's float32 reduce-scatter input) alive;
