@@ -10,8 +10,8 @@ with its options; the model and data by ``class_path``.
 
 from __future__ import annotations
 
+import math
 import os
-import pickle
 import re
 import sys
 from pathlib import Path
@@ -24,10 +24,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_fpdt  # noqa: F401  (registers the "fpdt" strategy names)
 from lightning_fpdt import FPDTStrategy, checkpoint_files
+from lightning_fpdt.class_paths import class_path_of
 from lightning_fpdt.data import PasskeyDataModule
 from lightning_fpdt.memory import ModelShape, report
 from lightning_fpdt.models import CausalLM, LlamaLM
-from lightning_fpdt.models.from_config import MODEL_DEFAULT
+from lightning_fpdt.models.from_config import (
+    MODEL_DEFAULT,
+    model_parser,
+    module_from_hyperparameters,
+    module_from_yaml,
+    saved_class,
+)
 
 
 class FPDTCLI(LightningCLI):
@@ -39,29 +46,92 @@ class FPDTCLI(LightningCLI):
                              "data": {"class_path": "lightning_fpdt.data.PasskeyDataModule"}})
 
     def _parse_ckpt_path(self) -> None:
-        """LightningCLI reads the hyperparameters of ``--ckpt_path`` with ``torch.load``; a file it cannot
-        read is reported by :func:`lightning_fpdt.checkpoint_files.read` (naming the file and what is wrong), one
-        that does not exist here, before any process is launched."""
-        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
-        if isinstance(ckpt_path, str) and not _names_a_checkpoint_elsewhere(ckpt_path) and not Path(ckpt_path).exists():
+        """The model of a run resumed with ``--ckpt_path`` (a file, or a sharded checkpoint's directory): the
+        checkpoint's own class and hyper-parameters when the config names no model; when it names one, that model,
+        after checking that it is the checkpoint's (the same class, parameter names and shapes), else the run stops
+        naming both (:func:`resumed_model`). A checkpoint that cannot be read is reported by
+        :func:`lightning_fpdt.checkpoint_files.read` (the file and what is wrong), one that does not exist here,
+        before any process is launched."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not isinstance(ckpt_path, str) or _names_a_checkpoint_elsewhere(ckpt_path):
+            return super()._parse_ckpt_path()
+        path = Path(ckpt_path)
+        if not path.exists():
             raise SystemExit(
                 f"fpdt-train: --ckpt_path {ckpt_path!r} does not exist (no such file or directory). Give the path of"
                 " a saved checkpoint (a .ckpt file, or a sharded checkpoint's directory); the newest complete one in"
                 " a directory is lightning_fpdt.checkpoint_files.latest_checkpoint(dirpath). Drop --ckpt_path to"
                 " start from scratch."
             )
-        try:
-            super()._parse_ckpt_path()
-        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError):
-            ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
-            checkpoint_files.read(Path(ckpt_path))  # raises CheckpointError with the reason
-            raise
+        saved = checkpoint_files.read(path / "meta.pt" if path.is_dir() else path, mmap=path.is_file())
+        hparams = dict(saved.get("hyper_parameters") or {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        given = self.config[subcommand].model.as_dict()
+        model = resumed_model(ckpt_path, hparams, None if given == _default_model() else given)
+        if model is not None:
+            self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
 
     def before_fit(self) -> None:
         """Print the memory estimate of the run (rank 0, before any process is launched or model moved)."""
         table = memory_report(self.model, self.datamodule, self.trainer)
         if table is not None:
             rank_zero_info(table)
+
+
+def _default_model() -> dict[str, Any]:
+    """The model section of a config that names none (``LlamaLM`` with its defaults), as the parser fills it in."""
+    return model_parser().parse_object({"model": MODEL_DEFAULT}).model.as_dict()
+
+
+def resumed_model(ckpt_path: str, hparams: dict[str, Any], given: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The model section a run resumed from a checkpoint with these saved hyper-parameters trains: the checkpoint's
+    (``_class_path``, or its class as :func:`~lightning_fpdt.models.from_config.saved_class` knows it) when the
+    config names no model (``given is None``), else ``None``: the config's own, once checked to be the same model.
+
+    Raises:
+        SystemExit: the config's model is not the checkpoint's (another class, or parameters of other names or
+            shapes), naming both and the fields that differ.
+    """
+    cls = saved_class(hparams)
+    args = {k: v for k, v in hparams.items() if not k.startswith("_")}
+    if given is None:
+        return {"class_path": class_path_of(cls), "init_args": args}
+    theirs = module_from_hyperparameters(hparams, on_meta=True)
+    ours = module_from_yaml(given, on_meta=True)
+    shapes = [{n: tuple(t.shape) for n, t in m.state_dict().items()} for m in (theirs, ours)]
+    if type(theirs) is type(ours) and shapes[0] == shapes[1]:
+        return None
+    fields = [f"{key}: {a!r} in the checkpoint, {b!r} in the config" for key, a, b in _differing(args, given.get(
+        "init_args") or {})][:6]
+    missing = sorted(shapes[0].keys() - shapes[1].keys())[:3]
+    raise SystemExit(
+        f"fpdt-train: --ckpt_path {ckpt_path} holds a {type(theirs).__name__} of {_count(shapes[0])} parameters"
+        f" ({len(shapes[0])} tensors); the config's model is a {type(ours).__name__} of {_count(shapes[1])}"
+        f" ({len(shapes[1])} tensors){': ' + '; '.join(fields) if fields else ''}"
+        f"{'; only in the checkpoint: ' + ', '.join(missing) if missing else ''}. Resume with the model the"
+        " checkpoint was trained with (the run's config, or no model section: the checkpoint's own is used), or"
+        " start a new run without --ckpt_path."
+    )
+
+
+def _count(shapes: dict[str, tuple[int, ...]]) -> str:
+    total = sum(math.prod(shape) for shape in shapes.values())
+    return f"{total / 1e6:.2f}M" if total >= 1e5 else str(total)
+
+
+def _differing(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """``(dotted key, a's value, b's value)`` of the leaves both dicts have with different values, ``b``'s ``None``
+    (a default the class resolves) left out; a config may hold its object as ``class_path``/``init_args``: compared
+    by its ``init_args``."""
+    if isinstance(b, dict) and "init_args" in b and not (isinstance(a, dict) and "init_args" in a):
+        b = b["init_args"]
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        same = b is None or a == b or (isinstance(a, (list, tuple)) and list(a) == list(b or []))
+        return [] if same else [(prefix, a, b)]
+    return [d for key in a.keys() & b.keys() for d in _differing(a[key], b[key], f"{prefix}.{key}".lstrip("."))]
 
 
 def _names_a_checkpoint_elsewhere(ckpt_path: str) -> bool:

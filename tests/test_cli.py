@@ -235,6 +235,48 @@ def test_cli_resumes_its_own_checkpoint(tmp_path: Path, shard: bool) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("example", "shard"), [("gpt_cpu.yaml", False), ("gpt_cpu.yaml", True),
+                                                ("hf_sft_cpu.yaml", False), ("hf_text_cpu.yaml", True)],
+                         ids=["gpt-file", "gpt-sharded", "hf_sft-file", "hf_text-sharded"])
+def test_cli_resumes_every_shipped_model(tmp_path: Path, example: str, shard: bool) -> None:
+    """GPTLM and HFCausalLM runs resume from the CLI to the same weights as an uninterrupted run: the checkpoint
+    names its class (it used to be rebuilt as the CLI's default LlamaLM: "LlamaConfig.__init__() got an unexpected
+    keyword argument 'n_positions'")."""
+    config = ROOT / "examples" / "configs" / example
+    extra = ["--trainer.enable_checkpointing=true", "--data.init_args.seq_len=256",
+             *(["--trainer.strategy.init_args.shard_parameters=true"] if shard else [])]
+    for run, ckpt in (("straight", []), ("resumed", ["--ckpt_path", str(tmp_path / "straight" / "step=2.ckpt")])):
+        override = tmp_path / f"{run}.yaml"
+        override.write_text(RESUME_CONFIG.format(dirpath=tmp_path / run))
+        # run where the example's data paths resolve; its config.yaml goes to the run's own directory
+        proc = fpdt_train_forked("fit", "--config", str(config), "--config", str(override), *extra, *ckpt,
+                                 f"--trainer.default_root_dir={tmp_path / run}", cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
+    a, b = _final_weights(tmp_path / "straight" / "step=4.ckpt"), _final_weights(tmp_path / "resumed" / "step=4.ckpt")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_a_resume_with_another_model_size_stops_naming_both(tmp_path: Path) -> None:
+    """The config's model must be the checkpoint's: a run resumed with another size stops before any process is
+    launched (it used to train the checkpoint's size silently), naming both sizes and the fields that differ."""
+    config = ROOT / "examples" / "configs" / "gpt_cpu.yaml"
+    override = tmp_path / "run.yaml"
+    override.write_text(RESUME_CONFIG.format(dirpath=tmp_path / "run").replace("max_steps: 4", "max_steps: 2"))
+    proc = fpdt_train_forked("fit", "--config", str(config), "--config", str(override), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = fpdt_train_forked("fit", "--config", str(config), "--config", str(override), "--model.init_args.config"
+                             ".n_layer=3", "--ckpt_path", str(tmp_path / "run" / "step=2.ckpt"), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert re.search(r"holds a GPTLM of 0\.13M parameters \(36 tensors\); the config's model is a GPTLM of 0\.18M"
+                     r" \(52 tensors\): config\.n_layer: 2 in the checkpoint, 3 in the config\. Resume with the model",
+                     proc.stderr), proc.stderr[-3000:]
+    assert not (tmp_path / "run" / "step=4.ckpt").exists()
+
+
 def test_a_corrupt_checkpoint_names_the_file_and_never_advises_unsafe_loading(tmp_path: Path, monkeypatch,
                                                                              capsys) -> None:
     bad = tmp_path / "broken.ckpt"

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_fpdt.accumulation import TokenWindow, scale_window_gradients
 from lightning_fpdt.batches import shard_batch
+from lightning_fpdt.class_paths import class_path_of
 from lightning_fpdt.layout import default_position_ids
 from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
 from lightning_fpdt.models.contract import OWN_MODEL_DOC, CountsFlops, DecoderModel, check_decoder_model
@@ -243,6 +244,13 @@ class CausalLM(PendingWeightsModule):
             self.val_answer_accuracy.update(*self.answer_predictions(batch, hidden))
             self.log("val/answer_accuracy", self.val_answer_accuracy, on_epoch=True, prog_bar=True)
         return mean
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The checkpoint names its class beside the hyper-parameters (``_class_path``, where LightningCLI looks for
+        it), so ``fpdt-train fit --ckpt_path`` rebuilds this class, not the CLI's default model."""
+        hparams = checkpoint.get(self.CHECKPOINT_HYPER_PARAMS_KEY)
+        if isinstance(hparams, dict):
+            hparams.setdefault("_class_path", class_path_of(type(self), within=CausalLM))
 
     def configure_optimizers(self) -> Any:
         decay, no_decay = [], []

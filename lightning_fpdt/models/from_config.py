@@ -65,7 +65,9 @@ def saved_class(hparams: dict[str, Any]) -> type[CausalLM]:
         ValueError: hyper-parameters that name no class and fit no known one.
     """
     if hparams.get("_class_path"):
-        return resolve_class(hparams["_class_path"], "lightning_fpdt.models")
+        named = resolve_class(hparams["_class_path"], "lightning_fpdt.models")
+        if isinstance(named, type) and issubclass(named, pl.LightningModule):
+            return named  # else a mixin an older save recorded (FSDP2's FSDPModule): known by its arguments below
     if "model" in hparams:  # HFCausalLM saves its model argument (a path or the config's dict)
         return resolve_class("lightning_fpdt.models.HFCausalLM")
     family = family_holding(hparams.get("config") or {})
