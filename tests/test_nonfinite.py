@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -72,6 +73,56 @@ def test_nonfinite_loss_skips_the_step_on_every_rank(tmp_path: Path, shard: bool
     # the second batch's update was dropped (AdamW would move the weights even on zero gradients)
     assert (tmp_path / "steps.txt").read_text() == "True False True True"
     assert all(torch.isfinite(p).all() for p in module.parameters())  # the NaN never reached the weights
+
+
+class FindSample(L.Callback):
+    """Rank 0 writes the batch index at which sample ``index`` arrives (the strategy's sampler orders samples)."""
+
+    def __init__(self, out: Path, index: int) -> None:
+        self.out, self.index = out, index
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.is_global_zero and self.index in batch["index"].tolist():
+            self.out.write_text(str(batch_idx))
+
+
+def _fit_on_an_infinite_embedding(policy: str, out: Path) -> LlamaLM:
+    """The guard meets a value that really is non-finite: one token of one sample has an infinite embedding row,
+    so the forward itself makes the loss NaN (the ranks whose chunks attend to it; masked, its NaN value still
+    reaches their products) and the backward the gradients."""
+    module = LlamaLM(CONFIG, learning_rate=1e-3, warmup_steps=1)
+    data = TokenDataset(8, 16, CONFIG.vocab_size - 1, seed=3)  # token 63 appears nowhere else
+    data.ids[2, 12] = CONFIG.vocab_size - 1
+    data.labels[2] = data.ids[2]  # every position of that sample trains (none is ignored)
+    with torch.no_grad():
+        module.model.embed_tokens.weight[-1] = float("inf")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Record(out / "steps.txt"), FindSample(out / "where.txt", 2)],
+        strategy=FPDTStrategy(sequence_parallel_size=2, nonfinite_loss=policy, start_method="fork"),
+    )
+    trainer.fit(module, dataloader(data, 2))  # 4 batches
+    return module
+
+
+@pytest.mark.timeout(120)
+def test_a_really_infinite_value_raises_with_its_step_and_rank(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match=r"non-finite loss at global step (\d) on rank\(s\) \[[01, ]+\]; non-finite"
+                                        r" gradients") as raised:
+        _fit_on_an_infinite_embedding("raise", tmp_path)
+    step = re.search(r"non-finite loss at global step (\d)", str(raised.value)).group(1)
+    assert step == (tmp_path / "where.txt").read_text()  # the step of the batch that holds the sample
+
+
+@pytest.mark.timeout(120)
+def test_a_really_infinite_value_skips_its_step_on_every_rank(tmp_path: Path) -> None:
+    module = _fit_on_an_infinite_embedding("skip", tmp_path)
+    where = int((tmp_path / "where.txt").read_text())
+    assert (tmp_path / "steps.txt").read_text() == " ".join(str(i != where) for i in range(4))
+    finite = [bool(torch.isfinite(p).all()) for n, p in module.named_parameters() if "embed_tokens" not in n]
+    assert all(finite)  # the NaN gradients of the skipped step reached no weight
+    assert torch.isfinite(module.model.embed_tokens.weight[:-1]).all()
 
 
 def test_bad_policy_is_refused() -> None:
