@@ -266,6 +266,13 @@ def _measured_and_estimated(rank: int, world: int, seq: int, full: bool, model: 
         module = LlamaLM(config, loss_tiles=loss_tiles)
     shape, tiling = ModelShape.from_module(module)
     assert tiling == {"mlp_tiled": full, "loss_tiled": full and model != "own_model"}
+    return _measured_step(module, shape, tiling, rank, world, seq, full)
+
+
+def _measured_step(module: Any, shape: ModelShape, tiling: dict[str, bool], rank: int, world: int, seq: int,
+                   full: bool) -> tuple[int, int]:
+    """The measured peak of live tensors of one training step of ``module`` at sp=``world`` (chunks of a quarter
+    of the sequence and checkpointing when ``full``, else plain Ulysses), and the estimate's device peak."""
     chunk = seq // 4 if full else None
     context = SequenceParallelContext(group=dist.group.WORLD, chunk_size=chunk, attention_backend="sdpa",
                                       activation_checkpointing=full)
@@ -597,27 +604,7 @@ def _hybrid_measured_and_estimated(rank: int, world: int, seq: int, full: bool, 
                                                num_attention_heads=4, num_key_value_heads=2, **HYBRID_SHAPES[family])
     module = HFCausalLM(config, mlp_tiles=None if full else 1, loss_tiles=None if full else 1)
     shape, tiling = ModelShape.from_module(module)
-    chunk = seq // 4 if full else None
-    context = SequenceParallelContext(group=dist.group.WORLD, chunk_size=chunk, attention_backend="sdpa",
-                                      activation_checkpointing=full)
-    bind(module, context)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    ids = torch.randint(0, shape.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
-    batch = shard_batch({"input_ids": ids}, world, rank, chunk)
-
-    def step() -> None:
-        loss, _ = token_weighted_loss(*module.loss_terms(batch))
-        loss.backward()
-        for p in module.parameters():
-            dist.all_reduce(p.grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # creates the optimizer state
-    measured = peak_step_bytes(step, module, optimizer)
-    estimated = estimate(shape, seq, EstimateOptions(sequence_parallel_size=world, chunk_size=chunk,
-                                                     activation_checkpointing=full, **tiling)).device_peak
-    return measured, estimated
+    return _measured_step(module, shape, tiling, rank, world, seq, full)
 
 
 @pytest.mark.distributed
@@ -625,7 +612,7 @@ def _hybrid_measured_and_estimated(rank: int, world: int, seq: int, full: bool, 
 @pytest.mark.parametrize("full", [False, True], ids=["ulysses", "chunked_tiled_checkpointed"])
 def test_estimate_of_a_hybrid_matches_a_measured_step_at_two_lengths(full: bool, family: str) -> None:
     """The gated delta-net and Mamba-2 layers' chunk inputs, conv windows, states and kernel buffers counted
-    (``lightning_fpdt.hf.recurrent.RecurrenceMemory``), with layers of different kinds."""
+    (``lightning_fpdt.hf.recurrent_memory.RecurrenceMemory``), with layers of different kinds."""
     for seq in (1024, 4096):
         measured, estimated = run_on_ranks(_hybrid_measured_and_estimated, 2, seq, full, family)[0]
         print(f"{family} full={full} seq={seq}: measured {measured / 2**20:.1f} MiB, estimate/measured"

@@ -313,7 +313,7 @@ def test_head_counts_the_group_cannot_split_are_refused_with_the_numbers() -> No
     assert "2 key heads and 6 value heads, which sequence_parallel_size=4 cannot split" in delta_rule_split(2, 6, 4)
     assert "Use a sequence_parallel_size in [1, 3, 6]" in delta_rule_split(3, 6, 4)
     assert scan_split(4, 1, 4) is None and scan_split(8, 8, 4) is None  # one group for all; whole groups each
-    assert "6 heads in 3 groups, which sequence_parallel_size=2 cannot split" in scan_split(6, 3, 2)
+    assert "3 B/C groups and 6 heads, which sequence_parallel_size=2 cannot split" in scan_split(6, 3, 2)
     layer, forward = _layer("qwen3_5_text", 0)
     layer.num_v_heads = 6  # as a config of 6 value heads would have it
     with pytest.raises(ValueError, match=r"Qwen3_5GatedDeltaNet \(layer 0\) has 2 key heads and 6 value heads"):

@@ -5,8 +5,9 @@ restarting at 0.
 - :class:`PasskeyDataModule` (``passkey.py``): the generated pass-key retrieval task, no downloads;
 - :class:`TextFileDataModule`, :class:`TokenFileDataModule` (``token_files.py``): local text through a byte
   tokenizer, or pre-tokenized token files, packed back to back;
-- :class:`HFDataModule` (``hf_datamodule.py``, with ``files.py`` and ``packing.py``): local ``datasets`` files
-  through the model's own tokenizer, as text documents or chat conversations, packed and cached;
+- :class:`HFDataModule` (``hf_datamodule.py``, with ``files.py``, ``tokenizing.py``, ``packing.py`` and
+  ``cache.py``): local ``datasets`` files through the model's own tokenizer, as text documents or chat
+  conversations, packed and cached under a key of their content;
 - ``toy.py``: a small tokenizer with a chat template and generated rows, for tests and examples.
 """
 

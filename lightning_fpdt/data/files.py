@@ -8,11 +8,9 @@ index in that file.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import datasets
 
@@ -56,27 +54,6 @@ def _is_saved_dataset(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json"))
 
 
-def fingerprint(paths: list[str]) -> list[list[Any]]:
-    """``[path, size, mtime_ns]`` of every file (inside directories too): the cache key of the data."""
-    rows = []
-    for path in paths:
-        files = sorted(str(p) for p in Path(path).rglob("*") if p.is_file()) if os.path.isdir(path) else [path]
-        for f in files:
-            stat = os.stat(f)
-            rows.append([os.path.abspath(f), stat.st_size, stat.st_mtime_ns])
-    return rows
-
-
-def directory_hash(path: str) -> str:
-    """SHA-256 of every file's name and bytes in a tokenizer directory (or of the path's own bytes)."""
-    digest = hashlib.sha256()
-    files = sorted(p for p in Path(path).rglob("*") if p.is_file()) if os.path.isdir(path) else [Path(path)]
-    for f in files:
-        digest.update(str(f.relative_to(path) if os.path.isdir(path) else f.name).encode())
-        digest.update(f.read_bytes())
-    return digest.hexdigest()
-
-
 def load(path: str, cache_dir: str) -> datasets.Dataset:
     """One file or ``save_to_disk`` directory as a ``datasets.Dataset``.
 
@@ -97,10 +74,24 @@ def load(path: str, cache_dir: str) -> datasets.Dataset:
         raise DataError(f"{OWNER}{path!r} is empty (0 bytes, no rows); remove it from the files or give it data.")
     try:
         return datasets.load_dataset(builder, data_files=[os.path.abspath(path)], split="train", cache_dir=cache_dir)
+    except PermissionError as err:  # not a parse error: the file, or the cache datasets writes, is not accessible
+        raise DataError(f"{OWNER}{path!r} could not be read: {type(err).__name__}: {err}. Make the file readable and"
+                        f" cache_dir ({cache_dir!r} here) writable.") from None
     except Exception as err:  # datasets' own parser errors name neither the line nor the fix
+        if builder != "parquet":
+            _raise_blank(path)
         if builder == "json":
             _raise_bad_json_line(path)
         raise DataError(f"{OWNER}{path!r} could not be read as {builder}: {type(err).__name__}: {err}") from None
+
+
+def _raise_blank(path: str) -> None:
+    # datasets: 'Instruction "train" corresponds to no data!' (json), 'No columns to parse from file' (csv)
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.strip():
+        raise DataError(f"{OWNER}{path!r} has no rows: its {len(data)} bytes are blank lines or spaces; remove it"
+                        " from the files or give it data.")
 
 
 def _raise_bad_json_line(path: str) -> None:

@@ -3,9 +3,10 @@
 Life cycle (docs/data.md):
 
 1. ``prepare_data`` (one process per node): read the files, tokenize every row with ``num_proc`` workers
-   (:mod:`lightning_fpdt.data.packing`), pack, and write the samples to ``cache_dir/<key>/`` as ``.npy`` files. The
-   key hashes the files (path, size, mtime), the tokenizer's files and every option that changes the samples,
-   so other ranks and later runs reuse it. A bad input is not raised there but written next to the cache.
+   (:mod:`lightning_fpdt.data.tokenizing`, :mod:`lightning_fpdt.data.packing`), pack, and write the samples to
+   ``cache_dir/<key>/`` as ``.npy`` files. The key hashes the files' and the tokenizer's content and every option
+   that changes the samples (:mod:`lightning_fpdt.data.cache`), so other ranks and later runs reuse it. A bad
+   input is not raised there but written next to the cache.
 2. ``setup`` (every rank): raise that error, or a check's own (the tokenizer's vocabulary against the
    model's embedding), on every rank alike, before any collective; then memory-map the samples.
 3. The loaders: each data-parallel group reads its own samples (the strategy's ``distributed_sampler_kwargs``)
@@ -15,7 +16,6 @@ Life cycle (docs/data.md):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -30,76 +30,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_fpdt.batches import input_vocab_size
-from lightning_fpdt.data import files
-from lightning_fpdt.data.packing import (
-    OWNER,
-    DataError,
-    build_samples,
-    chat_tokens,
-    fill,
-    has_generation_prompt,
-    text_tokens,
-)
+from lightning_fpdt.data import cache, files
+from lightning_fpdt.data.packing import OWNER, DataError, build_samples, fill, has_generation_prompt, hold_out, shared
+from lightning_fpdt.data.tokenizing import check_tokenizer, load_tokenizer, tokenize_rows
 
 KEYS = ("input_ids", "labels", "position_ids")
-VERSION = 2  # bump when the samples of the same inputs change (2: headers of templates without a generation prompt)
-_TOKENIZERS: dict[str, tuple[str | None, Any]] = {}  # per process: path -> (files' digest, tokenizer)
-
-
-def load_tokenizer(path: str, digest: str | None = None) -> Any:
-    """``AutoTokenizer.from_pretrained(path)`` from local files, once per process and version of its files.
-
-    Args:
-        digest: :func:`files.directory_hash` of ``path``: a tokenizer saved again at the same path since it was
-            loaded is loaded again. ``None``: the one this process holds, if any.
-    """
-    held = _TOKENIZERS.get(path)
-    if held is not None and (digest is None or held[0] == digest):
-        return held[1]
-    from transformers import AutoTokenizer  # optional dependency: only HFDataModule needs transformers
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise DataError(
-            f"{OWNER}no tokenizer could be loaded from {path!r} ({type(err).__name__}: {str(err)[:200]}). Give"
-            " data.tokenizer: a local directory with tokenizer.json / tokenizer_config.json (the model's"
-            " directory usually has them); nothing is downloaded."
-        ) from None
-    _TOKENIZERS[path] = (digest, tokenizer)
-    return tokenizer
-
-
-def _tokenize_rows(rows: dict[str, list[Any]], tokenizer_path: str, tokenizer_digest: str, field: str,
-                   chat: bool) -> dict[str, list]:
-    """A batch of rows to ``input_ids`` (and ``labels``); a bad row gives its reason in ``problem``, never
-    raises (a worker's exception would reach the user as a raw traceback without the row).
-
-    ``tokenizer_digest`` (the tokenizer files' hash) is an argument so that ``datasets``' own map cache, keyed by
-    the arguments, never returns the ids of a tokenizer saved earlier at the same path (docs/data.md, "Caching")."""
-    tokenizer = load_tokenizer(tokenizer_path, tokenizer_digest)
-    values = rows[field]
-    out: dict[str, list] = {"input_ids": [[] for _ in values], "labels": [[] for _ in values],
-                            "problem": [""] * len(values), "skipped": [False] * len(values)}
-    if not chat:  # one call of the Rust tokenizer for the batch's good rows
-        good = [i for i, text in enumerate(values) if isinstance(text, str) and text]
-        encoded = tokenizer([values[i] for i in good])["input_ids"] if good else []
-        for i, ids in zip(good, encoded):
-            out["input_ids"][i] = list(ids) + [tokenizer.eos_token_id]
-    for i, value in enumerate(values):
-        try:
-            if not chat:
-                if not out["input_ids"][i]:
-                    text_tokens(tokenizer, value)  # raises the reason
-                continue
-            made = chat_tokens(tokenizer, value)
-            if made is None:
-                out["skipped"][i] = True
-            else:
-                out["input_ids"][i], out["labels"][i] = made
-        except ValueError as err:
-            out["problem"][i] = str(err)
-    return out
+VERSION = 3  # bump when the samples of the same inputs change (2: headers of templates without a generation prompt;
+# 3: content parts joined, duplicates held out together)
 
 
 class PackedSamples(Dataset):
@@ -183,6 +120,7 @@ class HFDataModule(pl.LightningDataModule):
         self.train_set: PackedSamples | None = None
         self.val_set: PackedSamples | None = None
         self.stats: dict[str, Any] = {}
+        self._failed: DataError | None = None
 
     # ---- the inputs and their cache key -------------------------------------------------------------------
 
@@ -211,16 +149,22 @@ class HFDataModule(pl.LightningDataModule):
         return sources
 
     def cache_key(self) -> str:
-        """SHA-256 of the files (path, size, mtime), the tokenizer's files and the options (first 16 digits)."""
+        """SHA-256 of the files' and the tokenizer's content, the libraries' versions and the options (16 digits).
+
+        Raises:
+            DataError: a data file or the tokenizer path does not exist.
+        """
         return self._key()[0]
 
-    def _key(self) -> tuple[str, str]:
-        """The cache key and the digest of the tokenizer's files in it."""
-        digest = files.directory_hash(self.tokenizer_path())
+    def _key(self) -> tuple[str, str, dict[str, str]]:
+        """The cache key, the tokenizer's hash and each data file's (a path's content hash)."""
+        memo = self.cache_dir / "hashes"
+        tokenizer = cache.tokenizer_hash(self.tokenizer_path(), memo)
+        sources = {s: [[p, cache.source_hash(p, memo)] for p in paths] for s, paths in self._sources().items()}
         options = {k: self.hparams[k] for k in ("format", "seq_len", "too_long", "val_fraction", "seed")}
-        key = {"version": VERSION, "files": {s: files.fingerprint(p) for s, p in self._sources().items()},
-               "tokenizer": digest, "field": self.field, **options}
-        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16], digest
+        key = {"version": VERSION, "libraries": cache.versions(), "tokenizer": tokenizer, "field": self.field,
+               "files": {s: [[os.path.abspath(p), h] for p, h in f] for s, f in sources.items()}, **options}
+        return cache.digest(key), tokenizer, {p: h for f in sources.values() for p, h in f}
 
     # ---- prepare_data: one process per node --------------------------------------------------------------
 
@@ -228,37 +172,32 @@ class HFDataModule(pl.LightningDataModule):
         """Tokenize and pack into the cache unless it is there; a bad input is written next to the cache
         (``<key>.error``) for ``setup`` to raise on every rank."""
         try:
-            key, digest = self._key()
+            key, digest, contents = self._key()
+            target, error = self.cache_dir / key, self.cache_dir / f"{key}.error"
+            if (target / "meta.json").is_file():
+                return
+            cache.check_writable(self.cache_dir)
         except DataError:
             return  # every rank's setup meets the same error
-        target, error = self.cache_dir / key, self.cache_dir / f"{key}.error"
-        if (target / "meta.json").is_file():
-            return
         error.unlink(missing_ok=True)
+        self._failed = None
         try:
-            self._build(target, digest)
+            self._build(target, digest, contents)
         except DataError as err:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            self._failed = err  # setup raises it in this process even if it cannot be written
             error.write_text(str(err))
 
-    def _build(self, target: Path, digest: str) -> None:
+    def _build(self, target: Path, digest: str, contents: dict[str, str]) -> None:
         tokenizer = load_tokenizer(self.tokenizer_path(), digest)
-        if self.format == "chat" and not getattr(tokenizer, "chat_template", None):
-            raise DataError(
-                f"{OWNER}format='chat' needs a chat template, and the tokenizer at {self.tokenizer_path()!r} has"
-                " none. Use the tokenizer of a chat model (its tokenizer_config.json has 'chat_template'), set"
-                " tokenizer.chat_template and save it, or use format='text'."
-            )
-        if tokenizer.eos_token_id is None:
-            raise DataError(f"{OWNER}the tokenizer at {self.tokenizer_path()!r} has no eos_token; set one and save it.")
+        check_tokenizer(tokenizer, self.tokenizer_path(), self.format == "chat")
         start = time.perf_counter()
-        docs = {split: self._tokenize(paths, split, digest) for split, paths in self._sources().items()}
+        docs = {split: self._tokenize(paths, split, digest, contents) for split, paths in self._sources().items()}
         self.stats["tokenize_s"], start = time.perf_counter() - start, time.perf_counter()
-        if "val" not in docs and self.val_fraction > 0:
-            train, n = docs["train"], len(docs["train"][0])
-            held = set(np.random.default_rng(self.seed).permutation(n)[:int(n * self.val_fraction)].tolist())
-            docs = {"train": tuple([x for i, x in enumerate(col) if i not in held] for col in train),
-                    "val": tuple([x for i, x in enumerate(col) if i in held] for col in train)}
+        if "val" in docs:  # given files: a document in both is counted in a warning
+            self.stats["val_in_train"] = shared(docs["val"][0], docs["train"][0])
+        elif self.val_fraction > 0:  # every copy of a held-out document is held out
+            kept = dict(zip(("train", "val"), hold_out(docs["train"][0], self.val_fraction, self.seed)))
+            docs = {name: tuple([col[i] for i in at] for col in docs["train"]) for name, at in kept.items()}
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         building = target.with_name(target.name + f".tmp{os.getpid()}")
         shutil.rmtree(building, ignore_errors=True)
@@ -282,22 +221,32 @@ class HFDataModule(pl.LightningDataModule):
         shutil.rmtree(target, ignore_errors=True)
         os.replace(building, target)
 
-    def _tokenize(self, paths: list[str], split: str, digest: str) -> tuple[list[list[int]], list[list[int]]]:
-        """Every row of ``paths`` tokenized (``num_proc`` processes): ``(ids, labels)`` per kept document."""
+    def _tokenize(self, paths: list[str], split: str, digest: str,
+                  contents: dict[str, str]) -> tuple[list[list[int]], list[list[int]]]:
+        """Every row of ``paths`` tokenized (``num_proc`` processes): ``(ids, labels)`` per kept document.
+
+        ``datasets`` keeps a file's rows and tokens in a directory of that content (:func:`cache.datasets_dir`),
+        the tokens in a file named by what else determines them: never those of another content or tokenizer."""
         ids: list[list[int]] = []
         labels: list[list[int]] = []
         skipped = too_long = rows = 0
         option = "messages_field" if self.format == "chat" else "text_field"
+        tokens = cache.digest({"version": VERSION, "libraries": cache.versions(), "tokenizer": digest,
+                               "field": self.field, "format": self.format})
         for path in paths:
-            data = files.load(path, str(self.cache_dir / "datasets"))
+            where = cache.datasets_dir(self.cache_dir, contents[path])
+            cache.check_writable(where)
+            data = files.load(path, str(where))
             files.check_field(data, self.field, option, path)
             rows += len(data)
             if len(data) == 0:
                 continue
             kwargs = {"tokenizer_path": self.tokenizer_path(), "tokenizer_digest": digest, "field": self.field,
                       "chat": self.format == "chat"}
-            made = data.map(_tokenize_rows, batched=True, batch_size=256, fn_kwargs=kwargs,
+            made = data.map(tokenize_rows, batched=True, batch_size=256, fn_kwargs=kwargs,
                             remove_columns=data.column_names, num_proc=min(self.num_proc, len(data)),
+                            cache_file_name=str(where / f"tokens-{tokens}.arrow"),
+                            new_fingerprint=cache.digest([tokens, contents[path]]),
                             desc=f"HFDataModule: tokenizing {Path(path).name}")
             problems = made["problem"]
             bad = next((i for i, p in enumerate(problems) if p), None)
@@ -338,9 +287,12 @@ class HFDataModule(pl.LightningDataModule):
         if error.is_file():
             raise DataError(error.read_text())
         if not (directory / "meta.json").is_file():
+            cache.check_writable(self.cache_dir)  # on every rank: prepare_data could not say so
             self.prepare_data()  # used without a Trainer (or prepare_data was skipped): one process
             if error.is_file():
                 raise DataError(error.read_text())
+            if self._failed is not None:
+                raise self._failed
         meta = json.loads((directory / "meta.json").read_text())
         module = self.trainer.lightning_module if self.trainer is not None else None
         embedded = input_vocab_size(module) if module is not None else None
@@ -372,6 +324,10 @@ class HFDataModule(pl.LightningDataModule):
                     f" {too_long} longer than seq_len={self.seq_len} were {self.too_long}"
                     f"{'d' if self.too_long == 'truncate' else 'ped'}."
                 )
+        if meta.get("val_in_train"):
+            rank_zero_warn(f"{OWNER}{meta['val_in_train']} of the {meta['val']['documents']} validation documents"
+                           " (val_files) are also training documents (train_files), so the validation loss is partly"
+                           " measured on trained text; remove them from one of the files.")
         for split in ("train", "val"):
             if split in meta:
                 m = meta[split]

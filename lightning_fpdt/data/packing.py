@@ -1,4 +1,5 @@
-"""Documents to training samples: tokenization of text and chat rows, and packing into ``seq_len`` samples.
+"""Documents to training samples: tokenization of text and chat rows, the held-out split, and packing into
+``seq_len`` samples.
 
 - text: a document is ``tokenizer(text)`` (with the BOS the tokenizer adds) plus its EOS; documents are laid
   back to back in file order and cut into ``seq_len`` samples, so a document longer than what is left of a
@@ -6,8 +7,11 @@
 - chat: a conversation is its chat-template rendering; its labels are the tokens of the assistant turns
   (the reply and the template's end of turn), found by rendering the prefixes of the conversation and
   checking that each prefix tokenizes as the start of the whole (:func:`chat_tokens`); a template without a
-  generation prompt has its assistant header found from two renderings of the turn (:func:`_reply_start`).
+  generation prompt has its assistant header found from two renderings of the turn (:func:`_reply_start`). A
+  content given as a list of text parts (the OpenAI format) is their text joined.
   Conversations are bin-packed whole (best-fit decreasing, :func:`pack_whole`).
+- held out (``val_fraction``): :func:`hold_out` draws distinct documents, each with all its copies, so training
+  and validation share none.
 
 In every sample ``position_ids`` restart at 0 where a document starts (and at the sample's start), which
 ``FPDTStrategy`` and ``CausalLM`` read as document starts: attention and targets stay inside a document.
@@ -17,6 +21,7 @@ The free tail of a sample is padding: ``pad_id`` tokens, ignored labels, positio
 from __future__ import annotations
 
 import bisect
+import hashlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -91,6 +96,34 @@ def _reply_start(tokenizer: Any, messages: list[dict[str, Any]], i: int) -> str:
     return start
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")  # the OpenAI formats' text parts
+
+
+def _text_content(message: dict[str, Any], i: int) -> dict[str, Any]:
+    """``message`` with a content given as a list of parts (``[{"type": "text", "text": ...}]``, the OpenAI format)
+    as one string: its text parts joined in order, without a separator, as templates that take lists render
+    text-only content (Qwen2-VL's); a template written for strings, given the list, would render its Python repr.
+
+    Raises:
+        ValueError: a part that is not text (an image, audio), naming the message and the part's type.
+    """
+    content = message["content"]
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            what = f"is of type {kind!r}" if kind not in TEXT_PARTS else f"has no text string ({part.get('text')!r})"
+            raise ValueError(
+                f"has message {i} ({message['role']}) whose content part {j} {what}: only text parts"
+                " ({'type': 'text', 'text': ...}) can be tokenized here; remove that part or the row, or give the"
+                " content as a string"
+            )
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
+
+
 def chat_tokens(tokenizer: Any, messages: Any) -> tuple[list[int], list[int]] | None:
     """Ids and labels of one conversation rendered with the tokenizer's chat template.
 
@@ -103,16 +136,19 @@ def chat_tokens(tokenizer: Any, messages: Any) -> tuple[list[int], list[int]] | 
     without that branch, or a conversation that opens with the assistant), the turn's header is found by
     :func:`_reply_start` instead, so it is not labelled either.
 
+    A content given as a list of text parts is their text joined (:func:`_text_content`).
+
     Returns:
         ``(ids, labels)``, or ``None`` for a conversation without an assistant turn.
 
     Raises:
-        ValueError: messages that are not a list of ``{"role", "content"}`` dicts, or a turn whose
-            rendering is not a prefix of the whole (the caller adds the row).
+        ValueError: messages that are not a list of ``{"role", "content"}`` dicts, a content part that is not
+            text, or a turn whose rendering is not a prefix of the whole (the caller adds the row).
     """
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
         raise ValueError(f"is not a non-empty list of {{'role': ..., 'content': ...}} messages: {messages!r:.200}")
+    messages = [_text_content(m, i) for i, m in enumerate(messages)]
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
         return None
@@ -182,6 +218,25 @@ def pack_whole(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
         if room - n > 0:
             bisect.insort(free, (room - n, sample))
     return bins
+
+
+def _document(ids: Sequence[int]) -> bytes:
+    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()
+
+
+def hold_out(ids: Sequence[Sequence[int]], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """The training and held-out documents (indices, in order): ``int(n * fraction)`` of the ``n`` distinct
+    documents, drawn from ``seed``, are held out with every copy of each, so no document is in both."""
+    first: dict[bytes, int] = {}
+    group = [first.setdefault(_document(d), len(first)) for d in ids]
+    held = set(np.random.default_rng(seed).permutation(len(first))[:int(len(first) * fraction)].tolist())
+    return [i for i, g in enumerate(group) if g not in held], [i for i, g in enumerate(group) if g in held]
+
+
+def shared(ids: Sequence[Sequence[int]], others: Sequence[Sequence[int]]) -> int:
+    """How many documents of ``ids`` are also documents of ``others`` (the same token ids)."""
+    seen = {_document(d) for d in others}
+    return sum(_document(d) in seen for d in ids)
 
 
 def fill(samples: np.ndarray, pad_mask: np.ndarray) -> float:

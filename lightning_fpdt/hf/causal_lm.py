@@ -41,7 +41,8 @@ from lightning_fpdt.hf.guards import check_context_arrived, check_static_rope, f
 from lightning_fpdt.hf.layers import check_decoder_modules, check_recomputable, decoder_modules, install_memory_stack
 from lightning_fpdt.hf.masks import check_mask_windows
 from lightning_fpdt.hf.mixing import hf_token_mixers
-from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, install_recurrences, mixer_memory
+from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, install_recurrences
+from lightning_fpdt.hf.recurrent_memory import mixer_memory
 from lightning_fpdt.hf.short_conv import install_short_convs
 from lightning_fpdt.hf.weights import PretrainedWeights
 from lightning_fpdt.layout import IGNORE_INDEX
