@@ -18,32 +18,34 @@ import argparse
 import copy
 import json
 import shutil
-import warnings
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed.checkpoint as dcp
-import yaml
 from safetensors.torch import save_file
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt import checkpoint_files
+from lightning_fpdt.export_checks import (
+    OWNER,
+    TOKENIZER_FILES,
+    check_out,
+    check_plan,
+    export_dtype,
+    module_for_export,
+    open_checkpoint,
+    replace_into,
+    shard_bytes,
+    staging_dir,
+)
 from lightning_fpdt.hf.causal_lm import HFCausalLM
 from lightning_fpdt.models.bundled import BundledLM
 from lightning_fpdt.models.convert import hf_config_of
 from lightning_fpdt.models.family import Weight
-from lightning_fpdt.models.from_config import module_from_hyperparameters, module_from_yaml
-
-# what a tokenizer directory may hold (transformers' fast and slow tokenizers, chat templates)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
-                   "chat_template.json")
-OWNER = "fpdt-export: "
 
 
 class Part(NamedTuple):
@@ -73,7 +75,7 @@ def plan_for(module: pl.LightningModule, tokenizer_dir: str | None = None) -> Ex
         TypeError: another LightningModule.
     """
     if isinstance(module, HFCausalLM):
-        return hf_plan(module.model, "model.", tokenizer_dir or _source_dir(module.hparams.get("model")))
+        return hf_plan(module.model, "model.", tokenizer_dir or _source_dir(_source_of(module)))
     if not isinstance(module, BundledLM):
         raise TypeError(f"{OWNER}HFCausalLM, LlamaLM or GPTLM can be exported, not {type(module).__name__}.")
     ours = module.model
@@ -88,7 +90,7 @@ def plan_for(module: pl.LightningModule, tokenizer_dir: str | None = None) -> Ex
     shapes = {name: p.shape for name, p in hf.named_parameters() if name in parts}
     config.dtype = next(ours.parameters()).dtype
     # a model read from a pretrained directory (hf_checkpoint) keeps its tokenizer there
-    return ExportPlan(config, parts, shapes, tokenizer_dir or _source_dir(module.hparams.get("hf_checkpoint")))
+    return ExportPlan(config, parts, shapes, tokenizer_dir or _source_dir(_source_of(module)))
 
 
 def hf_plan(model: PreTrainedModel, prefix: str, tokenizer_dir: str | None) -> ExportPlan:
@@ -112,9 +114,31 @@ def write(plan: ExportPlan, read: Callable[[str], Tensor], out: str | Path, dtyp
         dtype: the export dtype (``None``: each tensor's own).
         max_shard_size: bytes per safetensors file (``"5GB"``, ``"500MB"`` or an int); one larger tensor gets a
             file of its own.
+
+    The files are written into a directory beside ``out`` and moved in at the end, replacing ``out``'s model files
+    (:func:`~lightning_fpdt.export_checks.replace_into`): a failure leaves ``out`` as it was, and no file of an
+    earlier export stays beside the new ones.
+
+    Raises:
+        FileExistsError: ``out`` is a file or the model's source directory.
     """
     out = Path(out)
-    limit = _bytes(max_shard_size)
+    limit = shard_bytes(max_shard_size)
+    dtype = export_dtype(dtype)
+    if writer:
+        check_out(out, True, [plan.tokenizer_dir])
+    staging = staging_dir(out) if writer else out
+    try:
+        _write_files(plan, read, staging, dtype, limit, writer)
+        if writer:
+            replace_into(staging, out)
+    finally:
+        if writer and staging.exists():
+            shutil.rmtree(staging)
+
+
+def _write_files(plan: ExportPlan, read: Callable[[str], Tensor], out: Path, dtype: torch.dtype | None, limit: int,
+                 writer: bool) -> None:
     dtype_of = dtype
     shards = _shards(plan, limit, dtype)
     weight_map, total = {}, 0
@@ -128,7 +152,6 @@ def write(plan: ExportPlan, read: Callable[[str], Tensor], out: str | Path, dtyp
         file = "model.safetensors" if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
         weight_map.update(dict.fromkeys(names, file))
         if writer:
-            out.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(out / file), metadata={"format": "pt"})
         del tensors
     if not writer:
@@ -150,55 +173,67 @@ def write(plan: ExportPlan, read: Callable[[str], Tensor], out: str | Path, dtyp
                 shutil.copy2(source / name, out / name)
 
 
-def export(ckpt: str | Path, out: str | Path, config: str | Path | None = None, dtype: torch.dtype | None = None,
-           max_shard_size: int | str = "5GB", tokenizer: str | None = None) -> Path:
+def export(ckpt: str | Path, out: str | Path, config: str | Path | None = None,
+           dtype: str | torch.dtype | None = None, max_shard_size: int | str = "5GB", tokenizer: str | None = None,
+           overwrite: bool = False) -> Path:
     """Turn a run's checkpoint (a ``.ckpt`` file or a sharded directory) into a Hugging Face directory ``out``.
+
+    Everything is checked before anything is written (:mod:`lightning_fpdt.export_checks`): the arguments, the
+    checkpoint (complete and readable), the model (buildable, and its export plan matching the checkpoint's tensors,
+    names and shapes, both ways), and ``out``.
 
     Args:
         ckpt: the checkpoint (an interrupted swap's ``<ckpt>.old`` is taken, as when resuming).
         config: the fit's LightningCLI YAML (its ``model`` section); ``None``: the checkpoint's hyper-parameters.
-        dtype: the export dtype (``None``: the trained one).
+        dtype: the export dtype, float32, bfloat16, float16 or float64 (or ``fp32``, ``bf16``, ``fp16``, ``fp64``;
+            ``None``: the trained one).
         tokenizer: the directory to copy tokenizer files from (``None``: the model's source directory, ``HFCausalLM``'s
             path or ``hf_checkpoint``, or the YAML's ``data.init_args.tokenizer``).
+        overwrite: replace the model files ``out`` holds (else such a directory is refused); no file of the old
+            model stays.
 
     Returns:
         ``out``.
 
     Raises:
-        checkpoint_files.CheckpointError: an unreadable checkpoint, or one that does not hold the model's tensors.
-        ValueError: no way to know the model (neither ``config`` nor saved hyper-parameters).
+        checkpoint_files.CheckpointError: a missing, incomplete or unreadable checkpoint, or one whose tensors are not
+            the model's (the first mismatches named).
+        ValueError: no way to know the model (neither ``config`` nor saved hyper-parameters), a model that cannot be
+            built (its source directory moved), a dtype or shard size refused.
+        FileExistsError: ``out`` holds a model (and not ``overwrite``), is a file or is the model's source directory.
     """
-    path = checkpoint_files.resolve(ckpt)
-    if path.is_dir():
-        meta = checkpoint_files.read(path / checkpoint_files.META_FILE)
-        read = _dcp_reader(path)
-    else:
-        meta = checkpoint_files.read(path, mmap=True)  # tensors stay on disk until read one by one
-        state = meta["state_dict"]
-
-        def read(key: str) -> Tensor:
-            return state[key]
-
-    if config is not None:
-        fit = yaml.safe_load(Path(config).read_text()) or {}
-        tokenizer = tokenizer or _source_dir(((fit.get("data") or {}).get("init_args") or {}).get("tokenizer"))
-        module = module_from_yaml(fit.get("model"), on_meta=True)
-    elif meta.get("hyper_parameters"):
-        module = module_from_hyperparameters(meta["hyper_parameters"], on_meta=True)
-    else:
+    dtype, limit = export_dtype(dtype), shard_bytes(max_shard_size)
+    path, meta, stored, read = open_checkpoint(ckpt)
+    out = Path(out)
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise ValueError(f"{OWNER}--tokenizer {tokenizer} is not a directory; give the directory that holds the"
+                         " tokenizer files (tokenizer.json, tokenizer_config.json, ...).")
+    if config is None and not meta.get("hyper_parameters"):
         raise ValueError(
             f"{OWNER}{path} has no saved hyper-parameters, so the model it holds is unknown. Pass the fit's YAML:"
             f" fpdt-export {ckpt} {out} --config FIT_YAML."
         )
-    plan = plan_for(module, tokenizer)
-    try:
-        write(plan, read, out, dtype, max_shard_size)
-    except KeyError as err:
-        raise checkpoint_files.CheckpointError(
-            f"{OWNER}{path} has no tensor {err}: it does not hold a {type(module).__name__} of the configuration"
-            " given. Pass the fit's own YAML (--config) or the checkpoint that run wrote."
-        ) from None
-    return Path(out)
+    module, yaml_tokenizer = module_for_export(config, meta.get("hyper_parameters"), tokenizer)
+    plan = plan_for(module, tokenizer or yaml_tokenizer)
+    check_out(out, overwrite, [plan.tokenizer_dir, _source_dir(_source_of(module))])
+    tensors = module.state_dict(keep_vars=True)
+    aliases: dict[int, list[str]] = {}
+    for key, tensor in tensors.items():
+        aliases.setdefault(id(tensor), []).append(key)
+    reads = {part.key: tuple(tensors[part.key].shape) for name in plan.shapes for part in plan.parts[name]}
+    kind = type(module).__name__
+    if config is not None:
+        what = f"the {kind} of --config {config}"
+        fix = ("Pass the YAML of the run that wrote this checkpoint (--config)"
+               + (", or leave --config out to export the model its saved hyper-parameters name." if
+                  meta.get("hyper_parameters") else "."))
+    else:
+        what = f"the {kind} the checkpoint's saved hyper-parameters build"
+        fix = ("Its source files changed since the run (an HFCausalLM reads its config.json from its model directory);"
+               " pass the fit's YAML (--config) naming the model the run trained.")
+    check_plan(reads, {key: aliases[id(tensors[key])] for key in tensors}, stored, what, path, fix)
+    write(plan, read, out, dtype, limit)
+    return out
 
 
 class HFExport(pl.Callback):
@@ -209,17 +244,29 @@ class HFExport(pl.Callback):
     Args:
         dirpath: the output directory.
         every_n_steps: also export every this many steps (``None``: only at the end).
-        dtype: the export dtype (a torch dtype or its name; ``None``: the trained one).
+        dtype: the export dtype (float32, bfloat16, float16, float64 or an alias such as ``bf16``, or the torch
+            dtype; ``None``: the trained one).
         max_shard_size: bytes per safetensors file.
         tokenizer: where to copy tokenizer files from (``None``: the model's source directory, ``HFCausalLM``'s path
             or ``hf_checkpoint``).
+
+    Each export replaces the model files of its directory (the callback's own: a resumed run writes there again);
+    the model's source directory is refused when ``fit`` starts.
+
+    Raises:
+        ValueError: a dtype or shard size refused (at construction).
     """
 
     def __init__(self, dirpath: str, every_n_steps: int | None = None, dtype: str | torch.dtype | None = None,
                  max_shard_size: int | str = "5GB", tokenizer: str | None = None) -> None:
         self.dirpath, self.every_n_steps, self.tokenizer = dirpath, every_n_steps, tokenizer
+        shard_bytes(max_shard_size)
         self.max_shard_size = max_shard_size
-        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.dtype = export_dtype(dtype)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Refuse a directory that is the model's source, before training rather than after it."""
+        check_out(Path(self.dirpath), True, [self.tokenizer, _source_dir(_source_of(pl_module))])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -244,21 +291,48 @@ class HFExport(pl.Callback):
         trainer.strategy.barrier("fpdt_hf_export_written")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not the usage block: exit status 2 (a usage error)
+        self.exit(2, f"fpdt-export: error: {message} (fpdt-export --help lists the arguments)\n")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``fpdt-export CKPT OUT [--config FIT_YAML] [--dtype bfloat16] [--max-shard-size 5GB] [--tokenizer DIR]``."""
-    parser = argparse.ArgumentParser(prog="fpdt-export", description="A run's checkpoint as a Hugging Face directory.")
+    """``fpdt-export CKPT OUT [--config FIT_YAML] [--dtype bf16] [--max-shard-size 5GB] [--tokenizer DIR]
+    [--overwrite]``: exit status 0 when written, 2 for arguments it refuses, 1 for a checkpoint, model or output
+    directory it refuses; each refusal one line on stderr, naming the problem and the fix."""
+    parser = _Parser(prog="fpdt-export", description="A run's checkpoint as a Hugging Face directory.")
     parser.add_argument("ckpt", help="a .ckpt file or a sharded checkpoint directory")
     parser.add_argument("out", help="the Hugging Face directory to write")
     parser.add_argument("--config", default=None, help="the fit's LightningCLI YAML (default: saved hyper-parameters)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: the trained dtype)")
-    parser.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file: 5GB, 500MB, ...")
+    parser.add_argument("--dtype", default=None, type=_argument(export_dtype),
+                        help="float32 (fp32), bfloat16 (bf16), float16 (fp16) or float64 (default: the trained dtype)")
+    parser.add_argument("--max-shard-size", default="5GB", type=_argument(shard_bytes),
+                        help="bytes per safetensors file: 5GB, 500MB, 2GiB, ...")
     parser.add_argument("--tokenizer", default=None, help="copy the tokenizer files of this directory")
+    parser.add_argument("--overwrite", action="store_true", help="replace the model files OUT already holds")
     args = parser.parse_args(argv)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        parser.error(f"--dtype {args.dtype!r} is not a torch dtype (float32, bfloat16, float16, float64).")
-    out = export(args.ckpt, args.out, args.config, dtype, args.max_shard_size, args.tokenizer)
+    try:
+        out = export(args.ckpt, args.out, args.config, args.dtype, args.max_shard_size, args.tokenizer,
+                     args.overwrite)
+    except (ValueError, TypeError, OSError, NotImplementedError) as err:  # CheckpointError is a ValueError
+        message = " ".join(str(err).split())
+        ours = message.startswith(OWNER.strip())  # else another library's (a disk full): its kind shows too
+        message = message.removeprefix(OWNER.strip()).strip() if ours else f"{type(err).__name__}: {message}"
+        print(f"fpdt-export: error: {message}", file=sys.stderr)
+        sys.exit(1)
     print(f"fpdt-export: wrote {out}")
+
+
+def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type: its ValueError's message (without the program's name) is the usage error."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix(OWNER)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------
@@ -294,32 +368,11 @@ def _shards(plan: ExportPlan, limit: int, dtype: torch.dtype | None) -> list[lis
     return shards
 
 
-def _bytes(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
-    text = size.strip().upper()
-    for unit, factor in units.items():
-        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
-            return int(float(text[: -len(unit)]) * factor)
-    if text.isdigit():
-        return int(text)
-    raise ValueError(f"{OWNER}max shard size {size!r} is not a size; give e.g. 5GB, 500MB or a number of bytes.")
-
-
-def _dcp_reader(path: Path) -> Callable[[str], Tensor]:
-    """Read one model tensor at a time from a sharded checkpoint (``state_dict.<key>`` in DCP's flat names)."""
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-
-    def read(key: str) -> Tensor:
-        info = stored[f"state_dict.{key}"]
-        tensor = torch.empty(info.size, dtype=info.properties.dtype)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"state_dict": {key: tensor}}, checkpoint_id=path, no_dist=True)
-        return tensor
-
-    return read
+def _source_of(module: pl.LightningModule) -> Any:
+    """The directory (or name) ``module`` was read from: ``HFCausalLM``'s ``model``, a bundled model's
+    ``hf_checkpoint``."""
+    hparams = getattr(module, "hparams", {})
+    return hparams.get("model") if isinstance(module, HFCausalLM) else hparams.get("hf_checkpoint")
 
 
 def _source_dir(model: Any) -> str | None:

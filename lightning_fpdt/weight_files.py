@@ -10,11 +10,13 @@ slices (no collective): a rank's peak is its shards plus the slice being read.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -26,32 +28,69 @@ SINGLE_FILE = "model.safetensors"
 class SafetensorsFiles:
     """The safetensors files of a model directory (``save_pretrained``'s).
 
+    Every file is opened through :meth:`open`, so a missing, truncated or corrupt one is an error that names it.
+
     Attributes:
         directory: the model directory.
         files: each tensor's key -> the file (in ``directory``) that holds it.
+        owner: the LightningModule reading them, for messages.
     """
 
     directory: Path
     files: dict[str, str]
+    owner: str = "HFCausalLM"
 
     @classmethod
-    def find(cls, directory: str | Path) -> SafetensorsFiles | None:
+    def find(cls, directory: str | Path, owner: str = "HFCausalLM") -> SafetensorsFiles | None:
         """The files in ``directory`` (``model.safetensors.index.json`` or ``model.safetensors``), or
-        ``None`` when it has neither (a hub name, ``pytorch_model.bin`` files)."""
+        ``None`` when it has neither (a hub name, ``pytorch_model.bin`` files).
+
+        Raises:
+            ValueError: an index that is not JSON with a ``weight_map``, or a ``model.safetensors`` that cannot be
+                read (truncated or corrupt), named.
+        """
         directory = Path(directory)
         if (directory / INDEX_FILE).is_file():
-            weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
-            return cls(directory, dict(weight_map))
+            try:
+                weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{owner}: {directory / INDEX_FILE} is not a safetensors index ({type(err).__name__}:"
+                                 f" {err}); save the model again with save_pretrained, or download it again.") from None
+            return cls(directory, dict(weight_map), owner)
         if (directory / SINGLE_FILE).is_file():
-            with safe_open(str(directory / SINGLE_FILE), framework="pt") as f:
-                return cls(directory, {key: SINGLE_FILE for key in f.keys()})
+            files = cls(directory, {}, owner)
+            with files.open(SINGLE_FILE) as f:
+                return cls(directory, {key: SINGLE_FILE for key in f.keys()}, owner)
         return None
+
+    @contextmanager
+    def open(self, file: str) -> Iterator[Any]:
+        """``safe_open`` of ``file`` (in the directory), closed on exit.
+
+        Raises:
+            FileNotFoundError: no such file (the index names a file the directory lacks).
+            ValueError: a file safetensors cannot read (a truncated copy, another format).
+        """
+        path = self.directory / file
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.owner}: {path} does not exist, but {INDEX_FILE} names it; copy or download"
+                                    " the whole checkpoint directory again.") from None
+        except (SafetensorError, OSError) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            size = f"; {path.stat().st_size} bytes" if path.is_file() else ""
+            raise ValueError(f"{self.owner}: the safetensors file {path} cannot be read ({reason}{size}): it is"
+                             " truncated or corrupt. Copy or download it again, or save the model again with"
+                             " save_pretrained.") from None
+        with handle as f:
+            yield f
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape, from the file headers (no tensor is read)."""
         shapes: dict[str, tuple[int, ...]] = {}
         for file in sorted(set(self.files.values())):
-            with safe_open(str(self.directory / file), framework="pt") as f:
+            with self.open(file) as f:
                 for key in f.keys():
                     shapes[key] = tuple(f.get_slice(key).get_shape())
         return shapes
@@ -66,7 +105,7 @@ class SafetensorsFiles:
         """
         if rows is not None and columns is not None:
             raise ValueError(f"SafetensorsFiles.read({key!r}): give rows or columns, not both.")
-        with safe_open(str(self.directory / self.files[key]), framework="pt") as f:
+        with self.open(self.files[key]) as f:
             if rows is not None:
                 return f.get_slice(key)[rows[0]:rows[1]]
             if columns is not None:

@@ -171,5 +171,6 @@ def test_export_errors_name_the_fix(runs, tmp_path: Path) -> None:
         export(ckpt, tmp_path / "x", max_shard_size="big")
     wrong = tmp_path / "fit.yaml"  # another model than the checkpoint's
     wrong.write_text("model:\n  class_path: lightning_fpdt.models.GPTLM\n  init_args: {}\n")
-    with pytest.raises(ValueError, match="does not hold a GPTLM"):
+    with pytest.raises(ValueError, match="the GPTLM of --config .* does not match the checkpoint"):
         export(ckpt, tmp_path / "y", config=wrong)
+    assert not (tmp_path / "y").exists()  # refused before anything is written

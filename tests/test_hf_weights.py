@@ -7,6 +7,7 @@ model loaded from the path with plain transformers in one process (float64, 1e-1
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import lightning as L
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -34,7 +36,7 @@ from lightning_fpdt import FPDTStrategy, launcher
 from lightning_fpdt.hf import attention as hf_attention
 from lightning_fpdt.hf import causal_lm as hf_causal_lm_module
 from lightning_fpdt.hf import masks as hf_masks
-from lightning_fpdt.models import HFCausalLM
+from lightning_fpdt.models import HFCausalLM, LlamaLM
 from lightning_fpdt.sharding import load_shards_of, shard_module
 from lightning_fpdt.testing import run_on_ranks
 from lightning_fpdt.weight_files import SafetensorsFiles, owned_rows
@@ -270,3 +272,75 @@ def test_a_pending_model_moves_and_casts_without_reading(tmp_path: Path, fresh_s
     module.load_weights()
     for key, value in ref.state_dict().items():
         assert torch.equal(module.model.state_dict()[key], value.double()), key
+
+
+# ---- a checkpoint that lacks a tensor, or a file that cannot be read ------------------------------------------
+
+
+def _drop(directory: Path, names: list[str], rename: bool = False) -> None:
+    """Remove (or rename) the tensors ``names`` from the safetensors files of ``directory``."""
+    files = SafetensorsFiles.find(directory)
+    for file in sorted({files.files[name] for name in names}):
+        tensors = load_file(directory / file)
+        for name in names:
+            if name in tensors:
+                tensor = tensors.pop(name)
+                if rename:
+                    tensors[f"{name}_renamed"] = tensor
+        save_file(tensors, directory / file, metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        content = json.loads(index.read_text())
+        for name in names:
+            file = content["weight_map"].pop(name)
+            if rename:
+                content["weight_map"][f"{name}_renamed"] = file
+        index.write_text(json.dumps(content))
+
+
+@pytest.mark.parametrize("shards", [None, "40KB"], ids=["one-file", "index"])
+def test_a_checkpoint_missing_tensors_is_refused_unless_random_values_are_meant(shards: str | None, tmp_path: Path,
+                                                                                fresh_seed: int) -> None:
+    """Before: built on the meta device failed its name check, loaded through from_pretrained, which drew the
+    missing tensors at random, and training went on (the log said the tensors were being converted)."""
+    ref = _saved(CONFIGS["llama-untied"](), tmp_path, fresh_seed, max_shard_size=shards)
+    missing = ["model.layers.1.mlp.up_proj.weight", "model.norm.weight"]
+    _drop(tmp_path, missing)
+    with pytest.raises(ValueError) as err:
+        HFCausalLM(str(tmp_path))
+    assert (f"HFCausalLM: {tmp_path} lacks 2 tensors of LlamaForCausalLM (model.layers.1.mlp.up_proj.weight,"
+            " model.norm.weight): from_pretrained would initialise them at random") in str(err.value)
+    assert "from_pretrained_kwargs={'allow_missing_weights': True}" in str(err.value)
+    with pytest.warns(UserWarning, match=r"lacks 2 tensors .* initialised at random \(allow_missing_weights=True\)"):
+        module = HFCausalLM(str(tmp_path), from_pretrained_kwargs={"allow_missing_weights": True})
+    for key, value in ref.state_dict().items():
+        if key not in missing:
+            assert torch.equal(module.model.state_dict()[key], value), key
+
+
+def test_a_tensor_under_another_name_is_refused_through_from_pretrained(tmp_path: Path, fresh_seed: int) -> None:
+    """A name the model does not have may be one transformers converts: from_pretrained loads it, and the tensors
+    it still did not find are refused."""
+    _saved(CONFIGS["llama-untied"](), tmp_path, fresh_seed)
+    _drop(tmp_path, ["model.layers.0.self_attn.o_proj.weight"], rename=True)
+    with pytest.raises(ValueError, match=r"lacks 1 tensor of LlamaForCausalLM \(model\.layers\.0\.self_attn\.o_proj"):
+        HFCausalLM(str(tmp_path))
+
+
+@pytest.mark.parametrize(("kind", "shards"), [("hf", None), ("hf", "40KB"), ("llama", "40KB")],
+                         ids=["hf-one-file", "hf-index", "llama-index"])
+def test_a_truncated_or_missing_safetensors_file_is_named(kind: str, shards: str | None, tmp_path: Path,
+                                                         fresh_seed: int) -> None:
+    """Before: safetensors' own error, naming no file (a truncated one), or a raw FileNotFoundError (a missing one)."""
+    _saved(CONFIGS["llama-untied"](), tmp_path, fresh_seed, max_shard_size=shards)
+    file = sorted(tmp_path.glob("*.safetensors"))[-1]
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    owner = "HFCausalLM" if kind == "hf" else "LlamaLM"
+    build = (lambda: HFCausalLM(str(tmp_path))) if kind == "hf" else (lambda: LlamaLM(hf_checkpoint=str(tmp_path)))
+    with pytest.raises(ValueError, match=rf"{owner}: the safetensors file {file} cannot be read \(.*\): it is"
+                                         " truncated or corrupt"):
+        build()
+    if shards is not None:
+        file.unlink()
+        with pytest.raises(FileNotFoundError, match=f"{owner}: {file} does not exist, but model.safetensors.index"):
+            build()

@@ -16,12 +16,12 @@ import os
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lightning_fpdt.class_paths import instantiate
 from lightning_fpdt.hf.weights import build_on_meta, pretrained_dtype, unmatched
-from lightning_fpdt.weight_files import SafetensorsFiles
+from lightning_fpdt.weight_files import SafetensorsFiles, tensor_names
 
 
 def hf_config(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None,
@@ -59,6 +59,9 @@ def hf_config(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None,
     )
 
 
+ALLOW_MISSING = "allow_missing_weights"  # from_pretrained_kwargs' own key: random values for missing tensors are meant
+
+
 def build_model(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None,
                 overrides: dict[str, Any] | None = None) -> tuple[PreTrainedModel, SafetensorsFiles | None]:
     """The transformers model of ``HFCausalLM``'s ``model`` argument, and the files whose weights it still has
@@ -66,42 +69,86 @@ def build_model(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None
 
     Under a meta default device (sizing: the memory estimate, ``fpdt-export``) a name or path gives its config's
     model on the meta device, and nothing is read.
+
+    A checkpoint that lacks a tensor of the model is refused (``from_pretrained`` would draw it at random and
+    training would start from it), unless ``from_pretrained_kwargs`` holds ``"allow_missing_weights": True``
+    (taken out before ``from_pretrained`` sees the rest): then those tensors are initialised by the model, and
+    a warning names them.
+
+    Raises:
+        ValueError: a checkpoint lacking tensors of the model, named and counted (:func:`missing_weights_error`).
     """
-    from_pretrained_kwargs, overrides = from_pretrained_kwargs or {}, overrides or {}
+    from_pretrained_kwargs, overrides = dict(from_pretrained_kwargs or {}), overrides or {}
+    allow_missing = bool(from_pretrained_kwargs.pop(ALLOW_MISSING, False))
     if isinstance(model, PreTrainedModel):
         hf_config(model, from_pretrained_kwargs, overrides)  # refuses overrides
         return model, None
     if not isinstance(model, (str, os.PathLike)) or torch.get_default_device().type == "meta":
         return AutoModelForCausalLM.from_config(hf_config(model, from_pretrained_kwargs, overrides)), None
-    deferred = _on_meta(os.fspath(model), from_pretrained_kwargs, overrides)
+    deferred, problems = _on_meta(os.fspath(model), from_pretrained_kwargs, overrides, allow_missing)
     if deferred is not None:
         return deferred
     if overrides:  # into the config before the weights load: RoPE's buffers are computed from it at build
-        config = hf_config(model, from_pretrained_kwargs, overrides)
-        return AutoModelForCausalLM.from_pretrained(model, config=config, **from_pretrained_kwargs), None
-    return AutoModelForCausalLM.from_pretrained(model, **from_pretrained_kwargs), None
+        from_pretrained_kwargs["config"] = hf_config(model, from_pretrained_kwargs, overrides)
+    built, info = AutoModelForCausalLM.from_pretrained(model, output_loading_info=True, **from_pretrained_kwargs)
+    missing = sorted(info["missing_keys"])
+    if missing and not allow_missing:
+        raise missing_weights_error(os.fspath(model), type(built).__name__, missing)
+    if missing:
+        rank_zero_warn(f"HFCausalLM: {os.fspath(model)} lacks {len(missing)} tensors of {type(built).__name__}"
+                       f" ({_first(missing)}); they are initialised at random ({ALLOW_MISSING}=True).")
+    elif problems:  # the names did not match, and from_pretrained found every tensor: it converted them
+        rank_zero_info(f"HFCausalLM: {os.fspath(model)} holds tensors under other names or shapes than"
+                       f" {type(built).__name__}'s ({len(problems)}, e.g. {problems[0]}); loaded it whole through"
+                       " from_pretrained, which converts them (every rank holds the whole model until it is sharded).")
+    return built, None
 
 
-def _on_meta(path: str, from_pretrained_kwargs: dict[str, Any],
-             overrides: dict[str, Any]) -> tuple[PreTrainedModel, SafetensorsFiles] | None:
+def missing_weights_error(path: str, model_class: str, missing: list[str]) -> ValueError:
+    """The refusal of a checkpoint that lacks the tensors ``missing`` of ``model_class``."""
+    return ValueError(
+        f"HFCausalLM: {path} lacks {len(missing)} tensor{'s' if len(missing) > 1 else ''} of {model_class}"
+        f" ({_first(missing)}): from_pretrained would initialise {'them' if len(missing) > 1 else 'it'} at random"
+        " and training would start from there. Use a complete checkpoint (copy or download it again, or save it"
+        f" again with save_pretrained), or pass from_pretrained_kwargs={{'{ALLOW_MISSING}': True}} if random"
+        " initialisation of these tensors is meant."
+    )
+
+
+def _first(names: list[str], count: int = 3) -> str:
+    return ", ".join(names[:count]) + (f" and {len(names) - count} more" if len(names) > count else "")
+
+
+def _on_meta(path: str, from_pretrained_kwargs: dict[str, Any], overrides: dict[str, Any],
+             allow_missing: bool) -> tuple[tuple[PreTrainedModel, SafetensorsFiles] | None, list[str]]:
     """``path``'s model on the meta device with its files, or ``None`` where ``from_pretrained`` has to load
     it: not a local directory of safetensors files, ``from_pretrained`` options other than the dtype, or tensor
-    names the files do not hold as they are (transformers converts them on load; logged)."""
+    names the files do not hold as they are (transformers may convert them on load); with the mismatches found.
+
+    Raises:
+        ValueError: files that lack tensors of the model and hold nothing else it could be converted from (unless
+            ``allow_missing``).
+    """
     if not os.path.isdir(path) or set(from_pretrained_kwargs) - _META_KWARGS:
-        return None
+        return None, []
     files = SafetensorsFiles.find(path)
     if files is None:
-        return None
+        return None, []
     config = hf_config(path, {"local_files_only": True}, overrides)
     dtype = from_pretrained_kwargs.get("dtype", from_pretrained_kwargs.get("torch_dtype"))
     model = build_on_meta(config, pretrained_dtype(config, dtype))
     problems = unmatched(model, files)
-    if problems:
-        rank_zero_info(f"HFCausalLM: {path} holds tensors under other names or shapes than"
-                       f" {type(model).__name__}'s ({len(problems)}, e.g. {problems[0]}); loading it whole through"
-                       " from_pretrained, which converts them (every rank holds the whole model until it is sharded).")
-        return None
-    return model, files
+    if not problems:
+        return (model, files), []
+    known = {alias for aliases in tensor_names(model).values() for alias in aliases}
+    parameters = {name for name, _ in model.named_parameters()}
+    missing = [problem.split(" (")[0] for problem in problems if problem.endswith("(not in the files)")]
+    if (len(missing) == len(problems) and set(missing) <= parameters and set(files.files) <= known
+            and not allow_missing):
+        # parameters absent, and nothing in the files under another name that a conversion could give them from:
+        # refused before any read (a missing buffer is from_pretrained's to judge: it may compute it)
+        raise missing_weights_error(path, type(model).__name__, missing)
+    return None, problems
 
 
 # from_pretrained options a meta-device build honours (others, e.g. device_map or quantization, need from_pretrained)

@@ -63,7 +63,9 @@ class HFCausalLM(CausalLM):
             ``[tokens, vocab]`` logits tensor exists; ``1``: off (full logits, kept for backward).
         mlp_tiles: sequence tiles of every decoder layer's MLP, each recomputed in backward (``None``: tiles
             of ``max(hidden, 1024)`` tokens; ``1``: off, the MLP's intermediates kept for backward).
-        from_pretrained_kwargs: extra arguments of ``from_pretrained`` (e.g. ``{"dtype": "bfloat16"}``).
+        from_pretrained_kwargs: extra arguments of ``from_pretrained`` (e.g. ``{"dtype": "bfloat16"}``);
+            ``"allow_missing_weights": True`` (ours, not passed on): load a checkpoint that lacks tensors of the
+            model, initialising them at random (refused otherwise, naming them).
         config_overrides: config attributes set before the weights load (a name, path, config or config dict
             only), e.g. ``{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings":
             32768}`` for context extension (:func:`~lightning_fpdt.hf.build.apply_config_overrides`;

@@ -12,8 +12,11 @@ config only: no memory, any size) and reads the weights later, where they are ne
 Parameters are matched to the stored names by their transformers names (a tied pair by either name), with
 the same shapes; :func:`unmatched` lists what does not match (files whose names transformers converts
 on load, e.g. a mixture of experts stored per expert), for which ``HFCausalLM`` loads through
-``from_pretrained`` instead. Buffers that are not stored (RoPE's ``inv_freq``, Gemma's
-``embed_scale``) are computed by the model's own ``_init_weights``, as ``from_pretrained`` computes them.
+``from_pretrained`` instead. Files that lack a tensor of the model are refused, naming it, unless random
+values for it are meant (``from_pretrained_kwargs={"allow_missing_weights": True}``;
+:func:`~lightning_fpdt.hf.build.build_model`): ``from_pretrained`` would draw it at random, silently. Buffers
+that are not stored (RoPE's ``inv_freq``, Gemma's ``embed_scale``) are computed by the model's own
+``_init_weights``, as ``from_pretrained`` computes them.
 
 ``HFCausalLM`` hands :class:`PretrainedWeights` to :class:`~lightning_fpdt.models.causal_lm.CausalLM`, which calls it
 where the weights are needed; the bundled models read the same files through their weight-name tables

@@ -62,7 +62,7 @@ def from_pretrained_dir(family: Family, path: str | Path, config: Any | None, ov
         model = family.model_class(config)
     if sizing:
         return model, None
-    files = SafetensorsFiles.find(directory)
+    files = SafetensorsFiles.find(directory, owner)
     if files is None:
         raise FileNotFoundError(
             f"{owner}: {directory} holds no model.safetensors or model.safetensors.index.json; save it with"
