@@ -13,7 +13,9 @@ document alone; each of these fails when the state is not carried or not reset.
 
 from __future__ import annotations
 
+import copy
 import inspect
+import pickle
 import textwrap
 import warnings
 from typing import Any
@@ -343,3 +345,21 @@ def test_the_memory_model_reads_what_each_layer_of_a_hybrid_has(family: str, kin
     mixer = next(m for k in shape.layer_kinds() for m in k.mixers)
     assert mixer.saved(4, 8, 32) > mixer.saved(2, 8, 32) or family == "qwen3_5_text"  # Mamba-2's B/C gathered
     assert mixer.offloaded(2) < mixer.saved(2, 8, 32) and mixer.work() > 0
+
+
+@pytest.mark.parametrize("copy_by", ["deepcopy", "pickle"])
+def test_a_copied_model_keeps_its_recurrences_bound_to_the_copy(copy_by: str) -> None:
+    """A spawned rank gets the module pickled; tests and users deepcopy it: the installed forwards come along,
+    each bound to its own copy of the module (the family's namespace is not copied)."""
+    module = _hybrid("nemotron_h", 0).double()
+    copied = copy.deepcopy(module) if copy_by == "deepcopy" else pickle.loads(pickle.dumps(module))
+    assert copied.recurrences == module.recurrences
+    for name in module.recurrences:
+        layer = copied.get_submodule(f"model.{name}")
+        forward = layer.__dict__["forward"]
+        assert isinstance(forward, SequenceParallelRecurrence) and forward.module is layer
+    x = torch.randn(2, 12, module.model.config.hidden_size, dtype=torch.float64)
+    original = module.get_submodule(f"model.{module.recurrences[0]}")
+    twin = copied.get_submodule(f"model.{module.recurrences[0]}")
+    context = SequenceParallelContext(chunk_size=4)
+    assert torch.equal(original(x, fpdt_context=context), twin(x, fpdt_context=context))

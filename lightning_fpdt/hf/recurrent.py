@@ -99,6 +99,11 @@ class SequenceParallelRecurrence:
         self._context: SequenceParallelContext = _ONE_PROCESS
         self._documents: PackedDocuments | None = None
 
+    def __reduce__(self) -> tuple[type, tuple[nn.Module, str]]:
+        # made again from the module (a copy's forward binds the copy) rather than copying the rebound function and
+        # the family's namespace, which cannot be pickled (spawned ranks, deepcopy)
+        return SequenceParallelRecurrence, (self.module, self.core)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         delivered = delivered_keywords(self.module)
         context = kwargs.get("fpdt_context") or delivered.get("fpdt_context")
