@@ -2,7 +2,7 @@
 delta-net layer's time against one attention layer's as the length doubles (CPU).
 
     python benchmarks/hybrid.py                      # the default run: steps at 8K/16K/32K, then the layer table
-    python benchmarks/hybrid.py --quick              # tiny sizes and lengths, every variant: the smoke run
+    python benchmarks/hybrid.py --quick              # tiny sizes and lengths, the default variants: the smoke run
     python benchmarks/hybrid.py --variants sp1 sp1_stack sp2 sp2_stack --seq 8192 16384
 
 Model: ``HFCausalLM`` around transformers' Qwen3.5 text model (``model_type`` ``"qwen3_5_text"``) built from a
@@ -34,7 +34,8 @@ an AdamW update. A (variant, length) listed in ``--skip`` is not run (its row sa
 32K, which needs more than the development machine's 23 GiB (its live tensors grow by about 0.74 MiB per token:
 about 24 GiB at 32K). Before the table, one ``sp2_stack`` step of a small hybrid is checked against the unbound
 model in one process (loss and every gradient, float32). The whole default run takes about 20 minutes on 2 cores.
-``--quick`` replaces the sizes, lengths and variants by tiny ones (every variant at 256 and 512 tokens).
+``--quick`` replaces the sizes and lengths by tiny ones (``sp1`` and ``sp2_stack``, or the ``--variants`` given, at 256
+and 512 tokens).
 
 Layer table (``--layer-seq``): one process (all cores), the plain transformers model of the same config with
 ``attn_implementation="sdpa"``: forward and backward of ``model.layers[0].linear_attn`` (a
@@ -264,7 +265,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.seq, args.skip = [256, 512], []
-        args.variants = list(VARIANTS)
+        args.variants = args.variants if "--variants" in sys.argv else ["sp1", "sp2_stack"]
         args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate, args.vocab = 64, 4, 2, 16, 176, 512
         args.layer_seq, args.layer_chunk, args.repeats, args.layer_repeats = [128, 256, 512], 128, 1, 1
     config = hybrid_config(args)
