@@ -81,10 +81,17 @@ def _bf16_errors(rank: int, world: int, seed: int) -> dict:
     return errors
 
 
+def _norm_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
 @pytest.mark.distributed
 def test_bf16_error_does_not_grow_with_world_size_or_chunks(fresh_seed: int) -> None:
     """A bf16 run against its float64 twin: its error may not grow with world size or chunk count beyond
-    the error of single-device bf16 attention on the whole sequence."""
+    the error of single-device bf16 attention on the whole sequence.
+
+    Errors are norm-relative (``|a - b| / |b|``): the largest element's rounding error is an extreme value
+    that varies 2.5x between draws of the same inputs' distribution, while the norm's varies by ~15%."""
     seed = fresh_seed
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(2, 64, HEADS, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(4))
@@ -94,13 +101,13 @@ def test_bf16_error_does_not_grow_with_world_size_or_chunks(fresh_seed: int) -> 
     expected = [ref.detach(), q64.grad, k64.grad, v64.grad]
     # single-device bf16 on the whole sequence: the error budget
     base = _bf16_errors(0, 1, seed)[None]
-    budget = [rel_error(a, b) for a, b in zip(base, expected)]
+    budget = [_norm_error(a, b) for a, b in zip(base, expected)]
     for world in (1, 2):
         per_rank = run_on_ranks(_bf16_errors, world, seed) if world > 1 else [_bf16_errors(0, 1, seed)]
         for chunk in (None, 32, 16, 8):
             got = [unshard_sequence([r[chunk][t] for r in per_rank], chunk) for t in range(4)]
             for name, a, b, limit in zip(("out", "dq", "dk", "dv"), got, expected, budget):
-                err = rel_error(a, b)
-                assert err <= 2 * limit + 1e-3, (
+                err = _norm_error(a, b)
+                assert err <= 1.5 * limit, (
                     f"sp={world} chunk={chunk}: bf16 {name} error {err:.2e} vs single-device {limit:.2e}"
                 )
