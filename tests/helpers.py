@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -109,3 +111,22 @@ def step_errors(
         for name, g in ref_grads.items():
             err = (res["grads"][name] - g).abs().max() / max(g.abs().max().item(), floor)
             yield rank, f"grad of {name}", err.item()
+
+
+def in_float64(function: Any) -> Any:
+    """A family's kernel or method (wrapped by transformers' decorators, which are applied again) compiled again
+    from its own source in the family's namespace, every float32 read as float64."""
+    lines = textwrap.dedent(inspect.getsource(function)).splitlines()
+    source = "\n".join(x for x in lines if not x.startswith("@auto_docstring"))  # needs the class; docs only
+    source = source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+    namespace: dict[str, Any] = {}
+    exec(source, inspect.unwrap(function).__globals__, namespace)  # transformers' own source, one dtype changed
+    return namespace[function.__name__]
+
+
+def float32_classes(family: Any) -> list[type]:
+    """The module classes of a family whose forward computes in float32 whatever its input (norms, the recurrent
+    layers' ``A_log.float()``): their gradients are summed over the sequence in float32."""
+    return [c for c in vars(family).values() if isinstance(c, type) and issubclass(c, torch.nn.Module)
+            and c.__module__ == family.__name__ and c.forward is not torch.nn.Module.forward
+            and any(f in inspect.getsource(c.forward) for f in ("torch.float32", ".float()"))]

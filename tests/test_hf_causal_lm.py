@@ -140,6 +140,7 @@ def _plain(module: HFCausalLM) -> torch.nn.Module:
     config = copy.deepcopy(module.model.config)
     attention = "sdpa" if type(module.model)._supports_sdpa else "float64_reference"
     ref = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float64)
+    ref.double()  # parameters a family makes in float32 whatever the default dtype (DeepSeek-style routers)
     ref.load_state_dict(module.model.state_dict())
     with torch.no_grad():  # non-persistent buffers too: RoPE's inv_freq, made in float32 in the module
         buffers = dict(ref.named_buffers())
@@ -437,7 +438,7 @@ def test_unsupported_feature_raises_naming_it_and_the_layer(feature: str) -> Non
 
 def test_experts_without_a_declared_router_are_refused_naming_the_layer() -> None:
     """Mixtral, Qwen3-MoE and OLMoE train (tests/test_hf_moe.py); experts whose router the model does not
-    declare (no router_logits output) cannot have their auxiliary loss reproduced."""
+    declare (no router_logits output) cannot have their routing checked."""
     model = AutoModelForCausalLM.from_config(_config("llama"))
     model.model.layers[0].mlp.experts = type("SparseExperts", (torch.nn.Module,), {})()
     with pytest.raises(NotImplementedError, match=r"layer model\.model\.layers\.0 \(LlamaDecoderLayer\) has experts"
@@ -446,10 +447,17 @@ def test_experts_without_a_declared_router_are_refused_naming_the_layer() -> Non
         HFCausalLM(model)
 
 
-def test_experts_in_the_config_or_attention_outside_decoder_layers_are_refused() -> None:
-    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM's config has experts \(num_experts=4\) but the"
-                                                  r" model declares no router; its routing cannot be reproduced"):
-        HFCausalLM(_config("llama", num_experts=4))
+def test_an_experts_setting_the_family_never_reads_is_not_refused(fresh_seed: int) -> None:
+    """Llama's layers never read ``num_experts``: no expert runs, so nothing is refused, and the model equals
+    itself without the setting."""
+    module, plain = HFCausalLM(_config("llama", num_experts=4)), HFCausalLM(_config("llama"))
+    _redraw(module.model, fresh_seed)
+    _redraw(plain.model, fresh_seed)
+    ids = torch.randint(0, VOCAB, (1, SEQ))
+    torch.testing.assert_close(module.double().forward(ids), plain.double().forward(ids), rtol=0, atol=0)
+
+
+def test_attention_outside_decoder_layers_is_refused() -> None:
     model = AutoModelForCausalLM.from_config(_config("llama"))
     layer = model.model.layers[1]  # a decoder layer class the memory stack would not recognise
     layer.__class__ = type("CustomDecoderLayer", (torch.nn.Module,), {"forward": type(layer).forward})

@@ -1,5 +1,12 @@
-"""Mixture-of-experts transformers models (Mixtral, Qwen3-MoE, OLMoE) trained under FPDT equal plain
-transformers in one process on the whole batch, the router's auxiliary load-balancing loss included.
+"""Mixture-of-experts transformers models trained under FPDT equal plain transformers in one process on the
+whole batch, the router's auxiliary load-balancing loss included where the family's forward adds one.
+
+Families: Mixtral, Qwen3-MoE, OLMoE (softmax routers in the layer's ``mlp``, the auxiliary loss added);
+Granite-MoE (its router in ``block_sparse_moe``, beside the layer's feed-forward, the loss added); and the
+DeepSeek-V3-style routers of GLM-4.5-MoE, EXAONE-MoE and dots1 (sigmoid scores, a score-correction bias,
+group-limited top-k, shared experts, dense first layers), whose forwards add no auxiliary loss even with
+``output_router_logits=True`` and a coefficient: none is added here either. Their routers compute in float32
+whatever their input: in float64 here, on both sides (their own source, one dtype changed).
 
 The oracle: the plain model (float64, sdpa) on the whole global batch in one forward with
 ``output_router_logits=True``; its loss is the float64 mean cross-entropy over the same targets plus
@@ -22,7 +29,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
-from transformers import MixtralConfig, OlmoeConfig, PretrainedConfig, Qwen3MoeConfig
+from transformers import (
+    Dots1Config,
+    ExaoneMoeConfig,
+    Glm4MoeConfig,
+    GraniteMoeConfig,
+    MixtralConfig,
+    OlmoeConfig,
+    PretrainedConfig,
+    Qwen3MoeConfig,
+)
+from transformers.models.dots1 import modeling_dots1
+from transformers.models.exaone_moe import modeling_exaone_moe
+from transformers.models.glm4_moe import modeling_glm4_moe
+from transformers.models.granitemoe import modeling_granitemoe
 from transformers.models.mixtral import modeling_mixtral
 from transformers.models.olmoe import modeling_olmoe
 from transformers.models.qwen3_moe import modeling_qwen3_moe
@@ -30,7 +50,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.models import HFCausalLM
-from tests.helpers import TokenDataset, assert_same_step, dataloader, step_errors
+from tests.helpers import TokenDataset, assert_same_step, dataloader, float32_classes, in_float64, step_errors
 from tests.test_hf_causal_lm import SEQ, SIZES, VOCAB, CaptureStack, Packed, _plain, _redraw
 
 COEF = 0.3  # large enough that a wrong auxiliary loss or gradient shows far above 1e-10
@@ -42,8 +62,26 @@ FAMILIES = {
     "qwen3_moe": lambda kv: Qwen3MoeConfig(num_experts=4, moe_intermediate_size=16, head_dim=8, mlp_only_layers=[1],
                                            **MOE, **dict(SIZES, num_key_value_heads=kv)),
     "olmoe": lambda kv: OlmoeConfig(num_experts=4, **MOE, **dict(SIZES, num_key_value_heads=kv)),
+    # the router in block_sparse_moe, beside the feed-forward; Granite's own load-balancing function
+    "granitemoe": lambda kv: GraniteMoeConfig(num_local_experts=4, **MOE, **dict(SIZES, num_key_value_heads=kv)),
+    # layer 0 dense (first_k_dense_replace), layer 1: sigmoid scores + correction bias, 2 groups of which 1 is
+    # chosen, one shared expert; partial rotary
+    "glm4_moe": lambda kv: Glm4MoeConfig(n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1,
+                                         first_k_dense_replace=1, moe_intermediate_size=16, head_dim=8,
+                                         routed_scaling_factor=2.5, **MOE, **dict(SIZES, num_key_value_heads=kv)),
+    # sliding then full layer (window shorter than the sequence), dense first layer, grouped sigmoid routing
+    "exaone_moe": lambda kv: ExaoneMoeConfig(num_experts=4, n_group=2, topk_group=1, moe_intermediate_size=16,
+                                             head_dim=8, sliding_window=7, layer_types=["sliding_attention",
+                                                                                        "full_attention"],
+                                             mlp_layer_types=["dense", "sparse"], num_shared_experts=1, **MOE,
+                                             **dict(SIZES, num_key_value_heads=kv)),
+    # every layer routed, one shared expert, unnormalised top-k weights
+    "dots1": lambda kv: Dots1Config(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0,
+                                    moe_intermediate_size=16, head_dim=8, **MOE, **dict(SIZES, num_key_value_heads=kv)),
 }
 MODULES = (modeling_mixtral, modeling_qwen3_moe, modeling_olmoe)
+FLOAT32_MODULES = (modeling_granitemoe, modeling_glm4_moe, modeling_exaone_moe, modeling_dots1)
+ADDS_AUX_LOSS = {"mixtral", "qwen3_moe", "olmoe", "granitemoe"}  # the others' forwards add none
 
 
 def _config(family: str, kv_heads: int) -> PretrainedConfig:
@@ -75,6 +113,11 @@ def routers_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
         router = next(c for n, c in vars(module).items() if n.endswith("TopKRouter"))
         monkeypatch.setattr(router, "forward", _router_in_input_dtype)
         monkeypatch.setattr(module, "load_balancing_loss_func", _float64_source(module.load_balancing_loss_func))
+    for module in FLOAT32_MODULES:  # routers (and norms) that compute in float32 whatever their input
+        for layer in float32_classes(module):
+            monkeypatch.setattr(layer, "forward", in_float64(layer.forward))
+        if hasattr(module, "load_balancing_loss_func"):
+            monkeypatch.setattr(module, "load_balancing_loss_func", in_float64(module.load_balancing_loss_func))
 
 
 class Padded(Dataset):
@@ -117,7 +160,7 @@ def _oracle(module: HFCausalLM, data: Data, dataset: Any) -> tuple[torch.Tensor,
         targets[dataset.mask[:, 1:] == 0] = -100
     out = ref(input_ids=ids, output_router_logits=True, use_cache=False, **kwargs)
     ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="mean")
-    loss = ce + ref.config.router_aux_loss_coef * out.aux_loss
+    loss = ce if out.aux_loss is None else ce + ref.config.router_aux_loss_coef * out.aux_loss
     loss.backward()
     return loss.detach(), {f"model.{n}": p.grad.detach().clone() for n, p in ref.named_parameters()}
 
@@ -142,6 +185,8 @@ CASES = [
     *[Case(f, d) for f in FAMILIES for d in ("plain", "packed")],  # sp=2, 4 chunks, kv heads below sp
     Case("olmoe", "padded", world=4),  # dp=2 x sp=2: the auxiliary loss over both data-parallel samples
     Case("mixtral", "plain", sp=4, world=4, chunk_size=16, kv_heads=2, stack=True),
+    Case("glm4_moe", "packed", sp=4, world=4, chunk_size=16, kv_heads=2, stack=True),
+    Case("granitemoe", "plain", stack=True),  # the router's probabilities out of checkpointed layers
 ]
 
 
@@ -159,6 +204,15 @@ def _fit(module: HFCausalLM, dataset: Dataset, case: Case, tmp_path) -> list[dic
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(case.world)]
 
 
+def _redraw_score_bias(model: torch.nn.Module, seed: int) -> None:
+    """The routers' score-correction biases (buffers, zero at construction) drawn, so that they decide routing."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=g, dtype=torch.float64))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_moe_fit_step_equals_plain_transformers(case: Case, tmp_path, fresh_seed: int) -> None:
@@ -166,6 +220,8 @@ def test_moe_fit_step_equals_plain_transformers(case: Case, tmp_path, fresh_seed
     tiles = dict(mlp_tiles=3, loss_tiles=5) if case.stack else dict(mlp_tiles=1, loss_tiles=1)
     module = HFCausalLM(_config(case.family, case.kv_heads), learning_rate=1e-3, warmup_steps=1, **tiles)
     _redraw(module.model, fresh_seed)
+    _redraw_score_bias(module.model, fresh_seed)
+    assert (module.router_loss is not None) == (case.family in ADDS_AUX_LOSS), module.router_loss
     dataset = _dataset(case.data, fresh_seed)
     ref_loss, ref_grads = _oracle(module, case.data, dataset)
     results = _fit(module, dataset, case, tmp_path)
@@ -196,6 +252,28 @@ def test_aux_loss_changes_the_loss_and_tiles_and_checkpointing_keep_it(fresh_see
         module.router_loss.coefficient = 0.0  # the same step without the auxiliary loss is far off
         loss_sum, count = module.loss_terms(dataset.full_batch())
         assert abs((loss_sum / count).item() - ref_loss.item()) > 1e-3
+
+
+def test_an_auxiliary_loss_of_another_form_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss is read from the family's forward, not from the function it calls: a forward whose auxiliary term is
+    not the load-balancing loss (here its square) is refused with both changes of the loss, before any step."""
+    balance = modeling_mixtral.load_balancing_loss_func
+    monkeypatch.setattr(modeling_mixtral, "load_balancing_loss_func", lambda *args: balance(*args) ** 2)
+    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM's forward adds an auxiliary router loss that"
+                                                  r" is not router_aux_loss_coef x the load-balancing loss.*moves by"
+                                                  r" [-0-9.e]+, where router_aux_loss_coef=0\.3 x load_balancing_loss_"
+                                                  r"func \(experts=4, top_k=2\) moves by [-0-9.e]+\..*set"
+                                                  r" output_router_logits=False"):
+        HFCausalLM(_config("mixtral", 2))
+
+
+def test_a_config_transformers_cannot_build_names_its_unset_sizes() -> None:
+    """dots1's defaults leave its expert counts unset, and transformers' own constructor fails on them: the error
+    names the config and the unset fields, not a raw ``TypeError`` from inside transformers."""
+    sizes = dict(SIZES, num_key_value_heads=2, moe_intermediate_size=16)
+    with pytest.raises(ValueError, match=r"transformers could not build Dots1Config's causal LM from this config"
+                                         r" \(TypeError: .*\); the config leaves .*n_routed_experts.* unset"):
+        HFCausalLM(Dots1Config(**sizes))
 
 
 def test_moe_refusals_name_the_feature() -> None:

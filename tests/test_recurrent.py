@@ -14,9 +14,7 @@ document alone; each of these fails when the state is not carried or not reset.
 from __future__ import annotations
 
 import copy
-import inspect
 import pickle
-import textwrap
 import warnings
 from typing import Any
 
@@ -51,7 +49,7 @@ from lightning_fpdt.hf.recurrent import (  # noqa: E402
 from lightning_fpdt.memory.shape import ModelShape  # noqa: E402
 from lightning_fpdt.models import HFCausalLM  # noqa: E402
 from lightning_fpdt.packed_documents import PackedDocuments  # noqa: E402
-from tests.helpers import TokenDataset, assert_same_step  # noqa: E402
+from tests.helpers import TokenDataset, assert_same_step, float32_classes, in_float64  # noqa: E402
 from tests.test_hf_causal_lm import (  # noqa: E402
     LOSS_TILES,
     MLP_TILES,
@@ -98,34 +96,15 @@ FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
-def _in_float64(function: Any) -> Any:
-    """A family's kernel or method (wrapped by transformers' decorators, which are applied again) compiled again
-    from its own source in the family's namespace, every float32 read as float64."""
-    lines = textwrap.dedent(inspect.getsource(function)).splitlines()
-    source = "\n".join(x for x in lines if not x.startswith("@auto_docstring"))  # needs the class; docs only
-    source = source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
-    namespace: dict[str, Any] = {}
-    exec(source, inspect.unwrap(function).__globals__, namespace)  # transformers' own source, one dtype changed
-    return namespace[function.__name__]
-
-
-def _in_float32(family: Any) -> list[type]:
-    """The module classes of a family whose forward computes in float32 whatever its input (norms, the recurrent
-    layers' ``A_log.float()``): their gradients are summed over the sequence in float32."""
-    return [c for c in vars(family).values() if isinstance(c, type) and issubclass(c, torch.nn.Module)
-            and c.__module__ == family.__name__ and c.forward is not torch.nn.Module.forward
-            and any(f in inspect.getsource(c.forward) for f in ("torch.float32", ".float()"))]
-
-
 @pytest.fixture(autouse=True)
 def kernels_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers' delta-rule and scan kernels compute in float32 whatever their inputs: here in float64 (their
     own source, one dtype changed), on both sides; so are the routers' softmaxes and the auxiliary loss."""
     for module in DELTA_RULE_MODULES + SCAN_MODULES:
         kernel = DELTA_RULE if module in DELTA_RULE_MODULES else SCAN
-        monkeypatch.setattr(module, kernel, _in_float64(getattr(module, kernel)))
-        for layer in _in_float32(module):
-            monkeypatch.setattr(layer, "forward", _in_float64(layer.forward))
+        monkeypatch.setattr(module, kernel, in_float64(getattr(module, kernel)))
+        for layer in float32_classes(module):
+            monkeypatch.setattr(layer, "forward", in_float64(layer.forward))
     for module in ROUTED:
         router = next(c for n, c in vars(module).items() if n.endswith("TopKRouter"))
         monkeypatch.setattr(router, "forward", _router_in_input_dtype)

@@ -34,7 +34,7 @@ from lightning_fpdt.hf.attention import (
     receives_keywords,
 )
 from lightning_fpdt.hf.build import build_model
-from lightning_fpdt.hf.experts import check_experts, router_loss_for
+from lightning_fpdt.hf.experts import check_experts, expert_blocks, routers_of
 from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.flops import flops_per_token
 from lightning_fpdt.hf.guards import check_context_arrived, check_static_rope, find_head_transform
@@ -43,6 +43,7 @@ from lightning_fpdt.hf.masks import check_mask_windows
 from lightning_fpdt.hf.mixing import hf_token_mixers
 from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, install_recurrences
 from lightning_fpdt.hf.recurrent_memory import mixer_memory
+from lightning_fpdt.hf.router_loss import router_loss_for
 from lightning_fpdt.hf.short_conv import install_short_convs
 from lightning_fpdt.hf.weights import PretrainedWeights
 from lightning_fpdt.layout import IGNORE_INDEX
@@ -115,7 +116,9 @@ class HFCausalLM(CausalLM):
         self.short_convs = install_short_convs(self.model)
         self.recurrences = install_recurrences(self.model)
         install(self.model)
-        self.router_loss = router_loss_for(self.model)  # the auxiliary loss of a mixture of experts, or None
+        # the auxiliary loss of a mixture of experts where its forward adds one, or None
+        self.router_loss = router_loss_for(self.model, routers_of(self.model),
+                                           [router for _, router in expert_blocks(self.model, layers)])
         install_memory_stack(self.model, mlp_tiles, self.router_loss)
         self.mlp_tiles = mlp_tiles
         self.context = SequenceParallelContext()
@@ -258,7 +261,7 @@ class HFCausalLM(CausalLM):
     def loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(loss_sum, num_tokens)`` of this rank's part of the batch, on pre-shifted targets. For a mixture
         of experts whose config sets ``output_router_logits``, ``loss_sum`` also holds this rank's share of
-        ``router_aux_loss_coef * aux`` over the whole batch (:meth:`~lightning_fpdt.hf.experts.RouterLoss.add_to`;
+        ``router_aux_loss_coef * aux`` over the whole batch (:meth:`~lightning_fpdt.hf.router_loss.RouterLoss.add_to`;
         a collective over the world), so the token-weighted loss is transformers' loss with the auxiliary loss."""
         loss_sum, num_tokens = self._token_loss_terms(batch, hidden)
         if self.router_loss is not None:

@@ -78,6 +78,20 @@ class HeadTransform:
         return logits
 
 
+def head_name_of(model: PreTrainedModel) -> str:
+    """The attribute path of ``model``'s output embedding.
+
+    Raises:
+        ValueError: the model has no output embedding module of its own.
+    """
+    head = model.get_output_embeddings()
+    head_name = next((name for name, m in model.named_modules() if m is head and name), None)
+    if head_name is None:
+        raise ValueError(f"HFCausalLM: {type(model).__name__} has no output embedding module of its own"
+                         " (get_output_embeddings()), from which the loss computes the logits.")
+    return head_name
+
+
 def find_head_transform(model: PreTrainedModel) -> HeadTransform:
     """The per-logit transform ``model``'s forward applies after its output embedding, found by running
     the forward on chosen logits (float64, no layer runs).
@@ -89,10 +103,7 @@ def find_head_transform(model: PreTrainedModel) -> HeadTransform:
         ValueError: the model has no output embedding.
     """
     head = model.get_output_embeddings()
-    head_name = next((name for name, m in model.named_modules() if m is head and name), None)
-    if head_name is None:
-        raise ValueError(f"HFCausalLM: {type(model).__name__} has no output embedding module of its own"
-                         " (get_output_embeddings()), from which the loss computes the logits.")
+    head_name = head_name_of(model)
     where = f"{type(model).__name__}'s head model.{head_name} ({type(head).__name__})"
     _refuse_unused_parameters(model, head, where)
     raw = _probe_logits(model, head)
@@ -169,18 +180,22 @@ class _StandIn(nn.Module):
 
 
 @contextmanager
-def _stood_in(model: PreTrainedModel, head_name: str, logits: Tensor) -> Iterator[None]:
-    """``model``'s base model returns zero hidden states and its output embedding ``logits``, in training mode
-    (dropout after the output embedding would show), until the block ends."""
+def stood_in(model: PreTrainedModel, head_name: str, logits: Tensor, **outputs: Any) -> Iterator[None]:
+    """``model``'s base model returns zero hidden states (and ``outputs``, e.g. ``router_logits``) and its output
+    embedding ``logits`` ``[batch, tokens, vocab]``, in training mode (dropout after the output embedding would
+    show), until the block ends: the model's own forward runs on chosen values and no layer runs."""
     base = model.base_model
     parent_name, _, attribute = head_name.rpartition(".")
     parent = model.get_submodule(parent_name)
     head = getattr(parent, attribute)
     modes = [(m, m.training) for m in model.modules()]
-    hidden = torch.zeros(1, logits.shape[1], model.config.get_text_config().hidden_size, dtype=logits.dtype,
+    hidden = torch.zeros(*logits.shape[:2], model.config.get_text_config().hidden_size, dtype=logits.dtype,
                          device=logits.device)
     own_forward = base.__dict__.get("forward")
-    base.forward = lambda *args, **kwargs: _StoodInOutput(last_hidden_state=hidden)
+    stood_in_output = _StoodInOutput(last_hidden_state=hidden)
+    for name, value in outputs.items():  # not dataclass fields of the output: plain attributes
+        setattr(stood_in_output, name, value)
+    base.forward = lambda *args, **kwargs: stood_in_output
     setattr(parent, attribute, _StandIn(logits))
     model.train()
     try:
@@ -197,7 +212,7 @@ def _stood_in(model: PreTrainedModel, head_name: str, logits: Tensor) -> Iterato
 
 def _forward_on(model: PreTrainedModel, head_name: str, raw: Tensor) -> Any:
     ids = torch.zeros(raw.shape[:2], dtype=torch.long, device=raw.device)
-    with _stood_in(model, head_name, raw), torch.no_grad():
+    with stood_in(model, head_name, raw), torch.no_grad():
         return model(input_ids=ids, use_cache=False).logits
 
 

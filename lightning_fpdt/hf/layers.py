@@ -35,8 +35,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from lightning_fpdt.activation_checkpoint import recomputed_layer_call
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.hf.attention import attention_layers, delivering
-from lightning_fpdt.hf.experts import RouterLoss, install_experts, split_captured
+from lightning_fpdt.hf.experts import install_experts
 from lightning_fpdt.hf.feed_forward import feed_forward
+from lightning_fpdt.hf.router_loss import RouterLoss, split_captured
 from lightning_fpdt.recompute import needs_backward
 from lightning_fpdt.tiling import TiledForward
 
@@ -157,9 +158,6 @@ def install_memory_stack(model: PreTrainedModel, mlp_tiles: int | None, router_l
     :class:`~lightning_fpdt.tiling.TiledForward` of ``mlp_tiles`` (``None``: automatic; ``1``: off), or, for a
     mixture-of-experts MLP, an :class:`~lightning_fpdt.hf.experts.ExpertsForward` feeding ``router_loss``.
 
-    Raises:
-        NotImplementedError: attention layers outside recognisable decoder layers (the stack would silently
-            not apply to them).
     A decoder layer without a feed-forward (:func:`feed_forward`: a hybrid's mixer-only layer) has nothing to
     tile.
 
