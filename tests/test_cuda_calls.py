@@ -306,6 +306,7 @@ def _fake_flash_attn_interface(calls: list[tuple[str, int, tuple[str, ...]]],
         assert (dropout_p, alibi_slopes, return_softmax) == (0.0, None, False)
         assert isinstance(softcap, float) and softcap >= 0.0
         assert all(x.shape[-1] % 8 == 0 and x.stride(-1) == 1 for x in (q, k, v))
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1]  # flash-attn 2 takes one head_size (its CHECK_SHAPE of v)
         variants.append((window_size_left, window_size_right, softcap))
         out, lse = _flash_semantics(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap)
         return out, lse.float(), torch.empty(0, dtype=q.dtype), torch.empty(2, dtype=torch.int64)
@@ -316,6 +317,7 @@ def _fake_flash_attn_interface(calls: list[tuple[str, int, tuple[str, ...]]],
         assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == (q.shape[0], q.shape[2], q.shape[1])
         assert [x.shape for x in (dq, dk, dv)] == [q.shape, k.shape, v.shape]
         assert all(x.shape[-1] % 8 == 0 and x.stride(-1) == 1 for x in (dout, q, k, v, out, dq, dk, dv))
+        assert len({x.shape[-1] for x in (dout, q, k, v, out)}) == 1  # one head_size
         variants.append((window_size_left, window_size_right, softcap))
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         ref_out, _ = _flash_semantics(*leaves, softmax_scale, causal, window_size_left, window_size_right, softcap)

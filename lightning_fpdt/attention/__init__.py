@@ -12,7 +12,7 @@ from lightning_fpdt.attention.blocks import BlockRules, chunk_bounds
 from lightning_fpdt.attention.kernels import BACKENDS, check_softcap, get_kernel
 from lightning_fpdt.attention.merge import update_out_and_lse
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
-from lightning_fpdt.attention.sources import TensorEnds
+from lightning_fpdt.attention.sources import TensorEnds, check_qkv_shapes
 from lightning_fpdt.attention.ulysses import ulysses_attention
 from lightning_fpdt.chunk_store import OffloadStats
 from lightning_fpdt.comm import check_heads, expand_kv_heads, group_size, head_to_seq
@@ -37,6 +37,7 @@ def fpdt_attention(
     stats_sink: list[OffloadStats] | None = None,
     documents: PackedDocuments | None = None,
     window: int | None = None,
+    attention_chunk_size: int | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -45,7 +46,8 @@ def fpdt_attention(
     Args:
         q: ``[batch, S/P, n_heads, head_dim]``, this rank's shard (``lightning_fpdt.layout``).
         k: ``[batch, S/P, n_kv_heads, head_dim]``; ``n_kv_heads`` may be smaller than ``P``.
-        v: like ``k``.
+        v: ``[batch, S/P, n_kv_heads, v_head_dim]``; ``v_head_dim`` may differ from ``head_dim`` (multi-head
+            latent attention: DeepSeek-V2/V3, MiniCPM3).
         group: the sequence-parallel process group (``P`` ranks); ``None`` means one process.
         chunk_size: global tokens per chunk (a multiple of ``P``); ``None`` runs plain Ulysses,
             one chunk. The shards must be laid out for this same chunk size.
@@ -62,6 +64,10 @@ def fpdt_attention(
             ``i - window + 1 .. i``, as transformers counts ``sliding_window``; within packed documents the
             same band inside each document. Blocks wholly outside every query's window are skipped (no
             prefetch, copy or kernel); ``None``: no window.
+        attention_chunk_size: chunked (local) attention, causal only (Llama-4's ``attention_chunk_size``; not
+            ``chunk_size``, the pipeline's): a query at global position ``i`` sees keys ``k <= i`` with ``k // A ==
+            i // A`` (``A`` the attention chunk size), positions counted from its document's start within packed
+            documents. Blocks no query's attention chunk reaches are skipped; ``None``: off.
         softcap: attention-logit softcapping (Gemma-2): scores ``s`` (scaled) become ``softcap * tanh(s /
             softcap)`` before the softmax. ``sdpa`` runs softcapped blocks on ``math``; ``None``: no cap.
         sinks: attention sinks (gpt-oss): one learnt logit per query head ``[n_heads]``, the same on every
@@ -70,23 +76,20 @@ def fpdt_attention(
             gradient. The returned lse includes it. ``None``: no sinks.
 
     Returns:
-        The output shard ``[batch, S/P, n_heads, head_dim]`` (and the lse if asked), differentiable
+        The output shard ``[batch, S/P, n_heads, v_head_dim]`` (and the lse if asked), differentiable
         with respect to ``q``, ``k``, ``v`` (and ``sinks``).
 
     Raises:
         ValueError: head counts that cannot be sharded over ``P``, a ``chunk_size`` not divisible by
-            ``P``, mismatched shapes, an unavailable backend, a window below 1 or without causality, a
-            softcap that is not positive, or sinks that are not ``[n_heads]``.
+            ``P``, mismatched shapes, an unavailable backend, a window or attention chunk size below 1 or
+            without causality, a softcap that is not positive, or sinks that are not ``[n_heads]``.
     """
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            "fpdt_attention expects q [batch, seq_local, n_heads, head_dim] and k, v [batch, seq_local,"
-            f" n_kv_heads, head_dim]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
-        )
+    check_qkv_shapes(q, k, v)
     p = group_size(group)
     check_heads(q.shape[2], k.shape[2], p)
     validate_chunk_size(chunk_size, p)
-    BlockRules(causal, window)  # raises for a window it cannot apply, here on every rank before any collective
+    # raises for a window or attention chunk it cannot apply, here on every rank before any collective
+    BlockRules(causal, window, attention_chunk_size=attention_chunk_size)
     check_softcap(softcap)
     if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
         raise ValueError(f"fpdt_attention: sinks has shape {tuple(sinks.shape)}; it takes one logit per query head,"
@@ -100,13 +103,14 @@ def fpdt_attention(
             f"fpdt_attention: documents cover {documents.length} tokens, but the shards hold"
             f" {q.shape[1]} x {p} = {q.shape[1] * p}; build them for the padded sequence of this batch."
         )
-    if chunk_size is None and not offload and not return_lse and documents is None and window is None and sinks is None:
+    rules = (documents, window, attention_chunk_size, sinks)  # any of them: the pipeline, which applies them
+    if chunk_size is None and not offload and not return_lse and all(x is None for x in rules):
         return ulysses_attention(q, k, v, group, kernel, causal, scale, softcap)
     opt = PipelineOptions.for_chunk_size(
         group, chunk_size, causal=causal, scale=scale, kernel=kernel, offload=offload, stats_sink=stats_sink,
-        documents=documents, window=window, softcap=softcap,
+        documents=documents, window=window, attention_chunk_size=attention_chunk_size, softcap=softcap,
     )
-    out, lse = run_pipeline(TensorEnds(kv_heads=k.shape[2]), opt, q, k, v, sinks=sinks)
+    out, lse = run_pipeline(TensorEnds(kv_heads=k.shape[2], head_dim=q.shape[3]), opt, q, k, v, sinks=sinks)
     if not return_lse:
         return out
     # lse [b, h/P, S] head-sharded -> [b, S/P, h] sequence-sharded (per chunk, in layout order)

@@ -1,13 +1,13 @@
 """Block rules: what each (query chunk, key chunk) block of FPDT attention computes.
 
-Causality, packed documents and a sliding window decide, per block, one of three things, here and
-nowhere else (every backend obeys the answer):
+Causality, packed documents, a sliding window and chunked (local) attention decide, per block, one of three
+things, here and nowhere else (every backend obeys the answer):
 
 - **skip**: no query of the block sees any of its keys (above the causal diagonal, wholly before every
-  query's window, or no shared document). The pipeline drops the block from its schedule before
-  anything is issued: no prefetch, copy or kernel, in forward and backward.
+  query's window, no shared document or attention chunk). The pipeline drops the block from its schedule
+  before anything is issued: no prefetch, copy or kernel, in forward and backward.
 - **full**: every query sees every key: one plain kernel call on the whole block.
-- **cut**: a causal diagonal, a window edge or a document boundary runs through the block. It becomes
+- **cut**: a causal diagonal, a window edge, a document or attention-chunk boundary runs through the block. It becomes
   rectangles (:class:`Rect`), one per shared document, each trimmed to the rows that see at least one
   key and the keys some row sees, with at most a causal diagonal and a window edge left inside. The
   kernels apply those two (``lightning_fpdt.attention.kernels``): ``math`` with a mask, ``flash_attn``
@@ -21,6 +21,12 @@ call, and one on the window's lower edge (row ``a`` sees keys ``b >= a``) is a c
 and keys. Bands of the window's height give the fewest and largest calls: per band, one triangle of each
 kind and nothing in between; a shorter band adds a whole rectangle between its triangles.
 
+Chunked attention (Llama-4's ``attention_chunk_size`` ``A``, not the pipeline's ``chunk_size``): a query sees only
+the keys of its own attention chunk, ``A`` tokens counted from its document's start (``masking_utils.chunked_overlay``:
+``k // A == q // A``, with causality). Within an attention chunk that is plain causal attention, so attention chunks
+are documents: each document is cut every ``A`` tokens (:meth:`BlockRules.segmentation`) and the document rules
+apply, giving whole rectangles and causal squares only, no new mask for any kernel; with a window, its band inside.
+
 Softcapping and attention sinks change the scores and the merge, not this schedule.
 
 Positions are global token offsets of the padded sequence (chunk ``i`` covers ``ranges[i]``): after the
@@ -29,6 +35,7 @@ all-to-all, local chunk ``i`` is global chunk ``i`` on every rank, so every rank
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Literal
 
@@ -66,15 +73,18 @@ class Rect(Segment):
 @dataclass(frozen=True)
 class BlockRules:
     """The rules of one attention call: ``causal``, a sliding ``window`` (tokens a query sees, itself
-    included; ``None``: unbounded) and packed ``documents`` (``None``: one document per sample).
+    included; ``None``: unbounded), packed ``documents`` (``None``: one document per sample) and chunked
+    attention, ``attention_chunk_size`` tokens per attention chunk from each document's start (Llama-4's
+    config field; not the pipeline's ``chunk_size``; ``None``: off).
 
     Raises:
-        ValueError: a window below 1, or a window without causality.
+        ValueError: a window or attention chunk below 1, or either without causality.
     """
 
     causal: bool
     window: int | None = None
     documents: PackedDocuments | None = None
+    attention_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -84,16 +94,42 @@ class BlockRules:
             raise ValueError(f"fpdt_attention: window={self.window} with causal=False; sliding windows are"
                              " supported for causal attention only (as transformers' sliding_window_causal"
                              " masks). Use causal=True or window=None.")
+        size = self.attention_chunk_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"fpdt_attention: attention_chunk_size={size!r}; an attention chunk holds at least 1"
+                             " token (a query sees the keys of its own chunk, itself included): give a positive int"
+                             " (Llama-4's config.attention_chunk_size), or None for no chunked attention.")
+        if size is not None and not self.causal:
+            raise ValueError(f"fpdt_attention: attention_chunk_size={size} with causal=False; chunked attention is"
+                             " supported for causal attention only (as transformers' chunked_causal masks). Use"
+                             " causal=True or attention_chunk_size=None.")
+
+    def segmentation(self, lo: int, hi: int) -> PackedDocuments | None:
+        """The documents as the block rules see them around tokens ``lo:hi``: ``documents``, each cut every
+        ``attention_chunk_size`` tokens from its start when chunked (only the cuts in ``lo:hi`` and the one
+        before ``lo``, which is all a block of these tokens needs)."""
+        size = self.attention_chunk_size
+        if size is None:
+            return self.documents
+        length = hi if self.documents is None else self.documents.length
+        cut = []
+        for starts in ((0,),) if self.documents is None else self.documents.starts:
+            ends, cuts = (*starts[1:], length), []
+            for d in range(max(bisect.bisect_right(starts, lo) - 1, 0), len(starts)):
+                if starts[d] >= hi:
+                    break
+                first = starts[d] + max(0, lo - starts[d]) // size * size  # the attention chunk holding lo
+                cuts.extend(range(first, min(ends[d], hi), size))
+            cut.append(tuple(cuts))
+        return PackedDocuments(tuple(cut), length)
 
     def _skips(self, q: Range, k: Range) -> bool:
-        """The cheap tests: above the diagonal, before the first query's window, no shared document."""
+        """The cheap tests: above the diagonal, before the first query's window."""
         (q0, q1), (k0, k1) = q, k
         if self.causal and k0 >= q1:
             return True
         # the first query's window starts earliest: a key before it is before every query's window
-        if self.window is not None and k1 <= window_start(q0, self.window):
-            return True
-        return self.documents is not None and not self.documents.shares_document(q, k)
+        return self.window is not None and k1 <= window_start(q0, self.window)
 
     def rects(self, q: Range, k: Range) -> list[Rect] | None:
         """The rectangles of block (queries ``q``, keys ``k``; equal or disjoint ranges): ``[]`` to skip it,
@@ -101,19 +137,22 @@ class BlockRules:
         if self._skips(q, k):
             return []
         (q0, q1), (k0, k1) = q, k
+        documents = self.segmentation(min(q0, k0), max(q1, k1))
+        if documents is not None and not documents.shares_document(q, k):  # no shared document or attention chunk
+            return []
         diagonal = self.causal and q == k
         window_cuts = self.window is not None and k0 < window_start(q1 - 1, self.window)
-        if self.documents is None:
+        if documents is None:
             if not diagonal and not window_cuts:
                 return None
             pieces = [Rect(slice(None), 0, q1 - q0, 0, k1 - k0, diagonal)]
         else:
             pieces = [Rect(s.batch, s.q_lo, s.q_hi, s.k_lo, s.k_hi, s.causal)
-                      for s in self.documents.segments(q, k, diagonal)]
+                      for s in documents.segments(q, k, diagonal)]
             # whole: one document holds the block in every sample (one piece for all, or one per sample)
             block = (0, q1 - q0, 0, k1 - k0, False)
             whole = all((r.q_lo, r.q_hi, r.k_lo, r.k_hi, r.causal) == block for r in pieces) and (
-                pieces[0].batch == slice(None) or len(pieces) == len(self.documents.starts))
+                pieces[0].batch == slice(None) or len(pieces) == len(documents.starts))
             if whole and not window_cuts:
                 return None
         if self.window is None:

@@ -47,9 +47,9 @@ def block_forward(
 ) -> tuple[Tensor, Tensor]:
     """``kernel.forward`` on a block (``rects`` ``None``: full), or on each of its rectangles (or their pieces).
 
-    ``q`` ``[batch, C_q, heads, head_dim]``, ``k``/``v`` ``[batch, C_k, kv_heads, head_dim]``; returns
-    ``out`` like ``q`` (in the accumulation dtype where pieces were merged) and ``lse`` ``[batch, heads,
-    C_q]`` (``-inf`` on rows no rectangle covers).
+    ``q`` ``[batch, C_q, heads, head_dim]``, ``k`` ``[batch, C_k, kv_heads, head_dim]``, ``v`` ``[batch, C_k,
+    kv_heads, v_head_dim]``; returns ``out`` ``[batch, C_q, heads, v_head_dim]`` (in the accumulation dtype where
+    pieces were merged) and ``lse`` ``[batch, heads, C_q]`` (``-inf`` on rows no rectangle covers).
     """
     if rects is None:
         return kernel.forward(q, k, v, False, scale, None, softcap)
@@ -59,7 +59,7 @@ def block_forward(
     b, c_q, h, _ = q.shape
     acc = accumulate_dtype(q.dtype)
     merged = any(len(pieces) > 1 for pieces in calls)
-    out = torch.zeros(q.shape, dtype=acc if merged else q.dtype, device=q.device)
+    out = torch.zeros(b, c_q, h, v.shape[-1], dtype=acc if merged else q.dtype, device=q.device)
     lse = torch.full((b, h, c_q), float("-inf"), dtype=acc, device=q.device)
     for pieces in calls:
         for r in pieces:

@@ -30,7 +30,8 @@ class ChunkSource(Protocol):
         ...
 
     def kv(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
-        """k and v ``[batch, hi - lo, kv_heads, head_dim]``, ``kv_heads`` already replicated to a multiple of P."""
+        """k ``[batch, hi - lo, kv_heads, head_dim]`` and v ``[batch, hi - lo, kv_heads, v_head_dim]`` (``v_head_dim``
+        may differ), ``kv_heads`` already replicated to a multiple of P."""
         ...
 
 
@@ -42,7 +43,7 @@ class ChunkSink(Protocol):
         ...
 
     def kv(self, lo: int, hi: int, dk: Tensor, dv: Tensor) -> None:
-        """``dk``, ``dv`` ``[batch, hi - lo, kv_heads, head_dim]``: final."""
+        """``dk`` ``[batch, hi - lo, kv_heads, head_dim]``, ``dv`` ``[batch, hi - lo, kv_heads, v_head_dim]``: final."""
         ...
 
     def result(self) -> tuple[Tensor | None, ...]:
@@ -68,6 +69,6 @@ class PipelineEnds(Protocol):
     def sink(self, dout: Tensor, dtype: torch.dtype, *saved: Tensor) -> ChunkSink:
         """The backward's sink; its ``result()`` is one gradient (or ``None``) per input, in order.
 
-        ``dout`` ``[batch, s_local, n_heads, head_dim]``; ``dtype`` that of the source's q chunks.
+        ``dout`` ``[batch, s_local, n_heads, v_head_dim]``; ``dtype`` that of the source's q chunks.
         """
         ...

@@ -32,15 +32,26 @@ def last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def dense_head_dim(x: Tensor) -> Tensor:
-    """Last dim contiguous and padded with zeros to a multiple of 8, as the flash kernels require.
+def common_head_dim(q: Tensor, v: Tensor, multiple: int = 8) -> int:
+    """The one head width a fused op gets q, k and v at: the wider of q's (and k's) and v's, rounded up to a
+    multiple of ``multiple``. The fused kernels take a single head width (flash-attn, torch's flash ops);
+    multi-head latent attention (DeepSeek-V2/V3, MiniCPM3) has v narrower than q and k, and any model may have it
+    wider: :func:`dense_head_dim` pads the others to it."""
+    d = max(q.shape[-1], v.shape[-1])
+    return -(-d // multiple) * multiple
+
+
+def dense_head_dim(x: Tensor, width: int | None = None) -> Tensor:
+    """Last dim contiguous and padded with zeros to ``width`` (default: a multiple of 8), as the flash kernels
+    require (:func:`common_head_dim` gives q, k and v one width).
 
     Zero columns change no score (the scale is always passed explicitly), give zero output columns and
     zero gradient columns; callers slice them off.
     """
     x = last_dim_contiguous(x)
     d = x.shape[-1]
-    return x if d % 8 == 0 else F.pad(x, (0, 8 - d % 8))
+    width = -(-d // 8) * 8 if width is None else width
+    return x if d == width else F.pad(x, (0, width - d))
 
 
 def visible_keys(s_q: int, s_k: int, causal: bool, lower: int | None, device: torch.device) -> Tensor | None:
@@ -102,18 +113,18 @@ def efficient_bias(q: Tensor, k: Tensor, lower: int | None) -> Tensor | None:
 
 
 def flash_op_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    d = q.shape[-1]
-    qt, kt, vt = (dense_head_dim(x).transpose(1, 2) for x in (q, k, v))  # [b, heads or kv_heads, s, d8]
+    width = common_head_dim(q, v)
+    qt, kt, vt = (dense_head_dim(x, width).transpose(1, 2) for x in (q, k, v))  # [b, heads or kv_heads, s, d8]
     # -> (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)[:2]
-    return out.transpose(1, 2)[..., :d], lse  # lse [b, h, s_q] float32
+    return out.transpose(1, 2)[..., :v.shape[-1]], lse  # lse [b, h, s_q] float32
 
 
 def flash_op_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    d = q.shape[-1]
-    dot, qt, kt, vt, ot = (dense_head_dim(x.to(q.dtype)).transpose(1, 2) for x in (dout, q, k, v, out))
+    d, width = q.shape[-1], common_head_dim(q, v)
+    dot, qt, kt, vt, ot = (dense_head_dim(x.to(q.dtype), width).transpose(1, 2) for x in (dout, q, k, v, out))
     rng_state, unused = unused_rng_state(True, q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dot, qt, kt, vt, ot, lse.to(torch.float32).contiguous(),
@@ -121,16 +132,16 @@ def flash_op_backward(
         q.shape[1], k.shape[1],  # max_q/max_k: the dense forward returns the two sequence lengths
         0.0, causal, rng_state, unused, scale=scale,
     )
-    return dq.transpose(1, 2)[..., :d], dk.transpose(1, 2)[..., :d], dv.transpose(1, 2)[..., :d]
+    return dq.transpose(1, 2)[..., :d], dk.transpose(1, 2)[..., :d], dv.transpose(1, 2)[..., :v.shape[-1]]
 
 
 def efficient_op_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, bias: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    s_q, h, d = q.shape[1], q.shape[2], q.shape[3]
+    s_q, h, width = q.shape[1], q.shape[2], common_head_dim(q, v)
     # [b, h, s, d8] with equal head counts; the head dim padded as for the flash op (torch's sdpa sends this op
-    # only head dims of a multiple of 8 in half precision, 4 in float32)
-    qt, kt, vt = (dense_head_dim(x).transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h)))
+    # only head dims of a multiple of 8 in half precision, 4 in float32), v to the same width
+    qt, kt, vt = (dense_head_dim(x, width).transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h)))
     # -> (output, log_sumexp, philox_seed, philox_offset)
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         qt, kt, vt, bias, True, 0.0, causal, scale=scale
@@ -140,20 +151,20 @@ def efficient_op_forward(
             f"SdpaKernel: the memory-efficient op returned an lse of length {lse.shape[-1]} for {s_q} queries,"
             f" not the {efficient_lse_len(s_q)} its backward is fed; this torch build changed its padding."
         )
-    return out.transpose(1, 2)[..., :d], lse[..., :s_q]
+    return out.transpose(1, 2)[..., :v.shape[-1]], lse[..., :s_q]
 
 
 def efficient_op_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
     bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    s_q, h, g, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    s_q, h, g, d, width = q.shape[1], q.shape[2], k.shape[2], q.shape[3], common_head_dim(q, v)
     qt, kt, vt, dot = (
-        dense_head_dim(x).transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h), dout.to(q.dtype))
+        dense_head_dim(x, width).transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h), dout.to(q.dtype))
     )
     # The kernel is given only out's batch and head strides and assumes the rest of the forward's output
     # strides, [b, s, h, d8] contiguous (dense_head_dim pads into a fresh contiguous tensor, or keeps a dense one).
-    ot = dense_head_dim(out.to(q.dtype).contiguous()).transpose(1, 2)
+    ot = dense_head_dim(out.to(q.dtype).contiguous(), width).transpose(1, 2)
     # The merged lse [b, h, s_q] re-padded to the forward's length. The kernel reads whole 32-row tiles
     # without bound checks; +inf, what the forward writes there, makes P = exp(S - lse) = 0 on those rows.
     lse_padded = F.pad(lse.to(torch.float32), (0, efficient_lse_len(s_q) - s_q), value=math.inf)
@@ -163,5 +174,5 @@ def efficient_op_backward(
         bias,  # attn_bias: the forward's (a window's edge), or undefined as it was there
         ot, lse_padded, philox_seed, philox_offset, 0.0, [True, True, True, False], causal, scale=scale,
     )
-    dq, dk, dv = (x.transpose(1, 2)[..., :d] for x in (dq, dk, dv))
+    dq, dk, dv = (x.transpose(1, 2)[..., :n] for x, n in ((dq, d), (dk, d), (dv, v.shape[-1])))
     return dq, sum_kv_grad(dk, g), sum_kv_grad(dv, g)

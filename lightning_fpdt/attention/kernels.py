@@ -5,8 +5,10 @@ Every backend implements::
     forward(q, k, v, causal, scale, lower=None, softcap=None) -> (out, lse)
     backward(dout, q, k, v, out, lse, causal, scale, lower=None, softcap=None) -> (dq, dk, dv)
 
-with ``q`` ``[batch, seq_q, heads, head_dim]``, ``k``/``v`` ``[batch, seq_k, kv_heads, head_dim]``
-(``heads`` a multiple of ``kv_heads``), ``out`` like ``q``, ``lse`` ``[batch, heads, seq_q]`` in
+with ``q`` ``[batch, seq_q, heads, head_dim]``, ``k`` ``[batch, seq_k, kv_heads, head_dim]`` and ``v``
+``[batch, seq_k, kv_heads, v_head_dim]`` (``heads`` a multiple of ``kv_heads``; ``v_head_dim`` any width:
+multi-head latent attention's v is narrower than q and k), ``out`` ``[batch, seq_q, heads, v_head_dim]``,
+``lse`` ``[batch, heads, seq_q]`` in
 float32 (float64 for float64 inputs). ``causal`` is only used on diagonal blocks, where
 ``seq_q == seq_k``. ``backward`` takes the *final* ``out`` and ``lse`` of the whole row (after the
 online merge over all key blocks, attention sinks included), which is what makes per-block backward exact.
@@ -16,7 +18,10 @@ sees key ``b`` only if ``b - a >= lower``; every row must see at least one key. 
 attention-logit cap, ``cap * tanh(s / cap)`` on the scaled scores ``s`` before the softmax. ``math``
 computes both; ``sdpa`` is handed a cut rectangle in unmasked pieces (``edge_band``: its fused ops compute
 every pair of a masked call) and runs a softcapped block on ``math`` (its fused ops cannot cap), in the
-block's own memory; ``flash_attn`` passes ``window_size`` and ``softcap``.
+block's own memory; ``flash_attn`` passes ``window_size`` and ``softcap``. ``math`` computes a v of another
+width directly; the fused ops take one head width, so ``sdpa`` and ``flash_attn`` pad q, k and v with zero
+columns to a common one (``fused_ops.common_head_dim``: exact, the zero columns add nothing to a score and the
+output's and gradients' padded columns are sliced off).
 
 Backends: ``math`` (pure torch, any dtype: the reference), ``sdpa`` (torch's fused kernels through
 the aten ops that return the log-sum-exp), ``flash_attn`` (the flash-attn package, CUDA).
@@ -33,6 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_fpdt.attention.fused_ops import (
+    common_head_dim,
     dense_head_dim,
     edge_bias,
     efficient_bias,
@@ -68,9 +74,11 @@ def check_softcap(softcap: float | None) -> None:
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+    if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3] or q.shape[0] != k.shape[0]
+            or q.shape[3] != k.shape[3]):
         raise ValueError(
-            f"Attention expects q [batch, seq, heads, head_dim] and k, v of equal shape; got"
+            f"Attention expects q [batch, seq, heads, head_dim], k [batch, seq_k, kv_heads, head_dim] and v"
+            f" [batch, seq_k, kv_heads, v_head_dim] (v's width may differ, q's and k's may not); got"
             f" q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
         )
     if q.shape[2] % k.shape[2] != 0:
@@ -191,14 +199,14 @@ class SdpaKernel:
             out, lse = self.forward(q.flip(1), k.flip(1), v.flip(1), True, scale)
             return out.flip(1), lse.flip(-1)
         if q.device.type == "cpu":
-            h = q.shape[2]
-            # aten wants [b, h, s, d]
-            qt, kt, vt = (x.transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h)))
+            h, width = q.shape[2], common_head_dim(q, v, multiple=1)
+            # aten wants [b, h, s, d], q, k and v of one width (it refuses "Q/K/V should have the same head size")
+            qt, kt, vt = (dense_head_dim(x, width).transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h)))
             mask = None if lower is None else edge_bias(q.shape[1], k.shape[1], lower, q.dtype, q.device)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qt, kt, vt, 0.0, causal, attn_mask=mask, scale=scale
             )
-            return out.transpose(1, 2), lse
+            return out.transpose(1, 2)[..., :v.shape[-1]], lse
         if q.dtype in HALF_DTYPES and lower is None:
             return flash_op_forward(q, k, v, causal, scale)
         return efficient_op_forward(q, k, v, causal, scale, efficient_bias(q, k, lower))
@@ -214,16 +222,16 @@ class SdpaKernel:
             dq, dk, dv = self.backward(*(x.flip(1) for x in (dout, q, k, v, out)), lse.flip(-1), True, scale)
             return dq.flip(1), dk.flip(1), dv.flip(1)
         if q.device.type == "cpu":
-            h, g = q.shape[2], k.shape[2]
-            qt, kt, vt, ot, dot = (
-                x.transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h), out, dout.to(q.dtype))
-            )
+            h, g, width = q.shape[2], k.shape[2], common_head_dim(q, v, multiple=1)
+            qt, kt, vt, ot, dot = (dense_head_dim(x, width).transpose(1, 2)
+                                   for x in (q, repeat_kv(k, h), repeat_kv(v, h), out, dout.to(q.dtype)))
             lse = lse.to(accumulate_dtype(q.dtype)).contiguous()
             mask = None if lower is None else edge_bias(q.shape[1], k.shape[1], lower, q.dtype, q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dot.contiguous(), qt, kt, vt, ot, lse, 0.0, causal, attn_mask=mask, scale=scale
             )
-            dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
+            d, dv_width = q.shape[-1], v.shape[-1]
+            dq, dk, dv = (x.transpose(1, 2)[..., :n] for x, n in ((dq, d), (dk, d), (dv, dv_width)))
             return dq, sum_kv_grad(dk, g), sum_kv_grad(dv, g)
         if q.dtype in HALF_DTYPES and lower is None:
             return flash_op_backward(dout, q, k, v, out, lse, causal, scale)
@@ -260,31 +268,31 @@ class FlashAttnKernel:
         softcap: float | None = None,
     ) -> tuple[Tensor, Tensor]:
         _check_shapes(q, k, v, causal)
-        d = q.shape[-1]
+        width = common_head_dim(q, v)  # flash-attn 2 takes one head width: v padded to q's, or q and k to v's
         left, right = flash_window(q.shape[1], k.shape[1], causal, lower)
-        q8, k8, v8 = (dense_head_dim(x) for x in (q, k, v))  # k/v keep their kv_heads
+        q8, k8, v8 = (dense_head_dim(x, width) for x in (q, k, v))  # k/v keep their kv_heads
         # flash-attn 2.7-2.8 -> (out, softmax_lse, S_dmask, rng_state); softcap 0.0 is no cap
         out, lse, _, _ = self._fa._flash_attn_forward(
             q8, k8, v8, 0.0, scale, causal=causal, window_size_left=left, window_size_right=right,
             softcap=softcap or 0.0, alibi_slopes=None, return_softmax=False,
         )
-        return out[..., :d], lse
+        return out[..., :v.shape[-1]], lse
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
         lower: int | None = None, softcap: float | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         _check_shapes(q, k, v, causal)
-        d = q.shape[-1]
+        d, width = q.shape[-1], common_head_dim(q, v)
         left, right = flash_window(q.shape[1], k.shape[1], causal, lower)
-        do8, q8, k8, v8, o8 = (dense_head_dim(x.to(q.dtype)) for x in (dout, q, k, v, out))
+        do8, q8, k8, v8, o8 = (dense_head_dim(x.to(q.dtype), width) for x in (dout, q, k, v, out))
         dq, dk, dv = torch.empty_like(q8), torch.empty_like(k8), torch.empty_like(v8)
         # fills dq, dk, dv; rng_state (unread without dropout) left at its default None
         self._fa._flash_attn_backward(
             do8, q8, k8, v8, o8, lse.to(torch.float32).contiguous(), dq, dk, dv, 0.0, scale, causal,
             left, right, softcap or 0.0, None, False,
         )
-        return dq[..., :d], dk[..., :d], dv[..., :d]
+        return dq[..., :d], dk[..., :d], dv[..., :v.shape[-1]]
 
 
 def flash_window(s_q: int, s_k: int, causal: bool, lower: int | None) -> tuple[int, int]:

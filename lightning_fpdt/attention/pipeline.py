@@ -9,8 +9,8 @@ Forward, for each query chunk ``i``: all-to-all ``q_i, k_i, v_i``; attend ``q_i`
 for ``j <= i`` (causal; all ``j`` otherwise), the diagonal block first while it is on the device,
 then ``j = 0, 1, ...``; merge with :func:`update_out_and_lse` (then each head's sink logit, if any);
 all-to-all the output chunk back. Which blocks run, and on what part of themselves, is decided by
-:class:`~lightning_fpdt.attention.blocks.BlockRules` (causality, documents, a sliding window): a skipped
-block is absent from both passes' schedules, so it gets no prefetch, copy or kernel.
+:class:`~lightning_fpdt.attention.blocks.BlockRules` (causality, documents, a sliding window, attention
+chunks): a skipped block is absent from both passes' schedules, so it gets no prefetch, copy or kernel.
 
 Backward: outer loop over key/value chunks ``j``, inner loop over query chunks ``i`` (``i >= j``
 when causal). After outer step ``j``, dk_j and dv_j (and for causal attention dq_j) are final and go
@@ -67,11 +67,12 @@ class PipelineOptions:
 
     ``overlap_comm``: asynchronous all-to-alls overlapping the attention (module docstring); ``False``
     runs each to completion where it is issued (same results bit for bit; for comparisons).
-    ``window``: a sliding window (tokens a query sees, itself included); ``softcap``: the attention-logit
-    cap (``cap * tanh(s / cap)``); both ``None`` when off.
+    ``window``: a sliding window (tokens a query sees, itself included); ``attention_chunk_size``: chunked
+    attention (:class:`~lightning_fpdt.attention.blocks.BlockRules`); ``softcap``: the attention-logit
+    cap (``cap * tanh(s / cap)``); each ``None`` when off.
 
     Raises:
-        ValueError: a window below 1 or without causality, a softcap that is not positive.
+        ValueError: a window or attention chunk below 1 or without causality, a softcap that is not positive.
     """
 
     group: ProcessGroup | None
@@ -85,6 +86,7 @@ class PipelineOptions:
     documents: PackedDocuments | None = None
     window: int | None = None
     softcap: float | None = None
+    attention_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         self.rules  # noqa: B018 (validates the window against causality now, not at the first block)
@@ -93,7 +95,7 @@ class PipelineOptions:
     @property
     def rules(self) -> BlockRules:
         """What each block computes (``lightning_fpdt.attention.blocks``)."""
-        return BlockRules(self.causal, self.window, self.documents)
+        return BlockRules(self.causal, self.window, self.documents, self.attention_chunk_size)
 
     @classmethod
     def for_chunk_size(cls, group: ProcessGroup | None, chunk_size: int | None, **options: Any) -> PipelineOptions:
@@ -113,8 +115,8 @@ def pipeline_forward(
     source: ChunkSource, opt: PipelineOptions, store: ChunkStore, save_for_backward: bool = True,
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention output ``[b, s_local, h, d]`` and lse ``[b, h/P, S]`` (head-sharded, layout order; with the
-    ``sinks`` ``[h/P]`` of this rank's heads joined to every row, when given).
+    """Attention output ``[b, s_local, h, d_v]`` (``d_v`` v's head width) and lse ``[b, h/P, S]`` (head-sharded,
+    layout order; with the ``sinks`` ``[h/P]`` of this rank's heads joined to every row, when given).
 
     With ``save_for_backward`` the query-side chunks (q, out, lse) stay in ``store`` for
     :func:`pipeline_backward`; without it only k/v pass through the store, for this forward's own use.
@@ -157,7 +159,7 @@ def pipeline_forward(
         with named_range("fpdt/all_to_all"):
             out_c = pending.wait()  # [b, C_i / P, h, d]
         if out is None:
-            out = out_c.new_empty(b, s_local, h, d)
+            out = out_c.new_empty(b, s_local, h, out_c.shape[-1])  # v's width (multi-head latent attention: not q's)
         out[:, lo:hi] = out_c
 
     if not opt.causal:  # every query chunk needs every key chunk: gather them all first

@@ -1,7 +1,8 @@
 """The two ends the FPDT pipeline runs between (the ``ChunkSource`` / ``ChunkSink`` protocols of ``ends.py``).
 
 - Whole tensors (:class:`TensorEnds`, for ``fpdt_attention``): the source slices q, k, v
-  ``[batch, s_local, heads, head_dim]``; the sink writes dq, dk, dv into whole tensors.
+  ``[batch, s_local, heads, head_dim]`` (v's head width may differ: :func:`check_qkv_shapes`); the sink writes
+  dq, dk, dv into whole tensors.
 - Projections (:class:`ProjectionEnds`, for any :class:`ProjectedAttention` such as ``FPDTAttention``):
   the source computes the q/k/v projections and RoPE of one chunk of the block's input ``x``
   ``[batch, s_local, hidden]`` when the pipeline asks for it; the sink runs their backward chunk by chunk
@@ -48,8 +49,32 @@ class ProjectedAttention(Protocol):
     context: SequenceParallelContext
 
 
+def check_qkv_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Raises ``ValueError`` unless q ``[b, s_local, h, d]``, k ``[b, s_local, kv_heads, d]`` and v ``[b, s_local,
+    kv_heads, d_v]`` fit together: q and k of one head width (their dot products are the scores), v of any
+    (multi-head latent attention's is narrower), one batch and length, k and v one head count."""
+    problem = None
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        problem = "each must have 4 dims"
+    elif not q.shape[:2] == k.shape[:2] == v.shape[:2]:
+        problem = "batch and local length (dims 0, 1) must agree"
+    elif k.shape[2] != v.shape[2]:
+        problem = "k and v must have one head count (dim 2)"
+    elif q.shape[3] != k.shape[3]:
+        problem = ("q and k must have one head width (dim 3: their dot products are the scores; only v's may"
+                   " differ): project them to one width (multi-head latent attention concatenates the rotary part to"
+                   " both)")
+    if problem is not None:
+        raise ValueError(
+            "fpdt_attention expects q [batch, seq_local, n_heads, head_dim], k [batch, seq_local, n_kv_heads,"
+            f" head_dim] and v [batch, seq_local, n_kv_heads, v_head_dim]; got q {tuple(q.shape)}, k"
+            f" {tuple(k.shape)}, v {tuple(v.shape)}: {problem}."
+        )
+
+
 class TensorChunkSource:
-    """Local chunks as slices of whole q ``[b, s_local, h, d]`` and k, v ``[b, s_local, kv_heads, d]``."""
+    """Local chunks as slices of whole q ``[b, s_local, h, d]``, k ``[b, s_local, kv_heads, d]`` and v
+    ``[b, s_local, kv_heads, d_v]``."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         self._q, self._k, self._v = q, k, v
@@ -63,13 +88,16 @@ class TensorChunkSource:
 
 
 class TensorChunkSink:
-    """Final gradient chunks written into whole preallocated dq ``[b, s_local, h, d]``, dk and dv."""
+    """Final gradient chunks written into whole preallocated dq ``[b, s_local, h, d]``, dk ``[b, s_local,
+    kv_heads, d]`` and dv ``[b, s_local, kv_heads, d_v]`` (``d_v``: dout's width; ``d``: ``head_dim``, or
+    ``d_v`` when ``None``)."""
 
-    def __init__(self, dout: Tensor, kv_heads: int, dtype: torch.dtype) -> None:
-        b, s_local, h, d = dout.shape
+    def __init__(self, dout: Tensor, kv_heads: int, dtype: torch.dtype, head_dim: int | None = None) -> None:
+        b, s_local, h, d_v = dout.shape
+        d = d_v if head_dim is None else head_dim
         self.dq = torch.empty(b, s_local, h, d, dtype=dtype, device=dout.device)
         self.dk = torch.empty(b, s_local, kv_heads, d, dtype=dtype, device=dout.device)
-        self.dv = torch.empty_like(self.dk)
+        self.dv = torch.empty(b, s_local, kv_heads, d_v, dtype=dtype, device=dout.device)
 
     def q(self, lo: int, hi: int, dq: Tensor) -> None:
         self.dq[:, lo:hi] = dq
@@ -84,9 +112,11 @@ class TensorChunkSink:
 
 @dataclass(frozen=True)
 class TensorEnds:
-    """Pipeline inputs ``(q, k, v)``; gradients ``(dq, dk, dv)``. ``kv_heads``: k's head count."""
+    """Pipeline inputs ``(q, k, v)``; gradients ``(dq, dk, dv)``. ``kv_heads``: k's head count; ``head_dim``: q's
+    and k's head width (``None``: v's, the output's)."""
 
     kv_heads: int
+    head_dim: int | None = None
 
     def source(self, q: Tensor, k: Tensor, v: Tensor) -> TensorChunkSource:
         return TensorChunkSource(q, k, v)
@@ -95,7 +125,7 @@ class TensorEnds:
         return ()  # the backward reads the chunks the forward put in the store, never the whole q/k/v
 
     def sink(self, dout: Tensor, dtype: torch.dtype) -> TensorChunkSink:
-        return TensorChunkSink(dout, self.kv_heads, dtype)
+        return TensorChunkSink(dout, self.kv_heads, dtype, self.head_dim)
 
 
 class ProjectionChunkSource:

@@ -44,7 +44,7 @@ def ulysses_attention(
     softcap: float | None = None,
 ) -> Tensor:
     """Sequence shards ``[b, S/P, h, d]`` in, output shard out; k/v heads already shardable over P. Sliding
-    windows, documents and sinks take the pipeline (``fpdt_attention``), which plans their blocks."""
+    windows, attention chunks, documents and sinks take the pipeline (``fpdt_attention``), which plans their blocks."""
     with named_range("fpdt/all_to_all"):
         q, k, v = (SeqToHead.apply(x, group) for x in (q, k, v))  # [b, S, h/P, d]
     out = KernelAttentionFunction.apply(q, k, v, kernel, causal, scale, softcap)
