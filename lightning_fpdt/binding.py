@@ -97,7 +97,7 @@ class DecoderLayer:
         hidden_size: width of its input and output.
         n_heads: query heads of its attention.
         n_kv_heads: key/value heads.
-        head_dim: per-head width of q, k and v.
+        head_dim: per-head width of q and k (and of v unless ``v_head_dim``).
         mlp: its MLP as written (inside any tiling); ``None`` if it has no MLP module.
         mlp_tiled: whether the MLP runs in recomputed sequence tiles.
         norms: its norm modules (LayerNorm keeps only its input for backward; RMSNorm also its output).
@@ -106,6 +106,11 @@ class DecoderLayer:
         attention: whether it has an attention layer (a hybrid's gated delta-net or Mamba-2 layer may not).
         mixers: what its sequence-parallel modules besides attention keep (:class:`SequenceMixerMemory`: a gated
             delta-net, a Mamba-2 mixer, a short convolution).
+        v_head_dim: per-head width of v and of the attention output where it differs from ``head_dim`` (multi-head
+            latent attention); ``None``: ``head_dim``.
+        experts: a block of routed experts the layer runs beside its MLP (Gemma-4), or ``None``.
+        experts_per_token: the routed experts per token where the layer's router does not say (``None``: it does,
+            or no experts).
     """
 
     name: str
@@ -120,6 +125,9 @@ class DecoderLayer:
     chunked_projections: bool = True
     attention: bool = True
     mixers: tuple[SequenceMixerMemory, ...] = ()
+    v_head_dim: int | None = None
+    experts: nn.Module | None = None
+    experts_per_token: int | None = None
 
 
 @runtime_checkable

@@ -4,8 +4,9 @@ Each family is built tiny from its config with the attention features its real c
 windows SHORTER than the test sequence (32 tokens, so they cut and skip blocks; none a multiple of the 8-token
 chunks), the released softcaps, and the released mix of sliding and full layers (with each family's own
 per-layer rule: Gemma-3's local RoPE base, Cohere2's RoPE on sliding layers only, EXAONE-4's global layers without
-RoPE). One ``Trainer.fit`` step under ``FPDTStrategy`` equals plain transformers in one process (float64, loss and
-every gradient within 1e-10), with the oracle of ``tests/test_hf_causal_lm.py``: sdpa where the family has it,
+RoPE; Llama-4's chunked attention, 6-token attention chunks, with NoPE layers whose query scale depends on
+position). One ``Trainer.fit`` step under ``FPDTStrategy`` equals plain transformers in one process (float64, loss
+and every gradient within 1e-10), with the oracle of ``tests/test_hf_causal_lm.py``: sdpa where the family has it,
 else eager attention in float64 with transformers' own masks, so the window the FPDT path reads from the layer's
 call is checked against the mask transformers builds, not against itself.
 """
@@ -24,6 +25,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GptOssConfig,
+    Llama4TextConfig,
     LlamaConfig,
     MistralConfig,
     Olmo3Config,
@@ -33,12 +35,13 @@ from transformers import (
     masking_utils,
 )
 from transformers.models.cohere2.modeling_cohere2 import Cohere2LayerNorm
+from transformers.models.llama4 import modeling_llama4
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.hf import attention as hf_attention
 from lightning_fpdt.hf.masks import MaskRule, read_mask_rule
 from lightning_fpdt.models import HFCausalLM
-from tests.helpers import TokenDataset, assert_same_step
+from tests.helpers import TokenDataset, assert_same_step, in_float64
 from tests.test_hf_causal_lm import (
     HEADS,
     SEQ,
@@ -79,6 +82,12 @@ def _released(family: str, kv_heads: int) -> PretrainedConfig:
         # sinks, window on alternate layers; experts (H10's MoE support) with no auxiliary loss asked for
         "gpt_oss": lambda: GptOssConfig(head_dim=8, sliding_window=4, layer_types=[SLIDING, FULL], num_local_experts=4,
                                         num_experts_per_tok=2, output_router_logits=False, **gqa),
+        # chunked attention (6 tokens, cut inside every 8-token pipeline chunk) on three RoPE layers, the fourth NoPE
+        # with full attention and temperature tuning (floor_scale 4: the scale varies within each rank's tokens);
+        # experts (sigmoid top-1 router, shared expert) on every second layer, as Maverick interleaves them
+        "llama4": lambda: Llama4TextConfig(head_dim=8, attention_chunk_size=6, floor_scale=4, intermediate_size_mlp=64,
+                                           interleave_moe_layer_step=2, num_local_experts=4,
+                                           **dict(gqa, num_hidden_layers=4)),
     }
     config = configs[family]()
     config._experts_implementation = "eager"  # the per-expert loop (grouped_mm has no float64 kernel)
@@ -98,6 +107,28 @@ def cohere_norm_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Cohere2LayerNorm, "forward", _cohere_norm_in_input_dtype)
 
 
+def _llama4_router_in_float64(self: torch.nn.Linear, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Llama4Router.forward`` with its sigmoid in the input's dtype (written out: its ``super()`` call keeps
+    ``in_float64`` from compiling it again)."""
+    logits = torch.nn.functional.linear(hidden, self.weight, self.bias)
+    top_value, top_index = torch.topk(logits, self.top_k, dim=1)
+    return torch.sigmoid(torch.full_like(logits, float("-inf")).scatter_(1, top_index, top_value)), logits
+
+
+@pytest.fixture(autouse=True)
+def llama4_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama-4's RMSNorm, q/k L2Norm, rotary and router sigmoid cast their input to float32 (and back): a float32
+    rounding of each token's activations and gradients, which a sum in another order can push across a rounding
+    boundary, and torch's float32 sigmoid on CPU differs by an ulp with the tensor's size (sigmoid(1.1009694) over
+    16 elements or 64: seen on one token's router score, 3e-8 in the gradients, a document run alone against the
+    packed batch). transformers' own code in float64 on both sides (``tests.helpers.in_float64``; the rotary angles
+    stay its float32 ones)."""
+    for cls in (modeling_llama4.Llama4TextRMSNorm, modeling_llama4.Llama4TextL2Norm):
+        monkeypatch.setattr(cls, "forward", in_float64(cls.forward))
+    monkeypatch.setattr(modeling_llama4.Llama4Router, "forward", _llama4_router_in_float64)
+    monkeypatch.setattr(modeling_llama4, "apply_rotary_emb", in_float64(modeling_llama4.apply_rotary_emb))
+
+
 @dataclass(frozen=True)
 class FamilyCase:
     family: str
@@ -114,7 +145,7 @@ class FamilyCase:
                          f"kv{self.kv_heads}"] + (["stack"] if self.stack else []))
 
 
-FAMILIES = ["gemma2", "gemma3", "mistral", "cohere2", "olmo3", "exaone4", "gpt_oss"]
+FAMILIES = ["gemma2", "gemma3", "mistral", "cohere2", "olmo3", "exaone4", "gpt_oss", "llama4"]
 
 CASES = [
     # every family at sp=2 with one KV head, 4 chunks of 8 tokens, offload emulation, on plain and packed batches
@@ -123,6 +154,8 @@ CASES = [
     FamilyCase("gemma2", sp=4, kv_heads=2),
     FamilyCase("gemma2", packed=True, sp=4, kv_heads=2),
     FamilyCase("gemma2", stack=True),
+    # attention chunks, the NoPE layer's temperature and the experts (tiled, flattened tokens) under the stack
+    FamilyCase("llama4", packed=True, sp=4, stack=True),
 ]
 
 
@@ -234,7 +267,7 @@ def test_mask_rules_are_read_from_transformers_mask_functions() -> None:
         sliding = masking_utils.and_masks(causal, masking_utils.sliding_window_overlay(window))
         assert read_mask_rule(sliding) == MaskRule(causal=True, window=window)
     chunked = masking_utils.and_masks(causal, masking_utils.chunked_overlay(8, torch.zeros(1, dtype=torch.long)))
-    assert not read_mask_rule(chunked).pattern
+    assert read_mask_rule(chunked) == MaskRule(causal=True, window=None, chunk=8)  # Llama-4's (test_chunked_attention)
     assert not read_mask_rule(masking_utils.bidirectional_mask_function).causal
 
 

@@ -19,7 +19,9 @@ Mask creation: transformers builds no mask for an implementation missing from it
 want: a ``[seq, seq]`` mask over sharded lengths would be wrong and large; causality and documents are the
 pipeline's. So are sliding windows: a sliding layer's window arrives as the ``sliding_window``
 argument of its call (``lightning_fpdt.hf.masks`` refuses a layer whose mask has a window its call does
-not pass).
+not pass). A chunked layer's attention chunk size (Llama-4) reaches no call: the mask probe records it on the
+layer. Llama-4's temperature-tuned NoPE layers scale q at local positions; ``lightning_fpdt.hf.temperature``
+rescales it to the tokens' own.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.binding import AttentionRecord, SequenceParallelContext
-from lightning_fpdt.hf.masks import check_mask_windows
+from lightning_fpdt.hf.masks import attention_chunk_size, check_mask_windows
+from lightning_fpdt.hf.temperature import tuned_queries, tunes_temperature
 from lightning_fpdt.packed_documents import PackedDocuments
 
 ATTN_IMPLEMENTATION = "lightning_fpdt"
@@ -144,7 +147,8 @@ def fpdt_attention_forward(
         module: the transformers attention layer (read for ``is_causal`` and its name in errors).
         query: ``[batch, n_heads, s_local, head_dim]``, this rank's tokens (FPDT layout), RoPE applied.
         key: ``[batch, n_kv_heads, s_local, head_dim]``; ``n_kv_heads`` may be below the SP size.
-        value: like ``key``.
+        value: ``[batch, n_kv_heads, s_local, v_head_dim]``; ``v_head_dim`` may differ from ``head_dim``
+            (multi-head latent attention: DeepSeek-V2/V3, MiniCPM3 pass v narrower than q and k).
         attention_mask: must be ``None``: causality and packed documents are handled by the pipeline.
         scaling: the layer's softmax scale (``query_pre_attn_scalar`` etc. already folded in).
         dropout: attention dropout probability; only 0 is supported.
@@ -159,7 +163,7 @@ def fpdt_attention_forward(
             transformers' eager attention reads). Refused: ``is_causal=False`` and a ``position_bias``.
 
     Returns:
-        ``([batch, s_local, n_heads, head_dim], None)``: the output and no attention weights.
+        ``([batch, s_local, n_heads, v_head_dim], None)``: the output and no attention weights.
 
     Raises:
         NotImplementedError: a feature the pipeline does not compute (see :func:`check_supported`).
@@ -178,6 +182,8 @@ def fpdt_attention_forward(
         fpdt_context, documents, fpdt_records = (delivered.get(k) for k in FPDT_KEYWORDS)
     ctx = fpdt_context or _ONE_PROCESS
     # [b, h, s_local, d] -> [b, s_local, h, d]: the pipeline's layout (s_local = S // sp)
+    if tunes_temperature(module):  # Llama-4's NoPE layers scaled q at local positions: at the tokens' own instead
+        query = tuned_queries(module, query, ctx.size, ctx.group, ctx.chunk_size, documents)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     record = AttentionRecord.for_call(q.shape[1], ctx)
     if fpdt_records is not None:
@@ -186,6 +192,7 @@ def fpdt_attention_forward(
         q, k, v, group=ctx.group, chunk_size=ctx.chunk_size, causal=True, backend=ctx.attention_backend,
         scale=scaling, offload=ctx.offload, documents=documents, stats_sink=record.sink,
         window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), sinks=_sinks(module, kwargs),
+        attention_chunk_size=attention_chunk_size(module),  # chunked layers: read from their mask (hf.masks)
     )
     return out, None  # [b, s_local, h, d], as transformers' own functions return it
 
@@ -235,6 +242,35 @@ def attention_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
     (the transformers convention for the layer that calls the attention function).
     """
     return [(name, m) for name, m in model.named_modules() if is_attention_layer(m)]
+
+
+def head_widths(config: Any) -> tuple[int, int]:
+    """``(q/k head width, v head width)`` of a transformers text config's attention layers.
+
+    Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, MiniCPM3, GLM-MoE-DSA, ...) attends with q and k of
+    ``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim`` and v of ``v_head_dim`` (its ``head_dim`` is the rotary
+    part only); other configs ``head_dim`` (or ``hidden_size / heads``), v the same unless they have their own
+    ``v_head_dim`` (MiMo-V2-Flash).
+    """
+    qk = getattr(config, "qk_head_dim", None)
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    if not isinstance(qk, int):
+        qk = nope + rope if isinstance(nope, int) and isinstance(rope, int) else None
+    if qk is None:
+        qk = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    v = getattr(config, "v_head_dim", None)
+    return qk, v if isinstance(v, int) else qk
+
+
+def layer_head_widths(layer: nn.Module, config: Any) -> tuple[int, int]:
+    """``(q/k head width, v head width)`` of attention layer ``layer``: its own ``qk_head_dim``/``head_dim`` and
+    ``v_head_dim`` where it has them (Gemma-4's full layers are wider than its sliding ones), else the config's
+    (:func:`head_widths`)."""
+    qk = next((w for name in ("qk_head_dim", "head_dim") if isinstance(w := getattr(layer, name, None), int)), None)
+    if qk is None:
+        return head_widths(config)
+    v = getattr(layer, "v_head_dim", None)
+    return qk, v if isinstance(v, int) else qk
 
 
 def check_supported(model: PreTrainedModel) -> bool:

@@ -82,12 +82,13 @@ def build_model(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None
     allow_missing = bool(from_pretrained_kwargs.pop(ALLOW_MISSING, False))
     if isinstance(model, PreTrainedModel):
         hf_config(model, from_pretrained_kwargs, overrides)  # refuses overrides
-        return model, None
+        return own_base_model(model), None
     if not isinstance(model, (str, os.PathLike)) or torch.get_default_device().type == "meta":
-        return AutoModelForCausalLM.from_config(hf_config(model, from_pretrained_kwargs, overrides)), None
+        built = from_config(hf_config(model, from_pretrained_kwargs, overrides))
+        return own_base_model(built), None
     deferred, problems = _on_meta(os.fspath(model), from_pretrained_kwargs, overrides, allow_missing)
     if deferred is not None:
-        return deferred
+        return own_base_model(deferred[0]), deferred[1]
     if overrides:  # into the config before the weights load: RoPE's buffers are computed from it at build
         from_pretrained_kwargs["config"] = hf_config(model, from_pretrained_kwargs, overrides)
     built, info = AutoModelForCausalLM.from_pretrained(model, output_loading_info=True, **from_pretrained_kwargs)
@@ -101,7 +102,38 @@ def build_model(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None
         rank_zero_info(f"HFCausalLM: {os.fspath(model)} holds tensors under other names or shapes than"
                        f" {type(built).__name__}'s ({len(problems)}, e.g. {problems[0]}); loaded it whole through"
                        " from_pretrained, which converts them (every rank holds the whole model until it is sharded).")
-    return built, None
+    return own_base_model(built), None
+
+
+def from_config(config: PretrainedConfig) -> PreTrainedModel:
+    """transformers' causal LM of ``config`` with random weights.
+
+    Raises:
+        ValueError: transformers' own constructor failed on ``config`` (a family whose defaults leave a size unset,
+            such as dots1's ``n_routed_experts``), naming the class, the error and the config's unset sizes.
+    """
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except (TypeError, ValueError, AttributeError, IndexError, AssertionError, RuntimeError) as error:
+        text = config.get_text_config()
+        unset = [k for k, v in vars(text).items() if v is None and not k.startswith("_")
+                 and any(word in k for word in ("num", "size", "experts", "dim", "rank", "group", "top"))]
+        hint = f"; the config leaves {', '.join(unset[:6])} unset (None): set them" if unset else ""
+        raise ValueError(
+            f"HFCausalLM: transformers could not build {type(config).__name__}'s causal LM from this config"
+            f" ({type(error).__name__}: {error}){hint}."
+        ) from error
+
+
+def own_base_model(model: PreTrainedModel) -> PreTrainedModel:
+    """``model`` with ``model.base_model`` its decoder (what the loss, the probes and the guards run): a causal LM
+    whose ``base_model_prefix`` names no attribute of its own has ``base_model`` the whole model (Llama-4's
+    ``Llama4ForCausalLM``: prefix ``language_model``, its decoder at ``model``, for multimodal checkpoints); then its
+    instance's prefix becomes ``"model"`` when that is its decoder. Its class and other instances keep theirs."""
+    decoder = getattr(model, "model", None)
+    if model.base_model is model and isinstance(decoder, PreTrainedModel):
+        model.base_model_prefix = "model"
+    return model
 
 
 def missing_weights_error(path: str, model_class: str, missing: list[str]) -> ValueError:

@@ -8,6 +8,10 @@ finds them: the model runs two tokens with an attention implementation whose mas
 mask but reads the rule transformers' mask function encodes (causal, and the window: the first distance a
 query far into the sequence no longer sees), and whose attention function records each layer's call. A
 layer whose call disagrees with its own mask is refused, naming both.
+
+Chunked attention (Llama-4's ``attention_chunk_size``: a query sees the earlier keys of its own chunk of that many
+tokens) reaches no layer's call at all: the probe reads the chunk size from the layer's mask and records it on the
+layer (:func:`attention_chunk_size`), where the FPDT attention function reads it at each call.
 """
 
 from __future__ import annotations
@@ -21,16 +25,24 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 
 _PROBE = "lightning_fpdt_mask_probe"
 _FAR = 1 << 40  # a query position beyond any window: the rule read there holds for every position
+_CHUNK = "_fpdt_attention_chunk_size"  # an attention layer's attribute: its chunked attention's chunk size
 
 
 @dataclass(frozen=True)
 class MaskRule:
     """The keys a query at position ``i`` sees under a layer's transformers mask: ``i - window + 1 .. i`` (causal,
-    ``window=None``: ``0 .. i``), or ``pattern=False`` when the mask is not of that form (e.g. chunked)."""
+    ``window=None``: ``0 .. i``); with ``chunk``, those of ``0 .. i`` in the query's attention chunk (``k // chunk
+    == i // chunk``: transformers' ``chunked_overlay``); or ``pattern=False`` when the mask is none of these."""
 
     causal: bool
     window: int | None
     pattern: bool = True
+    chunk: int | None = None
+
+    def __getitem__(self, rows: Any) -> MaskRule:
+        """The rule of some of the mask's rows: the same rule (a family may slice its masks, as Gemma-4 does for
+        the query positions of its KV-shared layers; the probe keeps every position)."""
+        return self
 
 
 def read_mask_rule(mask_function: Any) -> MaskRule:
@@ -50,11 +62,25 @@ def read_mask_rule(mask_function: Any) -> MaskRule:
             lo, hi = (mid + 1, hi) if sees(_FAR, _FAR - mid) else (lo, mid)
         window = lo
     rule = MaskRule(causal=causal, window=window)
-    for q in (_FAR + 7, 3 * _FAR // 2 + 1):  # the same rule at other positions, or not a window at all
-        for d in {0, 1, 2, *(() if window is None else (window - 1, window, window + 1))}:
-            if q - d >= 0 and sees(q, q - d) != (window is None or d < window):
-                return MaskRule(causal=causal, window=window, pattern=False)
-    return rule
+    if all(sees(q, q - d) == (window is None or d < window) for q, d in _checks(window)):
+        return rule  # the same rule at other positions
+    # chunked: the first query that no longer sees key 0 starts the second chunk
+    lo, hi = 1, _FAR  # query lo - 1 sees key 0, query hi does not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if sees(mid, 0) else (lo, mid)
+    if all(sees(q, q - d) == (d <= q % lo) for q, d in _checks(lo, (lo, 2 * lo - 1, 2 * lo, 5 * lo + 1))):
+        return MaskRule(causal=causal, window=None, chunk=lo)
+    return MaskRule(causal=causal, window=window, pattern=False)
+
+
+def _checks(size: int | None, extra: tuple[int, ...] = ()) -> list[tuple[int, int]]:
+    """(query, distance) pairs where a window or chunk of ``size`` shows: near its edges, far in and near the start."""
+    out = []
+    for q in (_FAR + 7, 3 * _FAR // 2 + 1, *extra):
+        edges = () if size is None else (size - 1, size, size + 1, q % size, q % size + 1)
+        out += [(q, d) for d in {0, 1, 2, *edges} if 0 <= d <= q]
+    return out
 
 
 def _probe_mask(*args: Any, mask_function: Any = None, **kwargs: Any) -> MaskRule:
@@ -72,8 +98,15 @@ AttentionInterface.register(_PROBE, _probe_attention)
 AttentionMaskInterface.register(_PROBE, _probe_mask)
 
 
+def attention_chunk_size(module: nn.Module) -> int | None:
+    """The attention chunk size the mask probe read from attention layer ``module``'s transformers mask (chunked
+    attention, which its call does not carry), or ``None``."""
+    return module.__dict__.get(_CHUNK)
+
+
 def check_mask_windows(model: PreTrainedModel, layers: list[tuple[str, nn.Module]]) -> bool:
-    """Refuse a layer whose transformers mask has a window (or another pattern) its attention call does not pass.
+    """Refuse a layer whose transformers mask has a window (or another pattern) its attention call does not pass;
+    record on each chunked layer its attention chunk size (:func:`attention_chunk_size`).
 
     Runs ``model`` on two tokens with the probe implementation, then restores its implementation. On the meta
     device (a model whose weights load later) the two tokens come with an all-ones ``attention_mask``, so
@@ -110,11 +143,16 @@ def check_mask_windows(model: PreTrainedModel, layers: list[tuple[str, nn.Module
         model.set_attn_implementation(before)
     for name, m in layers:
         rule, window = probed[name] if probed[name] is not None else (None, None)
+        m.__dict__.pop(_CHUNK, None)
         if not isinstance(rule, MaskRule) or not rule.causal:  # no mask made, or bidirectional (refused by is_causal)
+            continue
+        if rule.chunk is not None and window is None:  # chunked: no call carries it, the layer keeps it
+            m.__dict__[_CHUNK] = rule.chunk
             continue
         if not rule.pattern or rule.window != window:
             mask = f"a sliding window of {rule.window}" if rule.pattern and rule.window else (
-                "full causal attention" if rule.pattern else "a pattern that is not a sliding window (e.g. chunked)")
+                f"chunked attention of {rule.chunk} tokens" if rule.chunk else "full causal attention"
+                if rule.pattern else "a pattern that is neither a sliding window nor chunked attention")
             raise NotImplementedError(
                 f"HFCausalLM: layer {name} ({type(m).__name__}): transformers' mask for this layer has {mask}, but"
                 f" its attention call passes sliding_window={window}. Under FPDT no mask is built and the pipeline"

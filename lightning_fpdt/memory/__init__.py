@@ -99,8 +99,10 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     s_pad = -(-seq_len // p) * p
     t = batch_size * s_pad // p  # tokens per rank
     h, hd = shape.hidden_size, shape.head_dim or shape.hidden_size // shape.num_heads
-    qd = shape.num_heads * hd  # width of q and of the attention output per token (need not be h)
-    kv_eff = max(shape.num_kv_heads, p) * hd  # KV heads are replicated up to sp
+    vd = shape.v_head_dim or hd  # v's head width (multi-head latent attention: narrower than q's and k's)
+    qd, od = shape.num_heads * hd, shape.num_heads * vd  # widths of q and of the attention output (need not be h)
+    kv_heads = max(shape.num_kv_heads, p)  # KV heads are replicated up to sp
+    qkvo = qd + od + kv_heads * (hd + vd)  # q, out, k and v per token, KV heads replicated
     chunk = s_pad if chunk_size is None else min(chunk_size, s_pad)
     chunk_tokens_rank = batch_size * chunk // p  # one chunk, per rank
 
@@ -134,7 +136,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
             notes.append(f"offload_optimizer: {format_bytes(params + grads + opt)} of sharded state in host memory")
 
     # what one layer saves between its forward and its backward (bytes), by what it has (a hybrid's layers differ)
-    pipeline_saved = t * e * (2 * qd + 2 * kv_eff) + t * shape.num_heads * 4  # q, out, k, v chunks + lse
+    pipeline_saved = t * e * qkvo + t * shape.num_heads * 4  # q, out, k, v chunks + lse
     rope = 4 * t * hd * e if chunk_size is None else 0  # with chunking RoPE runs inside the pipeline
     mlp_saved = 0 if options.mlp_tiled else t * shape.mlp_intermediates * e
     kinds = shape.layer_kinds()
@@ -144,7 +146,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
         # intermediates; each sequence-parallel mixer's own (chunk inputs offloaded with the pipeline's chunks)
         saved = t * e * (4 + shape.norm_extras) * h + (mlp_saved if kind.mlp else 0)
         if kind.attention:
-            saved += t * e * qd + rope + (0 if device_only and options.offload else pipeline_saved)
+            saved += t * e * od + rope + (0 if device_only and options.offload else pipeline_saved)
         for m in kind.mixers:
             kept = m.saved(p, chunk_size, s_pad) - (m.offloaded(p) if device_only and options.offload else 0)
             saved += t * e * kept
@@ -177,14 +179,14 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
 
     # attention working set: the current and the prefetched chunk (one chunk: the whole local q/k/v
     # and their head-sharded copies)
-    chunk_buffers = 2 * min(chunk_tokens_rank, t) * (2 * qd + 2 * kv_eff) * e
+    chunk_buffers = 2 * min(chunk_tokens_rank, t) * qkvo * e
     if options.attention_backend == "math":  # it materializes a chunk pair's scores: S, P, dP and dS in backward
         chunk_global = min(chunk, s_pad)
         chunk_buffers += 4 * batch_size * (shape.num_heads // p or 1) * chunk_global**2 * max(e, 4)
 
     # Hugging Face layers project q/k/v for the whole local sequence before the pipeline: those and their
     # gradients exist while a layer's attention runs (forward, and its recomputation's backward)
-    qkv_local = 0 if shape.chunked_projections else 2 * t * (qd + 2 * shape.num_kv_heads * hd) * e
+    qkv_local = 0 if shape.chunked_projections else 2 * t * (qd + shape.num_kv_heads * (hd + vd)) * e
 
     # a sequence-parallel mixer's backward recomputes one chunk at a time: its kernel's float32 intermediates and
     # their gradients for one chunk's tokens of the rank, once the ops after the kernel have given theirs back

@@ -12,15 +12,22 @@ from __future__ import annotations
 from torch import nn
 
 
-def read_experts(mlp: nn.Module, hidden: int) -> tuple[int, int, int] | None:
-    """``(intermediate_size, mlp_projections, experts_per_token)`` of an MoE ``mlp`` with fused 3-D expert
-    weights and a router with an int ``top_k``; ``None`` for any other MLP."""
+def read_experts(mlp: nn.Module, hidden: int, top_k: int | None = None) -> tuple[int, int, int] | None:
+    """``(intermediate_size, mlp_projections, experts_per_token)`` of an MoE block with fused 3-D expert weights;
+    ``None`` for any other MLP.
+
+    ``top_k``: experts per token where no module of the block says (an int ``top_k`` or ``num_experts_per_tok``
+    attribute, as most routers have; Gemma-4's router has none). Shared experts beside the routed ones (DeepSeek-V3,
+    GLM-4.5-MoE: dense MLPs every token runs through) count as that many more experts per token, their intermediate
+    width over the routed experts' rounded up."""
     widths = []
     for p in mlp.parameters():
         if p.dim() == 3 and hidden in p.shape[1:]:
             widths.append(p.shape[2] if p.shape[1] == hidden else p.shape[1])  # the non-hidden width
-    top_k = next((m.top_k for m in mlp.modules() if isinstance(getattr(m, "top_k", None), int)), None)
-    if not widths or top_k is None:
+    found = next((k for m in mlp.modules() for name in ("top_k", "num_experts_per_tok")
+                  if isinstance(k := getattr(m, name, None), int) and not isinstance(k, bool)), top_k)
+    if not widths or found is None:
         return None
     inter = min(widths)  # down_proj's input; gate_up is twice as wide
-    return inter, max(1, sum(widths) // inter - 1), top_k
+    shared = sum(m.in_features for m in mlp.modules() if isinstance(m, nn.Linear) and m.out_features == hidden)
+    return inter, max(1, sum(widths) // inter - 1), found + -(-shared // inter)

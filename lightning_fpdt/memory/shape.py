@@ -43,7 +43,8 @@ class ModelShape:
         vocab_size: logits per token (the output projection's width).
         num_params: parameters of the whole model, each shared (tied) parameter once.
         tied_embeddings: the output projection shares the token embedding's weight.
-        head_dim: per-head width of q, k and v; ``None`` means ``hidden_size // num_heads``.
+        head_dim: per-head width of q and k (and of v unless ``v_head_dim``); ``None`` means ``hidden_size //
+            num_heads``.
         mlp_projections: linear layers producing the intermediate: 2 gated (SwiGLU's gate and up), 1 plain (GELU).
         block_params: parameters of one block (FSDP2 gathers it; every expert); ``None``: from ``num_params``.
         norm_extras: hidden-wide tensors a block's norms keep besides their input (LayerNorm 0, RMSNorm 1 each).
@@ -55,6 +56,8 @@ class ModelShape:
         experts_per_token: an MoE layer's ``top_k`` (1: dense): MLP activations count once per routed expert.
         layers: what each decoder layer has (:class:`LayerKind`), for a hybrid; ``None``: every layer an attention
             layer with an MLP.
+        v_head_dim: per-head width of v and of the attention output, where it differs from ``head_dim`` (multi-head
+            latent attention: DeepSeek-V2/V3, MiniCPM3); ``None`` means ``head_dim``.
     """
 
     hidden_size: int
@@ -74,10 +77,13 @@ class ModelShape:
     loss_tiles: int | None = None
     experts_per_token: int = 1
     layers: tuple[LayerKind, ...] | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
 
     def layer_kinds(self) -> tuple[LayerKind, ...]:
         """Each layer's :class:`LayerKind` (every one the default: attention and an MLP, unless :attr:`layers`)."""
@@ -99,7 +105,7 @@ class ModelShape:
 
         - the decoder layers (:func:`~lightning_fpdt.binding.decoder_layers`: the FPDT blocks, or the
           transformers decoder layers, sized from the model's config), which must all have the same shape:
-          ``hidden_size``, ``num_heads``, ``num_kv_heads`` and ``head_dim``;
+          ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim`` and ``v_head_dim``;
         - ``norm_extras``: 0 for each LayerNorm of a layer, 1 for any other norm (RMSNorm);
         - the MLP (inside its tiling if tiled): its output projection is its last ``nn.Linear`` back to
           ``hidden_size``; ``intermediate_size`` is that layer's ``in_features`` and ``mlp_projections`` is
@@ -133,11 +139,11 @@ class ModelShape:
         mlps = sorted({mlp for _, mlp, _, _ in read if mlp is not None})
         if len(shapes) > 1 or len(mlps) > 1:
             raise ValueError(
-                f"{name}: its decoder layers differ in shape (hidden, heads, kv heads, head_dim, norm extras:"
-                f" {shapes}; intermediate, MLP projections, experts per token: {mlps}); the memory model assumes one"
-                f" attention shape and one MLP shape: {_EXPLICIT}."
+                f"{name}: its decoder layers differ in shape (hidden, heads, kv heads, head_dim, v_head_dim, norm"
+                f" extras: {shapes}; intermediate, MLP projections, experts per token: {mlps}); the memory model"
+                f" assumes one attention shape and one MLP shape: {_EXPLICIT}."
             )
-        hidden, heads, kv_heads, head_dim, norm_extras = shapes[0]
+        hidden, heads, kv_heads, head_dim, v_head_dim, norm_extras = shapes[0]
         inter, projections, top_k = mlps[0] if mlps else (0, 2, 1)
         block_params = max(params for _, _, params, _ in read)  # FSDP2 gathers the largest layer too
         kinds = tuple(LayerKind(layer.attention, mlp is not None, layer.mixers)
@@ -166,20 +172,21 @@ class ModelShape:
         shape = cls(hidden, len(layers), heads, kv_heads, inter, vocab, num_params, tied, head_dim, projections,
                     block_params, norm_extras, all(layer.chunked_projections for layer in layers),
                     mlp_tiles=None if mlp_count == 1 else mlp_count, loss_tiles=None if loss_count == 1 else loss_count,
-                    experts_per_token=top_k, layers=None if all(k == LayerKind() for k in kinds) else kinds)
+                    experts_per_token=top_k, layers=None if all(k == LayerKind() for k in kinds) else kinds,
+                    v_head_dim=v_head_dim)
         return shape, {"mlp_tiled": all(tiled for _, mlp, _, tiled in read if mlp is not None),
                        "loss_tiled": loss_count != 1}
 
 
 def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], tuple[int, int, int] | None, int, bool]:
-    """``((hidden, heads, kv_heads, head_dim, norm_extras), (intermediate, mlp_projections, experts_per_token) or
-    None without an MLP, parameters, mlp_tiled)``; an MoE MLP is read by
+    """``((hidden, heads, kv_heads, head_dim, v_head_dim, norm_extras), (intermediate, mlp_projections,
+    experts_per_token) or None without an MLP, parameters, mlp_tiled)``; an MoE MLP is read by
     :func:`~lightning_fpdt.memory.experts.read_experts`."""
     hidden, mlp = layer.hidden_size, layer.mlp
     # LayerNorm's kernel keeps only its input (and per-token statistics); RMSNorm, torch's included, also
     # keeps the normalized values
     norm_extras = sum(not isinstance(norm, nn.LayerNorm) for norm in layer.norms)
-    dims = (hidden, layer.n_heads, layer.n_kv_heads, layer.head_dim, norm_extras)
+    dims = (hidden, layer.n_heads, layer.n_kv_heads, layer.head_dim, layer.v_head_dim or layer.head_dim, norm_extras)
     params = sum(p.numel() for p in layer.module.parameters())
     if mlp is None:
         if layer.attention or layer.mixers:  # a hybrid's attention-only or mixer-only layer (Nemotron-H)
@@ -187,7 +194,7 @@ def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], tuple[int, int, i
         raise ValueError(f"{layer.name} has no 'mlp' module, so its intermediate size cannot be read: {_EXPLICIT}.")
     linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)]
     back = [m for m in linears if m.out_features == hidden]
-    experts = None if back else read_experts(mlp, hidden)
+    experts = read_experts(mlp, hidden, layer.experts_per_token)
     if not back and experts is None:
         raise ValueError(
             f"{layer.name}: its MLP ({type(mlp).__name__}) has no nn.Linear back to hidden_size={hidden}, so its"
@@ -198,6 +205,11 @@ def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], tuple[int, int, i
         # gate and up (SwiGLU: 2), a fused gate_up (Phi-3: 2), fc (GeLU: 1): their width over the intermediate's
         widths = sum(m.out_features for m in linears if m is not down and m.out_features % down.in_features == 0)
         experts = (down.in_features, max(1, widths // down.in_features), 1)
+    beside = None if layer.experts is None else read_experts(layer.experts, hidden, layer.experts_per_token)
+    if beside is not None:  # experts beside the MLP (Gemma-4): as many more MLPs per token as their values take
+        inter, projections, per_token = experts
+        extra = beside[0] * beside[1] * beside[2]
+        experts = (inter, projections, per_token + -(-extra // (inter * projections)))
     return dims, experts, params, layer.mlp_tiled
 
 

@@ -1,0 +1,60 @@
+"""Llama-4's attention temperature tuning, at the positions each token really has under FPDT.
+
+Llama-4's NoPE layers (``attn_temperature_tuning``, ``use_rope=False``) scale their queries by ``log1p(floor((pos
++ 1) / floor_scale)) * attn_scale + 1`` (https://huggingface.co/papers/2501.19399), computed in float32 with ``pos =
+arange(hidden_states.shape[1])`` (``modeling_llama4.Llama4TextAttention.forward``): the LOCAL length. Under sequence
+sharding that is this rank's token count, in layout order, not the tokens' positions; within packed documents the
+position of a document run alone counts from its start. The attention function gets the already scaled queries, so
+:func:`tuned_queries` multiplies them by the ratio of the right scale to the one applied: ``q * s_local`` becomes
+``q * s_local * (s_true / s_local)``, ``q * s_true`` up to one rounding (the ratio in float32 or wider), and its
+gradient flows through both factors to exactly ``s_true`` times the incoming one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from lightning_fpdt.comm import group_rank
+from lightning_fpdt.layout import shard_indices
+from lightning_fpdt.packed_documents import PackedDocuments
+
+
+def tunes_temperature(module: nn.Module) -> bool:
+    """Whether ``module`` scales its queries by position as Llama-4's NoPE layers do."""
+    tuned = bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
+    return tuned and hasattr(module, "floor_scale") and hasattr(module, "attn_scale")
+
+
+def _scales(module: nn.Module, positions: Tensor) -> Tensor:
+    """The layer's scale at ``positions``, as transformers computes it (float32)."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+
+def token_positions(s_local: int, sp: int, rank: int, chunk_size: int | None,
+                    documents: PackedDocuments | None, device: torch.device) -> Tensor:
+    """``[batch or 1, s_local]``: the position of each of this rank's tokens in its document (global offsets in the
+    FPDT layout of ``chunk_size``, less the start of the document holding each)."""
+    offsets = shard_indices(s_local * sp, sp, rank, chunk_size).to(device)
+    if documents is None:
+        return offsets[None]
+    rows = []
+    for starts in documents.starts:
+        starts_t = torch.tensor(starts, device=device)
+        rows.append(offsets - starts_t[torch.searchsorted(starts_t, offsets, right=True) - 1])
+    return torch.stack(rows)
+
+
+def tuned_queries(module: nn.Module, query: Tensor, sp: int, group: ProcessGroup | None, chunk_size: int | None,
+                  documents: PackedDocuments | None) -> Tensor:
+    """``query`` ``[batch, heads, s_local, head_dim]`` of a temperature-tuned layer rescaled from the scale of its
+    local positions to that of its tokens' positions in their documents; unchanged where the two agree."""
+    s_local = query.shape[2]
+    local = _scales(module, torch.arange(s_local, device=query.device))
+    true = _scales(module, token_positions(s_local, sp, group_rank(group), chunk_size, documents, query.device))
+    if torch.equal(true, local.expand_as(true)):
+        return query
+    wide = torch.promote_types(query.dtype, torch.float32)
+    ratio = (true.to(wide) / local.to(wide))[:, None, :, None]  # [batch or 1, 1, s_local, 1]
+    return (query.to(wide) * ratio).to(query.dtype)
