@@ -57,14 +57,14 @@ def recomputed_block_forward(
 
 
 def recomputed_layer_call(
-    module: nn.Module, run: Callable[[Tensor], Tensor], x: Tensor, store: ChunkStore | None = None
+    module: nn.Module, run: Callable[..., Tensor], x: Tensor, store: ChunkStore | None = None, *extras: Tensor
 ) -> Tensor:
-    """``run(x)`` keeping only ``x`` for backward (in ``store`` when given, else in the autograd graph) and
-    recomputing ``run`` there.
+    """``run(x, *extras)`` keeping only ``x`` (in ``store`` when given, else in the autograd graph) and ``extras``
+    (in the graph) for backward, and recomputing ``run`` there.
 
     ``module`` owns every parameter ``run`` uses (their gradients are returned once per backward, as DDP's
     reducer and FSDP's hooks expect); anything else ``run`` reads (position ids, rotary tables, documents)
-    must need no gradient and stay unchanged until backward. ``x`` ``[batch, s_local, hidden]``; ``run``
-    returns one tensor.
+    must need no gradient and stay unchanged until backward. ``x`` ``[batch, s_local, hidden]``; ``extras``:
+    other inputs with a gradient (Gemma-4's per-layer input); ``run`` returns one tensor.
     """
-    return recomputed_call(run, x, params=module, store=store, name="decoder_layer")
+    return recomputed_call(run, x, *extras, params=module, store=store, name="decoder_layer")

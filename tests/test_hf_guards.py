@@ -34,6 +34,7 @@ from transformers import (
     PretrainedConfig,
     StableLmConfig,
 )
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.cohere.modeling_cohere import CohereLayerNorm
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb, repeat_kv
@@ -154,7 +155,7 @@ def test_an_attention_the_context_cannot_reach_is_refused_when_it_matters(cls: t
     with pytest.raises(NotImplementedError, match=GUARD.format(cls=cls.__name__, features="packed documents")):
         module.loss_terms(batch)
     module.bind_sequence_parallel(SequenceParallelContext(chunk_size=8, attention_backend="math"))
-    features = r"chunked attention \(chunk_size=8\)"
+    features = r"FPDT chunks \(chunk_size=8\)"
     with pytest.raises(NotImplementedError, match=GUARD.format(cls=cls.__name__, features=features)):
         module.loss_terms(data.full_batch())
 
@@ -190,7 +191,7 @@ GUARDS = {
     SelfComputedAttention: r"HFCausalLM: layer model\.model\.layers\.1: model\.model\.layers\.1\.self_attn"
                            r" \(SelfComputedAttention\) mixes tokens outside attention.*sequence_parallel_size=2",
     ForeignModuleAttention: GUARD.format(cls="ForeignModuleAttention",
-                                         features=r"sequence parallelism over 2 ranks, chunked attention"
+                                         features=r"sequence parallelism over 2 ranks, FPDT chunks"
                                                   r" \(chunk_size=8\)"),
 }
 
@@ -265,6 +266,15 @@ class LearntScaleLM(LlamaForCausalLM):
         return out
 
 
+class ShiftedHiddenLM(LlamaForCausalLM):
+    """Adds a constant to the hidden states before the output embedding: no scale of them."""
+
+    def forward(self, input_ids: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        kwargs.pop("labels", None)
+        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden + 0.5))
+
+
 LLAMA = dict(SIZES, num_key_value_heads=2)
 HEADS = {  # family -> (model, the transform expected)
     "llama": (lambda: LlamaForCausalLM(LlamaConfig(**LLAMA)), HeadTransform()),
@@ -311,6 +321,9 @@ REFUSED_HEADS = {
                                r" from the output embedding's by up to [\d.e+]+ \(relative\)"),
     "position bias": (PositionBiasLM, r"PositionBiasLM's head model\.lm_head \(Linear\) is followed in"
                                       r" PositionBiasLM\.forward by a transform .* no per-logit function"),
+    "shifted hidden": (ShiftedHiddenLM, r"ShiftedHiddenLM\.forward transforms the base model's hidden states before"
+                                        r" ShiftedHiddenLM's head model\.lm_head \(Linear\) otherwise than by one"
+                                        r" scale"),
     "learnt scale": (LearntScaleLM, r"LearntScaleLM has parameters outside its base model and LearntScaleLM's head"
                                     r" model\.lm_head \(Linear\) \(logit_gain\); .* would silently never be trained"),
 }

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 from transformers import (
+    DeepseekV3Config,
     Dots1Config,
     ExaoneMoeConfig,
     Glm4MoeConfig,
@@ -39,6 +40,7 @@ from transformers import (
     PretrainedConfig,
     Qwen3MoeConfig,
 )
+from transformers.models.deepseek_v3 import modeling_deepseek_v3
 from transformers.models.dots1 import modeling_dots1
 from transformers.models.exaone_moe import modeling_exaone_moe
 from transformers.models.glm4_moe import modeling_glm4_moe
@@ -75,12 +77,18 @@ FAMILIES = {
                                                                                         "full_attention"],
                                              mlp_layer_types=["dense", "sparse"], num_shared_experts=1, **MOE,
                                              **dict(SIZES, num_key_value_heads=kv)),
+    # multi-head latent attention (v narrower than q and k, q LoRA) and the experts of layer 1: grouped sigmoid
+    # routing with a correction bias, a shared expert; its k/v heads are all query heads (kv unused)
+    "deepseek_v3": lambda kv: DeepseekV3Config(n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1,
+                                               first_k_dense_replace=1, moe_intermediate_size=16, kv_lora_rank=8,
+                                               q_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+                                               **MOE, **dict(SIZES, num_key_value_heads=SIZES["num_attention_heads"])),
     # every layer routed, one shared expert, unnormalised top-k weights
     "dots1": lambda kv: Dots1Config(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0,
                                     moe_intermediate_size=16, head_dim=8, **MOE, **dict(SIZES, num_key_value_heads=kv)),
 }
 MODULES = (modeling_mixtral, modeling_qwen3_moe, modeling_olmoe)
-FLOAT32_MODULES = (modeling_granitemoe, modeling_glm4_moe, modeling_exaone_moe, modeling_dots1)
+FLOAT32_MODULES = (modeling_deepseek_v3, modeling_granitemoe, modeling_glm4_moe, modeling_exaone_moe, modeling_dots1)
 ADDS_AUX_LOSS = {"mixtral", "qwen3_moe", "olmoe", "granitemoe"}  # the others' forwards add none
 
 

@@ -29,8 +29,10 @@ from lightning_fpdt.hf.attention import (
     attention_layers,
     check_supported,
     delivered_to,
+    head_widths,
     install,
     is_attention_layer,
+    layer_head_widths,
     receives_keywords,
 )
 from lightning_fpdt.hf.build import build_model
@@ -43,11 +45,12 @@ from lightning_fpdt.hf.masks import check_mask_windows
 from lightning_fpdt.hf.mixing import hf_token_mixers
 from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, install_recurrences
 from lightning_fpdt.hf.recurrent_memory import mixer_memory
-from lightning_fpdt.hf.router_loss import router_loss_for
+from lightning_fpdt.hf.router_loss import TOP_K_FIELDS, config_number, router_loss_for
 from lightning_fpdt.hf.short_conv import install_short_convs
 from lightning_fpdt.hf.weights import PretrainedWeights
 from lightning_fpdt.layout import IGNORE_INDEX
 from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum
+from lightning_fpdt.memory.experts import read_experts
 from lightning_fpdt.models.causal_lm import CausalLM
 from lightning_fpdt.tiling import tiled_call
 from lightning_fpdt.token_mixing import TokenMixer
@@ -206,16 +209,25 @@ class HFCausalLM(CausalLM):
         """The transformers decoder layers, as the strategy shards them and the memory model reads them."""
         config = self.model.config.get_text_config()
         n_heads, n_kv_heads = self._head_counts()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
         layers = []
         for name, layer in decoder_modules(self.model):
             norms = tuple(m for m in layer.children() if "norm" in type(m).__name__.lower())
             mixers = tuple(memory for m in layer.modules() if (memory := mixer_memory(m)) is not None)
+            attention = next((m for m in layer.modules() if is_attention_layer(m)), None)
+            # per layer (Gemma-4's full layers are wider); multi-head latent attention: v narrower than q and k
+            head_dim, v_head_dim = head_widths(config) if attention is None else layer_head_widths(attention, config)
+            mlp, top_k = feed_forward(layer), config_number(config, TOP_K_FIELDS)
+            # routed experts outside the feed-forward: Granite's block_sparse_moe (its only one), Gemma-4's beside it
+            beside = next((c for c in layer.children() if c is not mlp and not isinstance(c, nn.ModuleList)
+                           and read_experts(c, config.hidden_size, top_k) is not None
+                           and not any(is_attention_layer(m) for m in c.modules())), None)
+            mlp, beside = (beside, None) if mlp is None else (mlp, beside)
             layers.append(DecoderLayer(
                 name=f"model.{name}", module=layer, hidden_size=config.hidden_size, n_heads=n_heads,
-                n_kv_heads=n_kv_heads, head_dim=head_dim, mlp=feed_forward(layer),
+                n_kv_heads=n_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, mlp=mlp, experts=beside,
+                experts_per_token=top_k,
                 mlp_tiled=self.mlp_tiles != 1, norms=norms, chunked_projections=False,
-                attention=any(is_attention_layer(m) for m in layer.modules()), mixers=mixers,
+                attention=attention is not None, mixers=mixers,
             ))
         return layers
 

@@ -124,7 +124,9 @@ class ExpertsForward:
     def _run(self, x: Tensor) -> Tensor:
         out = type(self.block).forward(self.block, x.contiguous())  # a tile is a strided slice; blocks .view() it
         self.returns_tuple = isinstance(out, tuple)
-        return out[0] if self.returns_tuple else out
+        out = out[0] if self.returns_tuple else out
+        # a block may return its tokens flattened, [batch * seq, hidden] (Llama-4's): the tile's shape again
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _with_probabilities(self, x: Tensor, weights: Tensor) -> Tensor:  # [b, tile, h], [b, tile] -> [b, tile, h+E]
         assert self.loss is not None

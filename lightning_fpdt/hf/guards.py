@@ -108,7 +108,7 @@ def find_head_transform(model: PreTrainedModel) -> HeadTransform:
     _refuse_unused_parameters(model, head, where)
     raw = _probe_logits(model, head)
     try:
-        logits = _forward_on(model, head_name, raw)
+        logits, hidden, seen = _forward_on(model, head_name, raw)
     except Exception as error:  # any failure of the stood-in forward: refused, never guessed
         raise NotImplementedError(
             f"HFCausalLM: could not check {where}: {type(model).__name__}.forward failed on a stood-in base model"
@@ -123,6 +123,10 @@ def find_head_transform(model: PreTrainedModel) -> HeadTransform:
             " silently differ from the model's own. This model is not supported."
         )
     transform = _fit(raw, logits.to(raw.dtype), _constants(model))
+    # hidden states scaled before the output embedding: its logits scaled alike (it is linear), before the rest
+    hidden_scale = _hidden_scale(model, head, hidden, seen, where)
+    if transform is not None and hidden_scale != 1.0:
+        transform = HeadTransform(hidden_scale * (transform.multiplier or 1.0), transform.divisor, transform.softcap)
     if transform is None:
         worst = ((logits - raw).abs() / raw.abs().clamp_min(1e-12)).max().item()
         raise NotImplementedError(
@@ -169,37 +173,43 @@ class _StoodInOutput(BaseModelOutputWithPast):
 
 
 class _StandIn(nn.Module):
-    """An output embedding that returns the chosen logits, whatever the hidden states."""
+    """An output embedding that returns the chosen logits, whatever the hidden states, keeping the hidden states
+    it was given (``seen``)."""
 
     def __init__(self, logits: Tensor) -> None:
         super().__init__()
         self.logits = logits
+        self.seen: Tensor | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:
+        self.seen = hidden
         return self.logits
 
 
 @contextmanager
-def stood_in(model: PreTrainedModel, head_name: str, logits: Tensor, **outputs: Any) -> Iterator[None]:
-    """``model``'s base model returns zero hidden states (and ``outputs``, e.g. ``router_logits``) and its output
+def stood_in(model: PreTrainedModel, head_name: str, logits: Tensor, **outputs: Any) -> Iterator[tuple[Tensor, Any]]:
+    """``model``'s base model returns random hidden states (and ``outputs``, e.g. ``router_logits``) and its output
     embedding ``logits`` ``[batch, tokens, vocab]``, in training mode (dropout after the output embedding would
-    show), until the block ends: the model's own forward runs on chosen values and no layer runs."""
+    show), until the block ends: the model's own forward runs on chosen values and no layer runs. Yields the hidden
+    states and the stand-in output embedding (whose ``seen`` are the hidden states the forward gave it)."""
     base = model.base_model
     parent_name, _, attribute = head_name.rpartition(".")
     parent = model.get_submodule(parent_name)
     head = getattr(parent, attribute)
     modes = [(m, m.training) for m in model.modules()]
-    hidden = torch.zeros(*logits.shape[:2], model.config.get_text_config().hidden_size, dtype=logits.dtype,
-                         device=logits.device)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(*logits.shape[:2], model.config.get_text_config().hidden_size, generator=g,
+                         dtype=logits.dtype, device="cpu").to(logits.device)  # on the CPU first: a meta default
     own_forward = base.__dict__.get("forward")
     stood_in_output = _StoodInOutput(last_hidden_state=hidden)
     for name, value in outputs.items():  # not dataclass fields of the output: plain attributes
         setattr(stood_in_output, name, value)
     base.forward = lambda *args, **kwargs: stood_in_output
-    setattr(parent, attribute, _StandIn(logits))
+    stand_in = _StandIn(logits)
+    setattr(parent, attribute, stand_in)
     model.train()
     try:
-        yield
+        yield hidden, stand_in
     finally:
         setattr(parent, attribute, head)
         if own_forward is None:
@@ -210,10 +220,47 @@ def stood_in(model: PreTrainedModel, head_name: str, logits: Tensor, **outputs: 
             m.training = training
 
 
-def _forward_on(model: PreTrainedModel, head_name: str, raw: Tensor) -> Any:
+def _forward_on(model: PreTrainedModel, head_name: str, raw: Tensor) -> tuple[Any, Tensor, Tensor | None]:
+    """The forward's logits on the stood-in model, the base model's hidden states and what the output embedding
+    was given."""
     ids = torch.zeros(raw.shape[:2], dtype=torch.long, device=raw.device)
-    with stood_in(model, head_name, raw), torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
+    with stood_in(model, head_name, raw) as (hidden, stand_in), torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits, hidden, stand_in.seen
+
+
+def _hidden_scale(model: PreTrainedModel, head: nn.Module, hidden: Tensor, seen: Tensor | None,
+                  where: str) -> float:
+    """The scale ``a`` the forward multiplies the hidden states by before its output embedding (MiniCPM3 divides
+    them by ``hidden_size / dim_model_base``): 1 when it gives them unchanged.
+
+    Raises:
+        NotImplementedError: hidden states changed otherwise than by one scale, or scaled before an output
+            embedding with a bias (the scale would not carry over to the logits).
+    """
+    if seen is None or seen.shape != hidden.shape:
+        shape = None if seen is None else tuple(seen.shape)
+        raise NotImplementedError(
+            f"HFCausalLM: {where} is given hidden states {shape} by {type(model).__name__}.forward where the base"
+            f" model returns {tuple(hidden.shape)}; the loss applies the output embedding to every token's hidden"
+            " state, so it would silently differ from the model's own. This model is not supported."
+        )
+    seen = seen.to(hidden.dtype)
+    scale = _scale(hidden, seen)
+    if scale is None or not bool(((scale * hidden - seen).abs() <= _TOLERANCE * seen.abs() + 1e-300).all()):
+        raise NotImplementedError(
+            f"HFCausalLM: {type(model).__name__}.forward transforms the base model's hidden states before {where}"
+            " otherwise than by one scale; the loss applies the output embedding to the hidden states themselves,"
+            " so it would silently differ from the model's own. This model is not supported."
+        )
+    if _close(scale, 1.0):
+        return 1.0
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError(
+            f"HFCausalLM: {type(model).__name__}.forward scales the hidden states by {scale:.6g} before {where},"
+            " which has a bias, so the scale is no scale of the logits the loss could apply. This model is not"
+            " supported."
+        )
+    return scale
 
 
 def _constants(model: PreTrainedModel) -> list[float]:
@@ -312,7 +359,7 @@ def check_context_arrived(
     if not missed:
         return
     features = ([f"sequence parallelism over {context.size} ranks"] if context.size > 1 else []) + (
-        [f"chunked attention (chunk_size={context.chunk_size})"] if context.chunk_size is not None else []) + (
+        [f"FPDT chunks (chunk_size={context.chunk_size})"] if context.chunk_size is not None else []) + (
         ["packed documents"] if documents is not None else []) or ["the FPDT attention pipeline"]
     name, layer = missed[0]
     raise NotImplementedError(

@@ -24,6 +24,7 @@ recomputed call as extra columns of its hidden states.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, MutableMapping
 from functools import partial
 from typing import Any
 
@@ -121,23 +122,27 @@ class CheckpointedForward:
         args = args[1:]
         if not needs_backward(hidden, self.layer):
             return run(hidden, *args, **kwargs)
+        # a tensor argument with a gradient (Gemma-4's per-layer input) is an input of the recomputed call too
+        with_grad = [key for key, value in [*enumerate(args), *kwargs.items()]
+                     if isinstance(value, Tensor) and value.requires_grad]
         for key, value in [*enumerate(args), *kwargs.items()]:
-            tensors = value if isinstance(value, (tuple, list)) else (value,)
-            if any(isinstance(t, Tensor) and t.requires_grad for t in tensors):
-                raise NotImplementedError(
-                    f"HFCausalLM: decoder layer model.{self.name} receives argument {key!r} with a gradient;"
-                    " activation checkpointing keeps only the layer's hidden states, so that gradient would be"
-                    " lost. Train this model with activation_checkpointing=False."
-                )
-
+            self._refuse_hidden_state(key, value)
+        kwargs = {key: RecomputedWrites(value, self.name) if isinstance(value, MutableMapping) else value
+                  for key, value in kwargs.items()}
         loss, widths = self.router_loss, []
 
-        def layer_forward(x: Tensor) -> Tensor:
+        def layer_forward(x: Tensor, *extras: Tensor) -> Tensor:
+            call_args, call_kwargs = list(args), dict(kwargs)
+            for key, extra in zip(with_grad, extras):
+                if isinstance(key, int):
+                    call_args[key] = extra
+                else:
+                    call_kwargs[key] = extra
             if loss is None:
-                out = run(x, *args, **kwargs)
+                out = run(x, *call_args, **call_kwargs)
             else:  # the router probabilities leave the recomputed call beside the hidden states (hf_moe)
                 with loss.capture() as captured:
-                    out = run(x, *args, **kwargs)
+                    out = run(x, *call_args, **call_kwargs)
             if not isinstance(out, Tensor):
                 raise NotImplementedError(
                     f"HFCausalLM: decoder layer model.{self.name} ({type(self.layer).__name__}) returns"
@@ -149,8 +154,68 @@ class CheckpointedForward:
             widths[:] = [p.shape[-1] for p in captured]
             return torch.cat([out, *(p.to(out.dtype) for p in captured)], dim=-1)
 
-        y = recomputed_layer_call(self.layer, layer_forward, hidden, context.layer_input_store)
+        extras = [args[key] if isinstance(key, int) else kwargs[key] for key in with_grad]
+        y = recomputed_layer_call(self.layer, layer_forward, hidden, context.layer_input_store, *extras)
         return y if loss is None or not widths else split_captured(y, hidden.shape[-1], widths, loss)
+
+    def _refuse_hidden_state(self, key: int | str, value: Any) -> None:
+        """Refuse tensors with a gradient inside a container: only plain tensor arguments become inputs of the
+        recomputed call."""
+        if isinstance(value, (tuple, list)) and any(isinstance(t, Tensor) and t.requires_grad for t in value):
+            raise NotImplementedError(
+                f"HFCausalLM: decoder layer model.{self.name} receives argument {key!r} holding tensors with a"
+                " gradient; activation checkpointing recomputes the layer from its hidden states and its tensor"
+                " arguments only, so that gradient would be lost. Train this model with"
+                " activation_checkpointing=False."
+            )
+
+
+
+_WRITES = "_fpdt_recomputed_writes"
+
+
+class RecomputedWrites(MutableMapping):
+    """A mapping argument of a checkpointed decoder layer (Gemma-4's ``shared_kv_states``): the layer's own mapping,
+    remembering what a recomputed layer wrote into it. A recomputed layer runs its first forward without
+    recording a graph, so a tensor it leaves there carries no gradient back to it: a later layer reading one (a
+    Gemma-4 layer that attends with an earlier layer's keys and values, ``num_kv_shared_layers``) is refused, in
+    the first forward, on every rank. Writes nobody reads (Gemma-4 stores them without sharing) are harmless."""
+
+    def __init__(self, mapping: MutableMapping, layer_name: str) -> None:
+        self.mapping, self.layer_name = mapping, layer_name
+        self.writes: dict[Any, str] = getattr(mapping, _WRITES, None) or {}  # key -> the layer that wrote it
+        try:  # on the mapping itself: every layer of this forward sees it, and it goes with the mapping
+            setattr(mapping, _WRITES, self.writes)
+        except AttributeError as error:  # a plain dict takes no attribute: its writes could not be followed
+            raise NotImplementedError(
+                f"HFCausalLM: decoder layer model.{layer_name} receives a {type(mapping).__name__} it may fill for"
+                " later layers; under activation checkpointing what a recomputed layer leaves there carries no"
+                " gradient, and this mapping cannot be followed. Train with activation_checkpointing=False."
+            ) from error
+
+    def __getitem__(self, key: Any) -> Any:
+        writer = self.writes.get(key)
+        if writer is not None and writer != self.layer_name:
+            raise NotImplementedError(
+                f"HFCausalLM: decoder layer model.{self.layer_name} reads {key!r}, which decoder layer model.{writer}"
+                " left for it (as Gemma-4 shares keys and values across layers, num_kv_shared_layers);"
+                " activation checkpointing recomputes layers, and what a layer's first run leaves carries no"
+                " gradient back to it. Train with activation_checkpointing=False, or without the sharing."
+            )
+        return self.mapping[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.writes[key] = self.layer_name
+        self.mapping[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self.mapping[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.mapping)
+
+    def __len__(self) -> int:
+        return len(self.mapping)
 
 
 def install_memory_stack(model: PreTrainedModel, mlp_tiles: int | None, router_loss: RouterLoss | None = None) -> None:

@@ -45,11 +45,12 @@ def load_balancing_aux(logits: tuple[Tensor, ...], num_experts: int, top_k: int,
     """``aux`` of the module docstring in one process: ``logits`` ``[batch * seq, E]`` per router layer,
     ``weights`` ``[batch, seq]`` (1 counts, 0 is padding; ``None``: every token)."""
     rows = torch.cat(logits)  # [layers * batch * seq, E]
-    w = torch.ones(rows.shape[0], dtype=rows.dtype) if weights is None else \
+    w = torch.ones(rows.shape[0], dtype=rows.dtype, device=rows.device) if weights is None else \
         weights.reshape(-1).to(rows.dtype).repeat(len(logits))
     probs = torch.softmax(rows, dim=-1)
     chosen = torch.topk(probs, top_k, dim=-1).indices
-    counts = torch.zeros(num_experts, dtype=rows.dtype).scatter_add_(0, chosen.reshape(-1), w.repeat_interleave(top_k))
+    counts = torch.zeros(num_experts, dtype=rows.dtype, device=rows.device)
+    counts.scatter_add_(0, chosen.reshape(-1), w.repeat_interleave(top_k))
     return num_experts * (counts * (probs * w[:, None]).sum(0)).sum() / w.sum() ** 2
 
 
@@ -153,7 +154,8 @@ def split_captured(y: Tensor, hidden: int, widths: list[int], loss: RouterLoss) 
 
 
 
-def _config_number(config: object, names: tuple[str, ...]) -> int | None:
+def config_number(config: object, names: tuple[str, ...]) -> int | None:
+    """The first of the config fields ``names`` that holds an int (families name expert counts differently)."""
     return next((v for k in names if isinstance(v := getattr(config, k, None), int) and not isinstance(v, bool)), None)
 
 
@@ -180,19 +182,20 @@ def router_loss_for(model: PreTrainedModel, routers: list[nn.Module], wrapped: l
         return None
     name = type(model).__name__
     config = model.config.get_text_config()
-    experts, top_k = _config_number(config, EXPERT_COUNT_FIELDS), _config_number(config, TOP_K_FIELDS)
+    experts, top_k = config_number(config, EXPERT_COUNT_FIELDS), config_number(config, TOP_K_FIELDS)
     g = torch.Generator().manual_seed(0)
     vocab = model.get_output_embeddings().weight.shape[0]
     shape = (_PROBE_BATCH, _PROBE_TOKENS)
-    ids = torch.randint(0, vocab, shape, generator=g)
+    ids = torch.randint(0, vocab, shape, generator=g, device="cpu")  # on the CPU: a meta default device sizes
     # each next token far ahead in its logits: a cross-entropy of 0, so the loss (float32 in most families) is the
     # auxiliary term alone, to float32's relative precision
-    raw = torch.zeros(*shape, vocab, dtype=torch.float64)
+    raw = torch.zeros(*shape, vocab, dtype=torch.float64, device="cpu")
     raw[:, :-1].scatter_(-1, ids[:, 1:, None], 1e4)
-    mask = torch.ones(shape, dtype=torch.long)
+    mask = torch.ones(shape, dtype=torch.long, device="cpu")
     mask[1, -2:] = 0  # padding: the family's loss counts only the tokens its mask holds
     width = experts or top_k or 2
-    draws = [tuple(torch.randn(shape[0] * shape[1], width, generator=g, dtype=torch.float64) for _ in routers)
+    draws = [tuple(torch.randn(shape[0] * shape[1], width, generator=g, dtype=torch.float64, device="cpu")
+                   for _ in routers)
              for _ in range(2)]
     try:
         losses = []
