@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -120,8 +121,12 @@ class TiledForward:
     def __init__(self, mlp: nn.Module, num_tiles: int | None) -> None:
         self.mlp, self.num_tiles = mlp, num_tiles
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return tiled_call(partial(type(self.mlp).forward, self.mlp), x, num_tiles=self.num_tiles, params=self.mlp,
+    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        forward = partial(type(self.mlp).forward, self.mlp)
+        # more inputs of one value per token (Bloom's and MPT's MLPs add the residual): tiled alike
+        if kwargs or not all(isinstance(a, Tensor) and a.shape[:2] == x.shape[:2] for a in args):
+            return forward(x, *args, **kwargs)  # anything else: the MLP as it is, untiled
+        return tiled_call(forward, x, *args, num_tiles=self.num_tiles, params=self.mlp,
                           tile_tokens=mlp_tile_tokens(x.shape[-1]), name="mlp_tile")
 
 

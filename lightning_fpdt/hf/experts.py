@@ -15,6 +15,7 @@ out of recomputed calls for the auxiliary loss (:mod:`lightning_fpdt.hf.router_l
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -44,6 +45,14 @@ def routers_of(model: PreTrainedModel) -> list[nn.Module]:
     return [] if found is None else [m for m in model.modules() if isinstance(m, found[0])]
 
 
+def _takes_hidden_only(block: nn.Module) -> bool:
+    """Whether ``block``'s forward takes the hidden states alone (ZAYA's also takes the router state the layer
+    before left, and returns the next: not a per-token function to tile)."""
+    params = [p for p in inspect.signature(type(block).forward).parameters.values()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return len(params) == 2  # self and the hidden states
+
+
 def moe_block(layer: nn.Module, router: nn.Module) -> nn.Module | None:
     """The block of decoder layer ``layer`` that holds ``router`` and its experts and is called on the hidden
     states as a per-token function: the layer's feed-forward (:func:`~lightning_fpdt.hf.feed_forward.feed_forward`)
@@ -51,12 +60,13 @@ def moe_block(layer: nn.Module, router: nn.Module) -> nn.Module | None:
     itself (Gemma-4) or it sits inside the attention (JetMoE's mixture of attention heads)."""
     ffn = feed_forward(layer)
     if ffn is not None and any(m is router for m in ffn.modules()):
-        return ffn
+        return ffn if _takes_hidden_only(ffn) else None
     for child in layer.children():
         if child is router or not any(m is router for m in child.modules()):
             continue
         named = any(word in type(child).__name__.lower() for word in ("moe", "expert", "sparse"))
-        return child if named and not any(is_attention_layer(m) for m in child.modules()) else None
+        separate = named and _takes_hidden_only(child) and not any(is_attention_layer(m) for m in child.modules())
+        return child if separate else None
     return None
 
 

@@ -36,7 +36,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from lightning_fpdt.activation_checkpoint import recomputed_layer_call
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.hf.attention import attention_layers, delivering
-from lightning_fpdt.hf.experts import install_experts
+from lightning_fpdt.hf.experts import install_experts, routers_of
 from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.router_loss import RouterLoss, split_captured
 from lightning_fpdt.recompute import needs_backward
@@ -232,8 +232,10 @@ def install_memory_stack(model: PreTrainedModel, mlp_tiles: int | None, router_l
     """
     layers = check_decoder_modules(model)
     moe = {id(block) for block in install_experts(model, layers, mlp_tiles, router_loss)}
+    routers = {id(router) for router in routers_of(model)}
     for name, layer in layers:
         layer.forward = CheckpointedForward(layer, name, router_loss)
         ffn = feed_forward(layer)
-        if ffn is not None and id(ffn) not in moe:
+        # experts that are no block of their own (ZAYA's carry router state between layers) run as written
+        if ffn is not None and id(ffn) not in moe and not any(id(m) in routers for m in ffn.modules()):
             ffn.forward = TiledForward(ffn, mlp_tiles)

@@ -133,12 +133,20 @@ def check_mask_windows(model: PreTrainedModel, layers: list[tuple[str, nn.Module
         with torch.no_grad():
             model.base_model(**inputs, use_cache=False)
         probed = {name: m.__dict__.pop("_fpdt_probed", None) for name, m in layers}
-    except (RuntimeError, NotImplementedError):
-        if not on_meta:
-            raise
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError, IndexError, ValueError) as error:
         for _, m in layers:
             m.__dict__.pop("_fpdt_probed", None)
-        return False  # a value-dependent step on the meta device: probed once the weights are in
+        if on_meta and isinstance(error, (RuntimeError, NotImplementedError)):
+            return False  # a value-dependent step on the meta device: probed once the weights are in
+        if isinstance(error, NotImplementedError) and str(error).startswith("HFCausalLM"):
+            raise  # a refusal of ours, raised inside the forward
+        raise NotImplementedError(
+            f"HFCausalLM: the mask probe could not run {type(model).__name__}'s base model on two tokens"
+            f" ({type(error).__name__}: {error}): its forward computes with transformers' attention mask outside the"
+            " attention function (as a tensor: a sparse-attention indexer such as DeepSeek-V3.2's, a gate), or its"
+            " mask depends on the inputs (image or token-type overlays). Under FPDT no mask is built, so whether each"
+            " layer attends as the pipeline computes cannot be checked; this model is not supported."
+        ) from error
     finally:
         model.set_attn_implementation(before)
     for name, m in layers:
