@@ -118,3 +118,29 @@ def shard_module(module: pl.LightningModule, mesh: DeviceMesh, precision: str, o
     fully_shard(module, **options)
     for name in STEP_METHODS:
         register_fsdp_forward_method(module, name)
+
+
+def check_replicated_gradients(module: torch.nn.Module, step: int, replicated: bool) -> None:
+    """Refuse a step whose backward left a trainable parameter without a gradient, under DDP (``replicated``:
+    parameters replicated over more than one rank; otherwise nothing is checked).
+
+    DDP all-reduces gradients in buckets once every parameter of a bucket has its gradient; a bucket holding a
+    parameter the forward never used (a vision or audio tower in text-only training: Fuyu, Phi-4-multimodal) is
+    never reduced, so every rank would step with its own shard's gradients (off by ~1 against one process) and DDP
+    would fail only in the next step. Checked after the backward, before the optimizer step, the same on every rank
+    (the same parameters go unused on every rank).
+
+    Raises:
+        RuntimeError: naming the parameters and the fix.
+    """
+    if not replicated:
+        return
+    unused = [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
+    if unused:
+        raise RuntimeError(
+            f"FPDTStrategy: {len(unused)} trainable parameter(s) got no gradient in step {step}"
+            f" ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}): the forward does not use them. DDP"
+            " reduces gradients in buckets and never reduces a bucket with an unused parameter, so this step's"
+            " gradients would differ per rank. Freeze them before fit (param.requires_grad_(False)), which keeps"
+            " the optimizer off them as in one process."
+        )

@@ -39,7 +39,7 @@ from lightning_fpdt.options import FPDTOptions, OffloadArgument, check_has_block
 from lightning_fpdt.planning import ChunkPlanner, resolve_budget
 from lightning_fpdt.resume import resumable, warn_if_saved_at_epoch_end
 from lightning_fpdt.run_state import add_run_state, parallelism_state, restore_run_state
-from lightning_fpdt.sharding import setup_sharded
+from lightning_fpdt.sharding import check_replicated_gradients, setup_sharded
 
 
 class FPDTStrategy(DDPStrategy):
@@ -289,10 +289,10 @@ class FPDTStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        # run the closure (training_step and backward) first: the policy needs the loss and the gradients
-        result = closure()
+        result = closure()  # training_step and backward first: the policy needs the loss and the gradients
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         step = self.lightning_module.trainer.global_step if self.lightning_module._trainer else -1
+        check_replicated_gradients(self.lightning_module, step, not self.shard_parameters and self.world_size > 1)
         grads = [p.grad for p in parameters if p.grad is not None]
         scale_window_gradients(self.lightning_module, grads)  # the window's token mean, before guard and clipping
         if not self._guard.allows_step(grads, step, self.global_rank, self.world_size, self.root_device):

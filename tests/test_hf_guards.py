@@ -334,3 +334,29 @@ def test_a_head_the_loss_cannot_reproduce_is_refused_at_construction(case: str) 
     cls, message = REFUSED_HEADS[case]
     with pytest.raises(NotImplementedError, match=message):
         HFCausalLM(cls(LlamaConfig(**LLAMA)))
+
+
+def _fit_one_step(module: HFCausalLM, seed: int) -> L.Trainer:
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=FPDTStrategy(sequence_parallel_size=2, chunk_size=8, attention_backend="math",
+                                              start_method="fork"))
+    trainer.fit(module, dataloader(TokenDataset(2, SEQ, VOCAB, seed), 2))
+    return trainer
+
+
+@pytest.mark.distributed
+def test_a_trainable_parameter_the_forward_never_uses_is_refused_before_the_optimizer_step(fresh_seed: int) -> None:
+    """A tower the forward never calls (Fuyu's and Phi-4-multimodal's vision and audio towers in text-only training)
+    leaves its DDP bucket unreduced: every rank would step with its own gradients (~1 off against one process).
+    Refused after the backward, before the optimizer step, naming the parameters; frozen, the model trains."""
+    torch.manual_seed(fresh_seed)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+    model.model.vision_tower = nn.Linear(8, 8)  # inside the base model, never called
+    module = HFCausalLM(model)
+    with pytest.raises(Exception, match=r"FPDTStrategy: 2 trainable parameter\(s\) got no gradient in step 0"
+                                        r" \(model\.model\.vision_tower\.weight, model\.model\.vision_tower\.bias\):"
+                                        r" the forward does not use them.*requires_grad_\(False\)"):
+        _fit_one_step(module, fresh_seed)
+    module.model.model.vision_tower.requires_grad_(False)
+    assert _fit_one_step(module, fresh_seed).state.finished  # the step ran on both ranks, nothing raised

@@ -171,6 +171,13 @@ def fpdt_attention_forward(
     """
     where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     _refuse_call_features(where, module, dropout, kwargs)
+    if key.shape[2] != query.shape[2] or value.shape[2] != query.shape[2]:
+        raise NotImplementedError(
+            f"HFCausalLM: {where} attends with {key.shape[2]} keys to {query.shape[2]} queries of this rank's"
+            " tokens (keys compressed along the sequence, or kept from elsewhere): the FPDT pipeline attends each"
+            " token's query to the keys of the same tokens, exchanged between ranks chunk by chunk, so this layer's"
+            " attention cannot be computed under FPDT; this model is not supported."
+        )
     if attention_mask is not None:
         raise ValueError(
             f"HFCausalLM: {where} received an attention mask {tuple(attention_mask.shape)}; under FPDT, padding"
