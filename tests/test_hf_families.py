@@ -170,23 +170,29 @@ def _module(case: FamilyCase, seed: int) -> HFCausalLM:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_released_family_fit_step_equals_plain_transformers(case: FamilyCase, tmp_path, fresh_seed: int) -> None:
     torch.manual_seed(fresh_seed)
-    module = _module(case, fresh_seed)
+    assert_fit_step_equals_plain(_module(case, fresh_seed), case, tmp_path, fresh_seed, case.name)
+
+
+def assert_fit_step_equals_plain(module: HFCausalLM, case: FamilyCase, tmp_path, seed: int, label: str) -> None:
+    """One ``Trainer.fit`` step of ``module`` under ``case`` equals plain transformers in one process (plain batches:
+    each sample; packed: each document alone), loss and every gradient within 1e-10; under the memory stack every
+    decoder layer was sharded and checkpointed through the host."""
     ref = _plain(module)
     if case.packed:  # documents of 1, 12, 19 and 20, 12 tokens, across chunk and rank boundaries
-        data = Packed(fresh_seed)
+        data = Packed(seed)
         samples = data.documents()
     else:
-        data = TokenDataset(2, SEQ, VOCAB, fresh_seed)
+        data = TokenDataset(2, SEQ, VOCAB, seed)
         samples = [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))]
     results = _fit(module, data, case, tmp_path)
     ref_loss, ref_grads = _mean_ce(ref, samples)
-    print(f"{case.name}: max rel. error {_max_error(results, ref_loss, ref_grads):.2e}")
-    assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"{case.name} seed={fresh_seed}")
-    if case.stack:  # the stack really ran: every decoder layer sharded and checkpointed through the host
+    print(f"{label}: max rel. error {_max_error(results, ref_loss, ref_grads):.2e}")
+    assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"{label} seed={seed}")
+    if case.stack:
         layers = module.model.config.num_hidden_layers
         for r in results:
             assert r["sharded_layers"] == [True] * layers and r["local_numel"] < r["numel"], r["sharded_layers"]
-            assert r["layer_input_bytes"] == layers * 2 * (SEQ // case.sp) * SIZES["hidden_size"] * 8
+            assert r["layer_input_bytes"] == layers * len(data) * (SEQ // case.sp) * SIZES["hidden_size"] * 8
 
 
 ARRIVING = {  # per layer, in order: (window, softcap) the pipeline is called with

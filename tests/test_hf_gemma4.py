@@ -20,9 +20,9 @@ from transformers import Gemma4TextConfig
 from transformers.models.gemma4 import modeling_gemma4
 
 from lightning_fpdt.models import HFCausalLM
-from tests.helpers import TokenDataset, assert_same_step, float32_classes, in_float64
-from tests.test_hf_causal_lm import SEQ, VOCAB, Packed, _fit, _max_error, _mean_ce, _plain, _redraw
-from tests.test_hf_families import FamilyCase
+from tests.helpers import TokenDataset, float32_classes, in_float64
+from tests.test_hf_causal_lm import SEQ, VOCAB, _fit, _redraw
+from tests.test_hf_families import FamilyCase, assert_fit_step_equals_plain
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -69,21 +69,7 @@ def test_gemma4_fit_step_equals_plain_transformers(case: FamilyCase, tmp_path, f
     module = HFCausalLM(_config(case.family), learning_rate=1e-3, warmup_steps=1, **tiles)
     _redraw(module.model, fresh_seed)
     assert module.router_loss is None  # Gemma-4's forward adds no auxiliary loss
-    ref = _plain(module)
-    if case.packed:
-        data = Packed(fresh_seed)
-        samples = data.documents()
-    else:
-        data = TokenDataset(2, SEQ, VOCAB, fresh_seed)
-        samples = [(data.ids[i:i + 1], data.labels[i:i + 1]) for i in range(len(data))]
-    results = _fit(module, data, case, tmp_path)
-    ref_loss, ref_grads = _mean_ce(ref, samples)
-    print(f"gemma4 {case.name}: max rel. error {_max_error(results, ref_loss, ref_grads):.2e}")
-    assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"gemma4 {case.name} seed={fresh_seed}")
-    if case.stack:  # the stack really ran: every decoder layer sharded and checkpointed through the host
-        for r in results:
-            assert r["sharded_layers"] == [True] * 4 and r["local_numel"] < r["numel"], r["sharded_layers"]
-            assert r["layer_input_bytes"] == 4 * len(data) * (SEQ // case.sp) * 32 * 8
+    assert_fit_step_equals_plain(module, case, tmp_path, fresh_seed, f"gemma4 {case.name}")
 
 
 @pytest.mark.distributed
