@@ -3,6 +3,8 @@
     python benchmarks/support_matrix.py --json /tmp/support_matrix.json --md /tmp/support_matrix.md  # all (15 min)
     python benchmarks/support_matrix.py --families llama,bert,mixtral         # some of them
     python benchmarks/support_matrix.py --families llama --build-only         # configs and construction only
+    python benchmarks/support_matrix.py --aux-loss --json /tmp/aux.json       # MoE families, router loss on
+    python benchmarks/support_matrix.py --resume --json /tmp/support_matrix.json   # finish an interrupted run
 
 For every model type of ``transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (or those of
 ``--families``), in a fresh subprocess of its own (its address space limited to ``--memory-gb``, killed after
@@ -833,6 +835,7 @@ def main() -> None:
     parser.add_argument("--aux-loss", action="store_true",
                         help="output_router_logits=True (the auxiliary router loss) where the config has it; without"
                              " --families, only the families that have it")
+    parser.add_argument("--resume", action="store_true", help="keep the rows --json already holds; run the rest")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per family")
     parser.add_argument("--memory-gb", type=float, default=6.0, help="address-space limit of a family's processes")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -854,9 +857,12 @@ def main() -> None:
         families = wanted
     elif args.aux_loss:
         families = [f for f in families if _has_router_loss(f)]
+    done = {}
+    if args.resume and args.json and Path(args.json).exists():  # rows of an interrupted run of these settings
+        done = {r["family"]: r for r in json.loads(Path(args.json).read_text())}
     rows = []
     for i, family in enumerate(families):
-        row = run_one_subprocess(family, args)
+        row = done[family] if family in done else run_one_subprocess(family, args)
         row["test"] = covering_tests(CONFIG_MAPPING_NAMES.get(family, ""), family)
         rows.append(row)
         print(f"[{i + 1}/{len(families)}] {family}: {row['status']} ({row['seconds']} s) {row['detail'][:120]}",
