@@ -167,6 +167,7 @@ def shard_batch(
     sequence_keys: Sequence[str] = DEFAULT_SEQUENCE_KEYS,
     pad_token_id: int = 0,
     owner: str = "shard_batch",
+    ring_size: int = 1,
 ) -> dict[str, Any]:
     """This rank's part of a dict batch of whole sequences.
 
@@ -175,7 +176,8 @@ def shard_batch(
     ``position_ids``; find the documents (:func:`find_documents`) and drop the targets that cross a
     document boundary, are padding or are masked by ``loss_mask`` (:func:`mask_targets`); pad every
     sequence key to a multiple of ``sp_size`` (labels with ``IGNORE_INDEX``, ``input_ids`` with
-    ``pad_token_id``, others with 0); apply the FPDT layout and keep rank ``sp_rank``'s shard. Keys not
+    ``pad_token_id``, others with 0; with a ring of ``ring_size``, to :func:`~lightning_fpdt.layout.layout_multiple`);
+    apply the FPDT layout and keep rank ``sp_rank``'s shard. Keys not
     in ``sequence_keys`` pass through untouched. ``documents`` is added: the batch's
     :class:`PackedDocuments` over the padded length, or ``None`` for plain sequences.
 
@@ -220,7 +222,7 @@ def shard_batch(
         out["position_ids"] = default_position_ids(b, s, device=ids.device)
     documents = find_documents(out["position_ids"], out.get("attention_mask"), owner)
     out["shift_labels"] = mask_targets(out["shift_labels"], documents, out.get("loss_mask"), out.get("attention_mask"))
-    length = padded_length(s, sp_size, chunk_size)
+    length = padded_length(s, sp_size, chunk_size, ring_size)
     out["documents"] = None if documents is None else documents.padded(length)
     for key in sequence_keys:
         x = out.get(key)
@@ -228,7 +230,7 @@ def shard_batch(
             continue
         pad = pad_token_id if key == "input_ids" else _PAD_VALUES.get(key, 0)
         x = pad_sequence(x, length, pad)
-        out[key] = shard_sequence(x, sp_size, sp_rank, chunk_size) if sp_size > 1 else x
+        out[key] = shard_sequence(x, sp_size, sp_rank, chunk_size, ring_size=ring_size) if sp_size > 1 else x
     return out
 
 

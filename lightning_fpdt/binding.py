@@ -44,6 +44,10 @@ class SequenceParallelContext:
         layer_input_store: where the inputs of recomputed layers live (``None``: in the autograd graph); a
             store with ``offload=True`` keeps them in host memory, and each layer's backward prefetches
             the input of the backward that runs next (``lightning_fpdt.activation_checkpoint``).
+        ulysses_group: with a ring, the Ulysses group (``U`` consecutive ranks of ``group``) attention's
+            all-to-alls run in (``lightning_fpdt.mesh``).
+        ring_group: the ring (``R`` ranks, one per Ulysses group, ``P = U x R``) key/value parts move between;
+            ``None``: no ring, the all-to-alls run over ``group``.
     """
 
     group: ProcessGroup | None = None
@@ -52,11 +56,28 @@ class SequenceParallelContext:
     offload: bool = False
     activation_checkpointing: bool = False
     layer_input_store: ChunkStore | None = None
+    ulysses_group: ProcessGroup | None = None
+    ring_group: ProcessGroup | None = None
 
     @property
     def size(self) -> int:
         """Ranks in the sequence-parallel group."""
         return group_size(self.group)
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks in the ring (1: none)."""
+        return group_size(self.ring_group)
+
+    @property
+    def ulysses_size(self) -> int:
+        """Ranks of a Ulysses group, over which the heads are scattered."""
+        return self.size // self.ring_size
+
+    @property
+    def attention_group(self) -> ProcessGroup | None:
+        """The group attention's all-to-alls run in: the Ulysses group with a ring, else the whole group."""
+        return self.group if self.ring_group is None else self.ulysses_group
 
 
 @dataclass

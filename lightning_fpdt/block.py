@@ -66,7 +66,7 @@ class FPDTAttention(nn.Module):
 
     def bind(self, context: SequenceParallelContext) -> None:
         """Run under ``context`` from the next forward on (raises if the heads cannot be sharded over it)."""
-        check_heads(self.n_heads, self.n_kv_heads, context.size)
+        check_heads(self.n_heads, self.n_kv_heads, context.size, context.ring_size)
         self.context = context
 
     def forward(self, x: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None) -> Tensor:
@@ -88,8 +88,9 @@ class FPDTAttention(nn.Module):
         if self.rope is not None:
             q, k = self.rope(q, position_ids), self.rope(k, position_ids)
         out = fpdt_attention(
-            q, k, v, group=context.group, chunk_size=context.chunk_size, causal=self.causal,
+            q, k, v, group=context.attention_group, chunk_size=context.chunk_size, causal=self.causal,
             backend=context.attention_backend, offload=context.offload, stats_sink=self.record.sink,
+            ring_group=context.ring_group,
         )
         return self.o_proj(out.reshape(b, s_local, self.n_heads * self.head_dim))
 
@@ -182,8 +183,9 @@ def projected_fpdt_attention(
     context = attn.context
     kernel = get_kernel(context.attention_backend, x.device, _compute_dtype(attn, x))
     opt = PipelineOptions.for_chunk_size(
-        context.group, context.chunk_size, causal=attn.causal, scale=1.0 / math.sqrt(attn.head_dim), kernel=kernel,
-        offload=context.offload, stats_sink=attn.record.sink, documents=documents,
+        context.attention_group, context.chunk_size, causal=attn.causal, scale=1.0 / math.sqrt(attn.head_dim),
+        kernel=kernel, offload=context.offload, stats_sink=attn.record.sink, documents=documents,
+        ring_group=context.ring_group,
     )
     params = [param for _, param in projection_params(attn)]
     ends = ProjectionEnds(attn, AutocastState.capture(x.device.type))

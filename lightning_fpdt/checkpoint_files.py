@@ -335,3 +335,14 @@ def set_optimizer_state(module: torch.nn.Module, optimizer: Any, state: dict[str
         optimizer.load_state_dict(state)
     else:
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_states(target: str, module: torch.nn.Module, optimizers: list[Any], read_remote: Callable[[], dict]) -> dict:
+    """The checkpoint at ``target`` loaded into ``module`` and ``optimizers`` by name: a local file or directory
+    (:func:`load_into`), or a remote one that ``read_remote`` reads (through fsspec) and :func:`apply_states` loads."""
+    strict = getattr(module, "strict_loading", True)
+    if is_remote(target):
+        checkpoint = read_remote()
+        apply_states(checkpoint, target, module, optimizers, strict=strict)
+        return checkpoint
+    return load_into(resolve(target), module, optimizers, strict=strict)

@@ -204,27 +204,40 @@ class HeadToSeq(torch.autograd.Function):
         return seq_to_head(grad.contiguous(), ctx.group), None
 
 
-def check_heads(n_heads: int, n_kv_heads: int, sp_size: int) -> None:
-    """Raise a ``ValueError`` naming the numbers if these head counts cannot be sharded over ``sp_size``.
+def heads_fit(n_heads: int, n_kv_heads: int, ulysses: int) -> bool:
+    """Whether :func:`check_heads` accepts these head counts over a Ulysses degree of ``ulysses``."""
+    kv_fits = n_kv_heads % ulysses == 0 or ulysses % n_kv_heads == 0
+    return n_heads % n_kv_heads == 0 and n_heads % ulysses == 0 and kv_fits
 
-    Query heads are split evenly over the ranks (Ulysses). Key/value heads are either split too
-    (``n_kv_heads % sp_size == 0``) or replicated so that every rank gets the one KV head its
-    query heads use (``sp_size % n_kv_heads == 0``).
+
+def check_heads(n_heads: int, n_kv_heads: int, sp_size: int, ring_size: int = 1) -> None:
+    """Raise a ``ValueError`` naming the numbers if these head counts cannot be sharded over ``sp_size`` ranks
+    of which ``ring_size`` form a ring (the all-to-all runs over ``U = sp_size / ring_size``).
+
+    Query heads are split evenly over the ``U`` ranks of a Ulysses group. Key/value heads are either split too
+    (``n_kv_heads % U == 0``) or replicated so that every rank gets the one KV head its query heads use
+    (``U % n_kv_heads == 0``). The message names the ring sizes that would fit.
     """
     if n_heads % n_kv_heads != 0:
         raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}.")
-    if n_heads % sp_size != 0:
-        options = [p for p in range(1, n_heads + 1) if n_heads % p == 0]
+    u = sp_size // ring_size
+    if heads_fit(n_heads, n_kv_heads, u):
+        return
+    rings = [r for r in range(1, sp_size + 1) if sp_size % r == 0 and heads_fit(n_heads, n_kv_heads, sp_size // r)]
+    degree = (f"sequence_parallel_size={sp_size}" if ring_size == 1 else
+              f"the Ulysses degree {u} (sequence_parallel_size={sp_size} / ring_size={ring_size})")
+    sizes = [p for p in range(1, n_heads + 1) if heads_fit(n_heads, n_kv_heads, p)]
+    fix = (f"Use ring_size={rings[0]} (Ulysses {sp_size // rings[0]} x ring {rings[0]}; ring_size='auto' picks it),"
+           f" or any ring_size in {rings}; plain Ulysses needs a sequence_parallel_size in {sizes}")
+    if n_heads % u != 0:
         raise ValueError(
-            f"n_heads={n_heads} is not divisible by sequence_parallel_size={sp_size}: Ulysses gives each"
-            f" rank n_heads / sequence_parallel_size heads. Use a sequence_parallel_size in {options}."
+            f"n_heads={n_heads} is not divisible by {degree}: Ulysses gives each rank of its group n_heads / {u}"
+            f" heads. {fix}."
         )
-    if n_kv_heads % sp_size != 0 and sp_size % n_kv_heads != 0:
-        raise ValueError(
-            f"n_kv_heads={n_kv_heads} and sequence_parallel_size={sp_size}: KV heads must either divide"
-            f" evenly over the ranks or be replicated evenly (sequence_parallel_size a multiple of"
-            f" n_kv_heads). Use a sequence_parallel_size that divides or is a multiple of {n_kv_heads}."
-        )
+    raise ValueError(
+        f"n_kv_heads={n_kv_heads} and {degree}: KV heads must either divide evenly over the Ulysses ranks or be"
+        f" replicated evenly (a Ulysses degree that is a multiple of n_kv_heads). {fix}."
+    )
 
 
 def expand_kv_heads(x: Tensor, sp_size: int) -> Tensor:

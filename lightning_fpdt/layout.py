@@ -10,10 +10,18 @@ cut into ``P`` equal sub-chunks and rank ``r`` holds sub-chunk ``r`` of every ch
 order. After the all-to-all that gathers the sequence and scatters heads, local chunk ``i`` is
 therefore global chunk ``i``, contiguous (FPDT, Yao et al. 2024, section 3.2). With ``C = None``
 (no chunking) there is one chunk and the layout is the contiguous split of plain Ulysses.
+
+With a ring (``P = U x R``: ``R`` Ulysses groups of ``U`` consecutive ranks, :mod:`lightning_fpdt.attention.ring`),
+each chunk is cut into ``2R`` equal pieces and Ulysses group ``a`` holds pieces ``a`` and ``2R - 1 - a`` (the
+zigzag): under causal attention every ring rank then has the same work in every chunk, where contiguous quarters
+would give the last one ``2R - 1`` times the first one's diagonal work. Inside the group the ``U`` ranks hold the
+group's tokens in equal sub-chunks, in order, so the group's all-to-all gathers its two pieces, in order. ``R = 1``
+is the layout above. Every chunk then divides by ``lcm(P, 2R)`` (:func:`layout_multiple`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -39,52 +47,84 @@ def chunk_lengths(seq_len: int, chunk_size: int | None) -> list[int]:
     return [chunk_size] * full + ([rest] if rest else [])
 
 
-def padded_length(seq_len: int, sp_size: int, chunk_size: int | None = None) -> int:
-    """Smallest length ``>= seq_len`` that the layout accepts: every chunk divides by ``sp_size``.
+def layout_multiple(sp_size: int, ring_size: int = 1) -> int:
+    """What every chunk's length divides by: ``sp_size`` sub-chunks, and with a ring ``2 x ring_size`` pieces."""
+    return sp_size if ring_size == 1 else math.lcm(sp_size, 2 * ring_size)
 
-    Chunks are ``chunk_size`` long (a multiple of ``sp_size``) except the last, so only the total
-    needs to be a multiple of ``sp_size``: no whole chunk of padding is ever added.
+
+def padded_length(seq_len: int, sp_size: int, chunk_size: int | None = None, ring_size: int = 1) -> int:
+    """Smallest length ``>= seq_len`` that the layout accepts: every chunk divides by :func:`layout_multiple`.
+
+    Chunks are ``chunk_size`` long (a multiple of it) except the last, so only the total needs to be a
+    multiple of it: no whole chunk of padding is ever added.
     """
-    validate_chunk_size(chunk_size, sp_size)
-    return -(-seq_len // sp_size) * sp_size
+    validate_chunk_size(chunk_size, sp_size, ring_size)
+    multiple = layout_multiple(sp_size, ring_size)
+    return -(-seq_len // multiple) * multiple
 
 
-def validate_chunk_size(chunk_size: int | None, sp_size: int) -> None:
-    """Raise if ``chunk_size`` cannot be cut into ``sp_size`` equal sub-chunks."""
+def validate_chunk_size(chunk_size: int | None, sp_size: int, ring_size: int = 1) -> None:
+    """Raise if ``chunk_size`` cannot be cut into ``sp_size`` equal sub-chunks (and, with a ring, ``2 x ring_size``
+    equal pieces)."""
+    if ring_size < 1 or sp_size % ring_size != 0:
+        raise ValueError(f"ring_size={ring_size} does not divide sequence_parallel_size={sp_size}: the group is"
+                         f" ulysses x ring ranks. Use a ring_size that divides {sp_size}.")
     if chunk_size is None:
         return
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
-    if chunk_size % sp_size != 0:
-        lower = max(sp_size, chunk_size // sp_size * sp_size)
+    multiple = layout_multiple(sp_size, ring_size)
+    if chunk_size % multiple != 0:
+        lower = max(multiple, chunk_size // multiple * multiple)
+        why = (f"each chunk is split into {sp_size} equal sub-chunks, one per rank" if ring_size == 1 else
+               f"each chunk is split into {sp_size} equal sub-chunks, one per rank, and {2 * ring_size} equal pieces,"
+               f" two per ring rank")
         raise ValueError(
-            f"chunk_size={chunk_size} is not divisible by sequence_parallel_size={sp_size}: each chunk is"
-            f" split into {sp_size} equal sub-chunks, one per rank. Use a multiple of {sp_size},"
-            f" e.g. {lower} or {lower + sp_size}."
+            f"chunk_size={chunk_size} is not divisible by {multiple} (sequence_parallel_size={sp_size},"
+            f" ring_size={ring_size}): {why}. Use a multiple of {multiple}, e.g. {lower} or {lower + multiple}."
+            if ring_size > 1 else
+            f"chunk_size={chunk_size} is not divisible by sequence_parallel_size={sp_size}: {why}. Use a multiple"
+            f" of {sp_size}, e.g. {lower} or {lower + sp_size}."
         )
 
 
-def fpdt_permutation(seq_len: int, sp_size: int, chunk_size: int | None = None) -> Tensor:
+def ring_pieces(start: int, length: int, ring_size: int, ring_rank: int) -> tuple[tuple[int, int], ...]:
+    """Global ranges ``[lo, hi)`` of the chunk ``start .. start + length`` that ring rank ``ring_rank`` holds, in
+    order: the whole chunk without a ring, else pieces ``a`` and ``2R - 1 - a`` of ``2R`` (one range when they
+    touch)."""
+    if ring_size == 1:
+        return ((start, start + length),)
+    piece = length // (2 * ring_size)
+    first = (start + ring_rank * piece, start + (ring_rank + 1) * piece)
+    second = (start + (2 * ring_size - 1 - ring_rank) * piece, start + (2 * ring_size - ring_rank) * piece)
+    return ((first[0], second[1]),) if first[1] == second[0] else (first, second)
+
+
+def fpdt_permutation(seq_len: int, sp_size: int, chunk_size: int | None = None, ring_size: int = 1) -> Tensor:
     """Global token indices in layout order: rank 0's shard first, then rank 1's, ...
 
     ``x[:, perm]`` reorders a sequence so that ``x[:, perm].chunk(sp_size, dim=1)[r]`` is rank
-    ``r``'s shard. ``seq_len`` must be a multiple of ``sp_size`` (see :func:`padded_length`).
+    ``r``'s shard. ``seq_len`` must be a multiple of :func:`layout_multiple` (see :func:`padded_length`).
 
     Returns:
         A ``[seq_len]`` int64 tensor.
     """
-    validate_chunk_size(chunk_size, sp_size)
-    if seq_len % sp_size != 0:
+    validate_chunk_size(chunk_size, sp_size, ring_size)
+    if seq_len % layout_multiple(sp_size, ring_size) != 0:
+        sizes = f"sequence_parallel_size={sp_size}" + (f" and 2 x ring_size={2 * ring_size}" if ring_size > 1 else "")
         raise ValueError(
-            f"The sequence length {seq_len} is not divisible by sequence_parallel_size={sp_size}; pad it"
-            f" to {padded_length(seq_len, sp_size)} first (FPDTStrategy does this for you)."
+            f"The sequence length {seq_len} is not divisible by {sizes}; pad it to"
+            f" {padded_length(seq_len, sp_size, ring_size=ring_size)} first (FPDTStrategy does this for you)."
         )
     per_rank: list[list[Tensor]] = [[] for _ in range(sp_size)]
+    ulysses = sp_size // ring_size
     start = 0
     for length in chunk_lengths(seq_len, chunk_size):
         sub = length // sp_size
-        for r in range(sp_size):
-            per_rank[r].append(torch.arange(start + r * sub, start + (r + 1) * sub))
+        for a in range(ring_size):  # ring rank a: Ulysses group a, ranks a * U .. a * U + U - 1
+            held = torch.cat([torch.arange(lo, hi) for lo, hi in ring_pieces(start, length, ring_size, a)])
+            for u in range(ulysses):
+                per_rank[a * ulysses + u].append(held[u * sub:(u + 1) * sub])
         start += length
     return torch.cat([idx for rank in per_rank for idx in rank])
 
@@ -96,25 +136,28 @@ def inverse_permutation(perm: Tensor) -> Tensor:
     return inv
 
 
-def shard_indices(seq_len: int, sp_size: int, sp_rank: int, chunk_size: int | None = None) -> Tensor:
+def shard_indices(seq_len: int, sp_size: int, sp_rank: int, chunk_size: int | None = None,
+                  ring_size: int = 1) -> Tensor:
     """Global token indices held by ``sp_rank``, in local order. ``[seq_len // sp_size]`` int64."""
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} is outside [0, {sp_size}).")
-    return fpdt_permutation(seq_len, sp_size, chunk_size).view(sp_size, -1)[sp_rank]
+    return fpdt_permutation(seq_len, sp_size, chunk_size, ring_size).view(sp_size, -1)[sp_rank]
 
 
-def shard_sequence(x: Tensor, sp_size: int, sp_rank: int, chunk_size: int | None = None, dim: int = 1) -> Tensor:
+def shard_sequence(x: Tensor, sp_size: int, sp_rank: int, chunk_size: int | None = None, dim: int = 1,
+                   ring_size: int = 1) -> Tensor:
     """This rank's shard of a full-sequence tensor along ``dim`` (default: ``[batch, seq, ...]``)."""
-    idx = shard_indices(x.shape[dim], sp_size, sp_rank, chunk_size).to(x.device)
+    idx = shard_indices(x.shape[dim], sp_size, sp_rank, chunk_size, ring_size).to(x.device)
     return x.index_select(dim, idx)
 
 
-def unshard_sequence(shards: Sequence[Tensor], chunk_size: int | None = None, dim: int = 1) -> Tensor:
+def unshard_sequence(shards: Sequence[Tensor], chunk_size: int | None = None, dim: int = 1,
+                     ring_size: int = 1) -> Tensor:
     """Inverse of :func:`shard_sequence`: the full sequence from every rank's shard, in rank order."""
     sp_size = len(shards)
     laid_out = torch.cat(list(shards), dim=dim)
-    inv = inverse_permutation(fpdt_permutation(laid_out.shape[dim], sp_size, chunk_size)).to(laid_out.device)
-    return laid_out.index_select(dim, inv)
+    perm = fpdt_permutation(laid_out.shape[dim], sp_size, chunk_size, ring_size)
+    return laid_out.index_select(dim, inverse_permutation(perm).to(laid_out.device))
 
 
 def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:

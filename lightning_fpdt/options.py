@@ -39,6 +39,7 @@ from lightning_fpdt.binding import SequenceParallelContext, attention_heads
 from lightning_fpdt.comm import check_heads
 from lightning_fpdt.errors import PREFIX
 from lightning_fpdt.layout import validate_chunk_size
+from lightning_fpdt.mesh import SequenceParallelGroups, resolve_ring_size
 
 Offload = Literal["off", "on", "emulate"]
 OffloadArgument = bool | Literal["emulate"]
@@ -78,6 +79,12 @@ class FPDTOptions:
 
     sequence_parallel_size: int | Literal["auto"] = "auto"
     """Ranks per sequence-parallel group, or ``"auto"`` (all processes of a node). Must divide the world size."""
+    ring_size: int | Literal["auto"] = "auto"
+    """Of the sequence-parallel group, ranks that form a ring: ``sequence_parallel_size = ulysses x ring``. The heads
+    are scattered over the ``ulysses`` ranks of each Ulysses group (consecutive ranks: one node's devices), and
+    key/value chunks move point to point between ring peers (``lightning_fpdt.attention.ring``), so the heads
+    need only divide by the Ulysses degree. ``"auto"``: the largest Ulysses degree that divides the group, fits
+    every attention layer's heads and one node's devices (``lightning_fpdt.mesh``); 1 is plain Ulysses."""
     chunk_size: int | Literal["auto"] | None = None
     """Global tokens per attention chunk, a multiple of ``sequence_parallel_size`` (each chunk is cut into
     one sub-chunk per rank); ``None`` runs plain Ulysses (one chunk); ``"auto"`` picks, per batch shape at
@@ -133,6 +140,8 @@ class FPDTOptions:
         sp = self.sequence_parallel_size
         if sp != "auto" and not _positive_int(sp):
             raise ValueError(f"{PREFIX}sequence_parallel_size must be a positive int or 'auto', got {sp!r}.")
+        if self.ring_size != "auto" and not _positive_int(self.ring_size):
+            raise ValueError(f"{PREFIX}ring_size must be a positive int or 'auto', got {self.ring_size!r}.")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"{PREFIX}attention_backend={self.attention_backend!r} is not one of {BACKENDS}.")
         self._check_chunking()
@@ -187,23 +196,31 @@ class FPDTOptions:
         sp = max(1, processes_per_node) if sp == "auto" else sp
         return max(1, num_nodes * processes_per_node // sp), sp
 
-    def context(self, group: Any, chunk_size: int | None, layer_input_store: Any) -> SequenceParallelContext:
+    def context(self, group: Any, chunk_size: int | None, layer_input_store: Any,
+                ring: SequenceParallelGroups | None = None) -> SequenceParallelContext:
         """The :class:`~lightning_fpdt.binding.SequenceParallelContext` the strategy binds to the attention
         layers: ``"on"`` and ``"emulate"`` both run the offload schedule."""
         return SequenceParallelContext(
             group=group, chunk_size=chunk_size, attention_backend=self.attention_backend,
             offload=self.offload_attention, activation_checkpointing=self.activation_checkpointing,
-            layer_input_store=layer_input_store,
+            layer_input_store=layer_input_store, ulysses_group=None if ring is None else ring.ulysses_group,
+            ring_group=None if ring is None else ring.ring_group,
         )
+
+    def resolved_ring_size(self, sequence_parallel_size: int, processes_per_node: int,
+                           model: torch.nn.Module | None) -> int:
+        """The ring size of this run (``"auto"`` resolved from the model's heads and the node's devices)."""
+        heads = [] if model is None else [(h, kv) for _, h, kv in attention_heads(model)]
+        return resolve_ring_size(self.ring_size, sequence_parallel_size, processes_per_node, heads)
 
     # ---- checks that need the run ----------------------------------------------------------------
 
-    def check_chunk_size(self, sequence_parallel_size: int) -> None:
-        """Raise if a fixed ``chunk_size`` cannot be cut into one equal sub-chunk per rank."""
+    def check_chunk_size(self, sequence_parallel_size: int, ring_size: int = 1) -> None:
+        """Raise if a fixed ``chunk_size`` cannot be cut into one equal sub-chunk per rank (and its ring pieces)."""
         if self.chunk_size is None or self.chunk_size == "auto":
             return
         try:
-            validate_chunk_size(self.chunk_size, sequence_parallel_size)
+            validate_chunk_size(self.chunk_size, sequence_parallel_size, ring_size)
         except ValueError as err:
             raise ValueError(f"{PREFIX}{err}") from None
 
@@ -230,10 +247,11 @@ class FPDTOptions:
             model: the module whose FPDT blocks get bound (``None`` skips the model checks).
         """
         check_world_size(world_size, num_nodes, num_processes, sequence_parallel_size)
-        self.check_chunk_size(sequence_parallel_size)
+        ring = self.resolved_ring_size(sequence_parallel_size, num_processes, model)
+        self.check_chunk_size(sequence_parallel_size, ring)
         self.check_offload(device_type)
         check_attention_backend(self.attention_backend, device_type, precision)
-        check_model(model, sequence_parallel_size)
+        check_model(model, sequence_parallel_size, ring)
 
     def check_offload(self, device_type: str) -> None:
         """Raise for ``True`` offload settings on a device without memory of its own.
@@ -317,7 +335,7 @@ def check_has_blocks(model: torch.nn.Module, num_blocks: int, sequence_parallel_
         )
 
 
-def check_model(model: torch.nn.Module | None, sequence_parallel_size: int) -> None:
+def check_model(model: torch.nn.Module | None, sequence_parallel_size: int, ring_size: int = 1) -> None:
     """Raise if the model's FPDT blocks cannot be sharded over ``sequence_parallel_size`` ranks, or if
     ``sequence_parallel_size > 1`` and the model has no FPDT block at all.
 
@@ -337,6 +355,6 @@ def check_model(model: torch.nn.Module | None, sequence_parallel_size: int) -> N
             continue
         seen.add((n_heads, n_kv_heads))
         try:
-            check_heads(n_heads, n_kv_heads, sequence_parallel_size)
+            check_heads(n_heads, n_kv_heads, sequence_parallel_size, ring_size)
         except ValueError as err:
             raise ValueError(f"{PREFIX}{err} (attention layer '{name}' of {type(model).__name__})") from None

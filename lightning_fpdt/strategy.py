@@ -21,7 +21,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_fpdt import checkpoint_files as ckpt
@@ -34,6 +34,7 @@ from lightning_fpdt.copy_engine import release_copy_engines
 from lightning_fpdt.errors import PREFIX
 from lightning_fpdt.launcher import Peer, ShardAwareLauncher, explain_peer_failure, gather_peers
 from lightning_fpdt.memory import EstimateOptions, ModelShape
+from lightning_fpdt.mesh import SequenceParallelGroups, build_mesh, placement
 from lightning_fpdt.nonfinite import StepGuard
 from lightning_fpdt.options import FPDTOptions, OffloadArgument, check_has_blocks
 from lightning_fpdt.planning import ChunkPlanner, resolve_budget
@@ -47,25 +48,24 @@ class FPDTStrategy(DDPStrategy):
     optionally host-offloaded attention, on top of data parallelism.
 
     The world is a ``(data_parallel, sequence_parallel)`` device mesh, sequence parallel innermost
-    so that an SP group sits on one node:
+    (``lightning_fpdt.mesh`` says where each group lies):
 
     - ``data_parallel``: ranks with different samples (the sampler shards by this coordinate only);
     - ``sequence_parallel``: ranks that share one sample, each holding ``1 / sp`` of its sequence in
-      the FPDT layout and exchanging heads by all-to-all inside attention.
+      the FPDT layout, exchanging heads by all-to-all inside each Ulysses group of consecutive ranks
+      (``sp / ring_size`` of them, on one node) and key/value chunks between ring peers.
 
     Gradients are averaged over the whole world (DDP, or FSDP2 with ``shard_parameters``); with the
     token-weighted loss of :func:`lightning_fpdt.loss.token_weighted_loss` this is exactly the
     single-process gradient, and over an accumulation window of a module with a
     :class:`~lightning_fpdt.accumulation.TokenWindow` the gradient of the window's tokens as one batch.
 
-    Args: the fields of :class:`lightning_fpdt.options.FPDTOptions` (``sequence_parallel_size``,
+    Args: the fields of :class:`lightning_fpdt.options.FPDTOptions` (``sequence_parallel_size``, ``ring_size``,
     ``chunk_size``, ``memory_budget``, ``attention_backend``, ``offload``, ``activation_checkpointing``,
-    ``offload_checkpoints``, ``sequence_keys``, ``pad_token_id``, ``shard_parameters``,
-    ``offload_optimizer``, ``nonfinite_loss``), each documented and validated there, then
-    :class:`~lightning.pytorch.strategies.DDPStrategy`'s (``process_group_backend``, ``timeout``,
-    ``start_method``, ``**kwargs``). A value that is wrong on its own raises ``ValueError`` here. Of the
-    ``**kwargs`` passed on to ``DistributedDataParallel``, ``gradient_as_bucket_view`` defaults to ``True``
-    (see :attr:`~lightning_fpdt.options.FPDTOptions.gradient_as_bucket_view`).
+    ``offload_checkpoints``, ``sequence_keys``, ``pad_token_id``, ``shard_parameters``, ``offload_optimizer``,
+    ``nonfinite_loss``), each documented and validated there, then DDPStrategy's (``process_group_backend``,
+    ``timeout``, ``start_method``, ``**kwargs``). A value wrong on its own raises ``ValueError`` here. Of the
+    ``**kwargs`` for ``DistributedDataParallel``, ``gradient_as_bucket_view`` defaults to ``True``.
     """
 
     strategy_name = "fpdt"
@@ -73,6 +73,7 @@ class FPDTStrategy(DDPStrategy):
     def __init__(
         self,
         sequence_parallel_size: int | Literal["auto"] = "auto",
+        ring_size: int | Literal["auto"] = "auto",
         chunk_size: int | Literal["auto"] | None = None,
         memory_budget: float | None = None,
         attention_backend: Literal["auto", "math", "sdpa", "flash_attn"] = "auto",
@@ -90,17 +91,18 @@ class FPDTStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("gradient_as_bucket_view", True)  # DDP's gradients as views into its buckets: one copy
-        super().__init__(
-            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
-        )
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+                         **kwargs)
         self._options = FPDTOptions(
-            sequence_parallel_size=sequence_parallel_size, chunk_size=chunk_size, memory_budget=memory_budget,
-            attention_backend=attention_backend, offload=offload, activation_checkpointing=activation_checkpointing,
+            sequence_parallel_size=sequence_parallel_size, ring_size=ring_size, chunk_size=chunk_size,
+            memory_budget=memory_budget, attention_backend=attention_backend, offload=offload,
+            activation_checkpointing=activation_checkpointing,
             offload_checkpoints=offload_checkpoints, sequence_keys=sequence_keys, pad_token_id=pad_token_id,
             shard_parameters=shard_parameters, offload_optimizer=offload_optimizer, nonfinite_loss=nonfinite_loss,
             gradient_as_bucket_view=kwargs["gradient_as_bucket_view"],
         )
         self._device_mesh: DeviceMesh | None = None
+        self._groups = SequenceParallelGroups(1, 1, 1)  # the Ulysses groups and rings: made in setup_environment
         self._planner: ChunkPlanner | None = None  # chunk_size="auto": made in setup_environment
         self._active_chunk_size: int | None = None if chunk_size == "auto" else chunk_size
         self._layer_input_store: ChunkStore | None = None  # offloaded block inputs: made in setup
@@ -179,7 +181,13 @@ class FPDTStrategy(DDPStrategy):
     def sequence_parallel_context(self) -> SequenceParallelContext:
         """What every sequence-parallel attention layer is bound to (the layer input store exists once ``setup``
         ran)."""
-        return self._options.context(self.sequence_parallel_group, self._active_chunk_size, self._layer_input_store)
+        return self._options.context(self.sequence_parallel_group, self._active_chunk_size, self._layer_input_store,
+                                     self._groups)
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks of the ring in each sequence-parallel group (``"auto"`` resolved in ``setup_environment``)."""
+        return self._groups.ring
 
     @property
     @override
@@ -210,19 +218,16 @@ class FPDTStrategy(DDPStrategy):
         super().setup_environment()
         self._peers = gather_peers()
         dp, sp = self.data_parallel_size, self.sequence_parallel_size
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (dp, sp), mesh_dim_names=("data_parallel", "sequence_parallel")
-        )
+        ring = self._options.resolved_ring_size(sp, self.num_processes, self.model)
+        self._device_mesh, self._groups = build_mesh(self.root_device.type, dp, sp, ring)
         assert self.model is not None
         self.model._device_mesh = self._device_mesh  # exposed as `LightningModule.device_mesh`
         if self._options.chunk_size == "auto":
             budget = resolve_budget(self._options.memory_budget, self.root_device, self.num_processes, self.world_size)
             self._planner = ChunkPlanner(budget, self.estimate_options)
-        rank_zero_info(
-            f"{PREFIX}{self.world_size} processes as data_parallel={dp} x sequence_parallel={sp};"
-            f" chunk_size={self._options.chunk_size!r}, attention_backend={self._options.attention_backend!r},"
-            f" offload={self._options.offload!r}"
-        )
+        o, where = self._options, placement(self._groups, self.num_processes)
+        rank_zero_info(f"{PREFIX}{self.world_size} processes on {self.num_nodes} node(s): {where}; chunk_size="
+                       f"{o.chunk_size!r}, attention_backend={o.attention_backend!r}, offload={o.offload!r}")
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -275,7 +280,7 @@ class FPDTStrategy(DDPStrategy):
                 self._active_chunk_size = chunk
                 self._bind(self.lightning_module, log=False)
         return shard_batch(batch, self.sequence_parallel_size, self.sequence_parallel_rank, self._active_chunk_size,
-                           self._options.sequence_keys, self._options.pad_token_id, owner="FPDTStrategy")
+                           self._options.sequence_keys, self._options.pad_token_id, "FPDTStrategy", self.ring_size)
 
     # ---- training step and the non-finite policy ------------------------------------------------
 
@@ -343,16 +348,11 @@ class FPDTStrategy(DDPStrategy):
         The model and optimizer states are restored here, so :meth:`load_model_state_dict` and
         :meth:`load_optimizer_state_dict` have nothing left to do (as in Lightning's ModelParallelStrategy).
         """
-        target = str(self.broadcast(str(checkpoint_path)))
-        module = self.lightning_module
-        trainer = module._trainer
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        target, module = str(self.broadcast(str(checkpoint_path))), self.lightning_module
+        fitting = module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
-        if ckpt.is_remote(target):
-            checkpoint = super().load_checkpoint(target, weights_only=weights_only)  # through fsspec
-            ckpt.apply_states(checkpoint, target, module, optimizers, strict=module.strict_loading)
-        else:
-            checkpoint = ckpt.load_into(ckpt.resolve(target), module, optimizers, strict=module.strict_loading)
+        parent = super().load_checkpoint  # reads a remote checkpoint through fsspec
+        checkpoint = ckpt.load_states(target, module, optimizers, lambda: parent(target, weights_only=weights_only))
         restore_run_state(checkpoint, self.global_rank, self._parallelism())
         if fitting:
             warn_if_saved_at_epoch_end(checkpoint)

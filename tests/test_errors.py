@@ -67,7 +67,8 @@ def test_misconfiguration_fails_on_every_rank(sp, devices, heads, kv, data, matc
     with pytest.raises(Exception, match=match):
         config = LlamaConfig.tiny(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=8 * heads * 3,
                                   vocab_size=64)
-        _fit(FPDTStrategy(sequence_parallel_size=sp, start_method="fork"), devices, config, data_loader)
+        # plain Ulysses (ring_size=1): with a ring, 2 heads do divide over the Ulysses groups of 4 ranks
+        _fit(FPDTStrategy(sequence_parallel_size=sp, ring_size=1, start_method="fork"), devices, config, data_loader)
 
 
 def _check_run(options: FPDTOptions, world_size: int, sequence_parallel_size: int) -> None:
@@ -88,7 +89,8 @@ def test_bad_arguments_are_refused_at_construction() -> None:
 def test_head_checks_name_the_numbers() -> None:
     check_heads(8, 2, 4)  # kv heads replicated: fine
     check_heads(8, 8, 4)
-    with pytest.raises(ValueError, match=r"n_heads=6 is not divisible by sequence_parallel_size=4.*\[1, 2, 3, 6\]"):
+    with pytest.raises(ValueError, match=r"n_heads=6 is not divisible by sequence_parallel_size=4.*Use ring_size=2 "
+                                         r"\(Ulysses 2 x ring 2.*sequence_parallel_size in \[1, 2, 3, 6\]"):
         check_heads(6, 6, 4)
     with pytest.raises(ValueError, match="n_kv_heads=3 and sequence_parallel_size=2"):
         check_heads(6, 3, 2)

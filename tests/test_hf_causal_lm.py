@@ -226,7 +226,8 @@ def _fit(module: HFCausalLM, data: Dataset, case: Case, tmp_path, precision: str
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[CaptureStack(str(tmp_path))],
         strategy=FPDTStrategy(sequence_parallel_size=case.sp, chunk_size=case.chunk_size, attention_backend="math",
-                              offload=case.offload, start_method="fork", **stack),
+                              offload=case.offload, start_method="fork", ring_size=getattr(case, "ring_size", "auto"),
+                              **stack),
     )
     trainer.fit(module, dataloader(data, len(data)))
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(case.sp)]

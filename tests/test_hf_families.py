@@ -138,11 +138,13 @@ class FamilyCase:
     kv_heads: int = 1  # below the SP size
     offload: bool | Literal["emulate"] = "emulate"
     stack: bool = False  # tiled MLP and loss, checkpointing with offload emulation, FSDP2 (as test_hf_causal_lm)
+    ring_size: int | Literal["auto"] = "auto"
 
     @property
     def name(self) -> str:
         return "-".join([self.family, "packed" if self.packed else "plain", f"sp{self.sp}", f"C{self.chunk_size}",
-                         f"kv{self.kv_heads}"] + (["stack"] if self.stack else []))
+                         f"kv{self.kv_heads}"] + (["stack"] if self.stack else [])
+                        + ([f"ring{self.ring_size}"] if self.ring_size != "auto" else []))
 
 
 FAMILIES = ["gemma2", "gemma3", "mistral", "cohere2", "olmo3", "exaone4", "gpt_oss", "llama4"]

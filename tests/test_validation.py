@@ -158,13 +158,19 @@ CASES = [
     ErrorCase("chunk-not-multiple-of-sp", dict(sequence_parallel_size="auto", chunk_size=3),
               r"chunk_size=3 is not divisible by sequence_parallel_size=2.*Use a multiple of 2, e\.g\. 2 or 4",
               "setup"),
-    ErrorCase("heads-not-divisible", dict(sequence_parallel_size=2),
-              r"n_heads=3 is not divisible by sequence_parallel_size=2.*\[1, 3\]\."
-              r" \(attention layer 'model\.layers\.0' of LlamaLM\)",
+    # plain Ulysses asked for (ring_size=1); "auto" would make the group a ring
+    ErrorCase("heads-not-divisible", dict(sequence_parallel_size=2, ring_size=1),
+              r"n_heads=3 is not divisible by sequence_parallel_size=2.*Use ring_size=2 \(Ulysses 1 x ring 2;"
+              r" ring_size='auto' picks it\), or any ring_size in \[2\]; plain Ulysses needs a"
+              r" sequence_parallel_size in \[1, 3\]\. \(attention layer 'model\.layers\.0' of"
+              r" LlamaLM\)",
               "setup", model=lambda: _llama(heads=3, kv=3, hidden=24)),
-    ErrorCase("kv-heads-not-shardable", dict(sequence_parallel_size=2),
+    ErrorCase("kv-heads-not-shardable", dict(sequence_parallel_size=2, ring_size=1),
               r"n_kv_heads=3 and sequence_parallel_size=2: KV heads must either divide evenly", "setup",
               model=lambda: _llama(heads=6, kv=3, hidden=48)),
+    ErrorCase("ring-not-dividing-sp", dict(sequence_parallel_size=2, ring_size=4),
+              r"ring_size=4 does not divide sequence_parallel_size=2 \(the group is ulysses x ring ranks\); use one of"
+              r" \[1, 2\], or ring_size='auto'", "setup"),
     ErrorCase("no-fpdt-block", dict(sequence_parallel_size=2),
               r"sequence_parallel_size=2 but NoBlocks has no FPDTBlock", "setup", model=NoBlocks),
     ErrorCase("flash-attn-on-cpu", dict(sequence_parallel_size=2, attention_backend="flash_attn"),

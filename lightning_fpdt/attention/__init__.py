@@ -40,6 +40,7 @@ def fpdt_attention(
     attention_chunk_size: int | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    ring_group: ProcessGroup | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sequence-parallel attention over this rank's shards in the FPDT layout.
 
@@ -48,9 +49,10 @@ def fpdt_attention(
         k: ``[batch, S/P, n_kv_heads, head_dim]``; ``n_kv_heads`` may be smaller than ``P``.
         v: ``[batch, S/P, n_kv_heads, v_head_dim]``; ``v_head_dim`` may differ from ``head_dim`` (multi-head
             latent attention: DeepSeek-V2/V3, MiniCPM3).
-        group: the sequence-parallel process group (``P`` ranks); ``None`` means one process.
+        group: the sequence-parallel process group (``P`` ranks); ``None`` means one process. With a
+            ``ring_group``, the Ulysses group (``U`` consecutive ranks) whose all-to-alls scatter the heads.
         chunk_size: global tokens per chunk (a multiple of ``P``); ``None`` runs plain Ulysses,
-            one chunk. The shards must be laid out for this same chunk size.
+            one chunk. The shards must be laid out for this same chunk size (and ring size).
         causal: causal (decoder) or full (bidirectional) attention.
         backend: ``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"``.
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
@@ -74,6 +76,10 @@ def fpdt_attention(
             rank, joining each query's softmax denominator once (not scaled). Differentiable: each rank's
             gradient holds its heads after the all-to-all (zeros elsewhere), summed over the group it is the
             gradient. The returned lse includes it. ``None``: no sinks.
+        ring_group: the ring (``R`` ranks, one per Ulysses group, ``P = U x R``): key/value parts move between
+            its ranks point to point (:mod:`lightning_fpdt.attention.ring`), and the heads need only divide
+            over ``U``. The shards must be laid out with ``ring_size=R`` (:func:`lightning_fpdt.layout.shard_sequence`).
+            ``None``: no ring.
 
     Returns:
         The output shard ``[batch, S/P, n_heads, v_head_dim]`` (and the lse if asked), differentiable
@@ -85,9 +91,10 @@ def fpdt_attention(
             without causality, a softcap that is not positive, or sinks that are not ``[n_heads]``.
     """
     check_qkv_shapes(q, k, v)
-    p = group_size(group)
-    check_heads(q.shape[2], k.shape[2], p)
-    validate_chunk_size(chunk_size, p)
+    u, ring = group_size(group), group_size(ring_group)
+    p = u * ring
+    check_heads(q.shape[2], k.shape[2], u)
+    validate_chunk_size(chunk_size, p, ring)
     # raises for a window or attention chunk it cannot apply, here on every rank before any collective
     BlockRules(causal, window, attention_chunk_size=attention_chunk_size)
     check_softcap(softcap)
@@ -97,18 +104,19 @@ def fpdt_attention(
     kernel = get_kernel(backend, q.device, q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # KV heads fewer than ranks: replicate before the all-to-all (autograd sums the replicas' grads).
-    k, v = expand_kv_heads(k, p), expand_kv_heads(v, p)
+    k, v = expand_kv_heads(k, u), expand_kv_heads(v, u)
     if documents is not None and documents.length != q.shape[1] * p:
         raise ValueError(
             f"fpdt_attention: documents cover {documents.length} tokens, but the shards hold"
             f" {q.shape[1]} x {p} = {q.shape[1] * p}; build them for the padded sequence of this batch."
         )
     rules = (documents, window, attention_chunk_size, sinks)  # any of them: the pipeline, which applies them
-    if chunk_size is None and not offload and not return_lse and all(x is None for x in rules):
+    if chunk_size is None and not offload and not return_lse and ring == 1 and all(x is None for x in rules):
         return ulysses_attention(q, k, v, group, kernel, causal, scale, softcap)
     opt = PipelineOptions.for_chunk_size(
         group, chunk_size, causal=causal, scale=scale, kernel=kernel, offload=offload, stats_sink=stats_sink,
         documents=documents, window=window, attention_chunk_size=attention_chunk_size, softcap=softcap,
+        ring_group=ring_group,
     )
     out, lse = run_pipeline(TensorEnds(kv_heads=k.shape[2], head_dim=q.shape[3]), opt, q, k, v, sinks=sinks)
     if not return_lse:
@@ -120,10 +128,10 @@ def fpdt_attention(
 
 def _lse_to_seq(lse: Tensor, s_local: int, opt: PipelineOptions) -> Tensor:
     parts, start = [], 0
-    p = group_size(opt.group)
+    u = group_size(opt.group)
     for lo, hi in chunk_bounds(s_local, opt.local_chunk_size):
-        length = (hi - lo) * p
-        chunk = lse[:, :, start : start + length].transpose(1, 2).unsqueeze(-1).contiguous()  # [b, C, h/P, 1]
+        length = (hi - lo) * u  # the ring rank's part of the chunk
+        chunk = lse[:, :, start : start + length].transpose(1, 2).unsqueeze(-1).contiguous()  # [b, C/R, h/U, 1]
         parts.append(head_to_seq(chunk, opt.group).squeeze(-1))  # [b, C/P, h]
         start += length
     return torch.cat(parts, dim=1)

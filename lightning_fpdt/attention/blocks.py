@@ -30,12 +30,15 @@ apply, giving whole rectangles and causal squares only, no new mask for any kern
 Softcapping and attention sinks change the scores and the merge, not this schedule.
 
 Positions are global token offsets of the padded sequence (chunk ``i`` covers ``ranges[i]``): after the
-all-to-all, local chunk ``i`` is global chunk ``i`` on every rank, so every rank plans the same blocks.
+all-to-all, local chunk ``i`` is global chunk ``i`` on every rank, so every rank plans the same blocks. With a
+ring, a rank's part of a chunk is two pieces (:func:`lightning_fpdt.layout.ring_pieces`): a block of two such
+parts is planned piece by piece (:func:`part_rects`), rows and keys numbered along each part.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,6 +47,7 @@ from lightning_fpdt.packed_documents import PackedDocuments, Segment
 
 BlockKind = Literal["skip", "full", "cut"]
 Range = tuple[int, int]  # global token range [start, end) of a chunk
+Part = tuple[Range, ...]  # a rank's part of a chunk under a ring: its pieces, in the order the rank holds them
 
 
 def window_start(query: int, window: int) -> int:
@@ -207,6 +211,28 @@ def plan_blocks(rules: BlockRules, ranges: list[Range]) -> dict[tuple[int, int],
             if rects is None or rects:
                 plan[(i, j)] = rects
     return plan
+
+
+def part_rects(rules: BlockRules, q: Part, k: Part) -> list[Rect] | None:
+    """:meth:`BlockRules.rects` of the block (query pieces ``q``, key pieces ``k``; each pair equal or disjoint),
+    rows and keys numbered along the concatenated pieces: ``[]`` to skip it, ``None`` when every pair is full."""
+    if len(q) == 1 and len(k) == 1:
+        return rules.rects(q[0], k[0])
+    rects, full, q_at = [], True, 0
+    for q_range in q:
+        k_at = 0
+        for k_range in k:
+            found = rules.rects(q_range, k_range)
+            n_q, n_k = q_range[1] - q_range[0], k_range[1] - k_range[0]
+            if found is None:
+                rects.append(Rect(slice(None), q_at, q_at + n_q, k_at, k_at + n_k, False))
+            else:
+                full = False
+                rects += [dataclasses.replace(r, q_lo=r.q_lo + q_at, q_hi=r.q_hi + q_at, k_lo=r.k_lo + k_at,
+                                              k_hi=r.k_hi + k_at) for r in found]
+            k_at += n_k
+        q_at += n_q
+    return None if full else rects
 
 
 # A causal diagonal with a window shorter than this many tokens keeps its mask: one masked call on the square

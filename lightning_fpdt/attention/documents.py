@@ -34,6 +34,17 @@ def _whole(rect: Rect, q: Tensor, k: Tensor) -> bool:
     return rect.batch == slice(None) and (rect.q_lo, rect.q_hi, rect.k_lo, rect.k_hi) == (0, q.shape[1], 0, k.shape[1])
 
 
+def _rows_shared(rects: list[Rect]) -> bool:
+    """Whether two rectangles cover a row of the same sample (they then merge; documents' never do)."""
+    active: list[Rect] = []  # a sweep over rows: the rectangles still open at the current one's first row
+    for r in sorted(rects, key=lambda r: r.q_lo):
+        active = [o for o in active if o.q_hi > r.q_lo]
+        if any(o.batch == r.batch or slice(None) in (o.batch, r.batch) for o in active):
+            return True
+        active.append(r)
+    return False
+
+
 def kernel_calls(kernel: AttentionKernel, rects: list[Rect]) -> list[list[Rect]]:
     """The calls ``kernel`` makes for each rectangle: the rectangle itself, or its unmasked pieces in bands of
     ``kernel.edge_band`` rows (``None``: the kernel takes the edge; read only for a rectangle with an edge)."""
@@ -58,7 +69,8 @@ def block_forward(
         return kernel.forward(q, k, v, calls[0][0].causal, scale, calls[0][0].lower, softcap)
     b, c_q, h, _ = q.shape
     acc = accumulate_dtype(q.dtype)
-    merged = any(len(pieces) > 1 for pieces in calls)
+    shared = _rows_shared(rects)  # a ring's two key pieces: rectangles of one row range
+    merged = shared or any(len(pieces) > 1 for pieces in calls)
     out = torch.zeros(b, c_q, h, v.shape[-1], dtype=acc if merged else q.dtype, device=q.device)
     lse = torch.full((b, h, c_q), float("-inf"), dtype=acc, device=q.device)
     for pieces in calls:
@@ -66,7 +78,7 @@ def block_forward(
             rows, cols = slice(r.q_lo, r.q_hi), slice(r.k_lo, r.k_hi)
             o, l_ = kernel.forward(q[r.batch, rows], k[r.batch, cols], v[r.batch, cols], r.causal, scale, r.lower,
                                    softcap)
-            if len(pieces) > 1:  # pieces of one band share rows; from out = 0, lse = -inf the first is exact
+            if shared or len(pieces) > 1:  # rows seen before: from out = 0, lse = -inf the first is exact
                 o, l_ = update_out_and_lse(out[r.batch, rows], lse[r.batch, :, rows], o, l_)
             out[r.batch, rows] = o
             lse[r.batch, :, rows] = l_

@@ -37,78 +37,24 @@ input (``FPDTAttention``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_fpdt.attention.blocks import BlockRules, chunk_bounds, global_ranges, plan_blocks
-from lightning_fpdt.attention.documents import block_backward, block_forward
-from lightning_fpdt.attention.ends import ChunkSink, ChunkSource, PipelineEnds
-from lightning_fpdt.attention.kernels import AttentionKernel, accumulate_dtype, check_softcap
-from lightning_fpdt.attention.merge import merge_sink, sink_grad, update_out_and_lse
-from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
+from lightning_fpdt.attention.backward import pipeline_backward
+from lightning_fpdt.attention.documents import block_forward
+from lightning_fpdt.attention.ends import ChunkSource, PipelineEnds
+from lightning_fpdt.attention.merge import merge_sink, update_out_and_lse
+from lightning_fpdt.attention.pipeline_options import PipelineOptions
+from lightning_fpdt.attention.ring import PendingParts, exchange_parts, pack, unpack
+from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.comm import Exchange, PendingAllToAll, group_rank, group_size
-from lightning_fpdt.layout import validate_chunk_size
-from lightning_fpdt.packed_documents import PackedDocuments
 from lightning_fpdt.profiling import named_range
 
 KV_KINDS = {"k": "kv", "v": "kv"}
 QUERY_KINDS = {"q": "query", "o": "query", "lse": "query", "do": "query", "dq": "query"}
-_QUERY_SET = ("q", "o", "lse", "do", "dq")
-
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    """How one FPDT attention call runs. ``local_chunk_size`` is ``chunk_size / P`` (or ``None``).
-
-    ``overlap_comm``: asynchronous all-to-alls overlapping the attention (module docstring); ``False``
-    runs each to completion where it is issued (same results bit for bit; for comparisons).
-    ``window``: a sliding window (tokens a query sees, itself included); ``attention_chunk_size``: chunked
-    attention (:class:`~lightning_fpdt.attention.blocks.BlockRules`); ``softcap``: the attention-logit
-    cap (``cap * tanh(s / cap)``); each ``None`` when off.
-
-    Raises:
-        ValueError: a window or attention chunk below 1 or without causality, a softcap that is not positive.
-    """
-
-    group: ProcessGroup | None
-    local_chunk_size: int | None
-    causal: bool
-    scale: float
-    kernel: AttentionKernel
-    offload: bool = False
-    stats_sink: list[OffloadStats] | None = None
-    overlap_comm: bool = True
-    documents: PackedDocuments | None = None
-    window: int | None = None
-    softcap: float | None = None
-    attention_chunk_size: int | None = None
-
-    def __post_init__(self) -> None:
-        self.rules  # noqa: B018 (validates the window against causality now, not at the first block)
-        check_softcap(self.softcap)
-
-    @property
-    def rules(self) -> BlockRules:
-        """What each block computes (``lightning_fpdt.attention.blocks``)."""
-        return BlockRules(self.causal, self.window, self.documents, self.attention_chunk_size)
-
-    @classmethod
-    def for_chunk_size(cls, group: ProcessGroup | None, chunk_size: int | None, **options: Any) -> PipelineOptions:
-        """Options for a global ``chunk_size`` (validated against the group's size, then cut per rank)."""
-        p = group_size(group)
-        validate_chunk_size(chunk_size, p)
-        return cls(group=group, local_chunk_size=None if chunk_size is None else chunk_size // p, **options)
-
-
-def _key_order(i: int, n: int, causal: bool) -> list[int]:
-    """Key chunks query chunk ``i`` attends to: the diagonal first (it is on the device), then in order."""
-    others = [j for j in range(i if causal else n) if j != i]
-    return [i, *others]
 
 
 def pipeline_forward(
@@ -127,16 +73,16 @@ def pipeline_forward(
     while the current one computes, also across query chunks.
     """
     b, s_local, h, d = source.q_shape  # s_local = S // P; h = all query heads
-    bounds = chunk_bounds(s_local, opt.local_chunk_size)
+    bounds, plan = opt.plan(s_local)
     n = len(bounds)
     exchange = Exchange(opt.group, overlap=opt.overlap_comm)
-    plan = plan_blocks(opt.rules, global_ranges(bounds, group_size(opt.group)))
-    # skipped blocks are dropped here: no prefetch, copy or kernel for them (the diagonal always stays)
-    orders = [[j for j in _key_order(i, n, opt.causal) if (i, j) in plan] for i in range(n)]
-    next_key = [j for order in orders for j in order][1:] + [None]  # the key chunk of the block after each block
-    store.stats.count_blocks(len(next_key), n * (n + 1) // 2 if opt.causal else n * n)
+    # skipped blocks are dropped here: no prefetch, copy, move or kernel for them (the diagonal always stays)
+    orders = [plan.key_parts(i, opt.causal) for i in range(n)]
+    next_key = [m for order in orders for m in order][1:] + [None]  # the key part of the block after each block
+    store.stats.count_blocks(len(next_key), plan.candidates)
     out: Tensor | None = None  # [b, s_local, h, d]: chunks are written in as they arrive
     lses: list[Tensor] = []
+    moving: dict[int, tuple[PendingParts, tuple[torch.Size, ...]]] = {}  # chunk -> peers' parts on their way here
 
     def issue_kv(j: int) -> tuple[PendingAllToAll, ...]:
         k_c, v_c = source.kv(*bounds[j])
@@ -149,9 +95,26 @@ def pipeline_forward(
 
     def store_kv(j: int, pending: tuple[PendingAllToAll, ...], keep: bool) -> None:
         with named_range("fpdt/all_to_all"):
-            k_j, v_j = (p.wait() for p in pending)  # [b, C_j, h_kv/P, d]
-        store.put(("k", j), k_j, keep_on_device=keep)
-        store.put(("v", j), v_j, keep_on_device=keep)
+            k_j, v_j = (p.wait() for p in pending)  # [b, C_j / R, h_kv/U, d]: this ring rank's part
+        store.put(("k", plan.own(j)), k_j, keep_on_device=keep)
+        store.put(("v", plan.own(j)), v_j, keep_on_device=keep)
+        sends = dict.fromkeys(plan.sends[j], pack(k_j, v_j)) if plan.sends[j] else {}
+        flat = torch.Size([k_j.numel() + v_j.numel()])  # a peer's part has this rank's shapes
+        moving[j] = exchange_parts(opt.ring_group, sends, dict.fromkeys(plan.receives[j], flat), k_j.dtype,
+                                   k_j.device), (k_j.shape, v_j.shape)
+
+    def land(j: int, now: set[int]) -> None:
+        """The peers' parts of chunk ``j`` into the store (``now``: the ones the next blocks read)."""
+        if j not in moving:
+            return
+        pending, shapes = moving.pop(j)
+        with named_range("fpdt/ring"):
+            received = pending.wait()
+        for peer, flat in received.items():
+            m = j * plan.size + peer
+            k_m, v_m = unpack(flat, *shapes)
+            store.put(("k", m), k_m, keep_on_device=m in now)
+            store.put(("v", m), v_m, keep_on_device=m in now)
 
     def place(sent: tuple[PendingAllToAll, int, int]) -> None:
         nonlocal out
@@ -167,32 +130,37 @@ def pipeline_forward(
         for j in range(n):
             current, ahead = ahead, issue_kv(j + 1) if j + 1 < n else ()
             store_kv(j, current, keep=j == 0)
+            land(j, set())
     ahead = issue_chunk(0)
     block = 0  # index of the current block in the sequence of all blocks
     sent: tuple[PendingAllToAll, int, int] | None = None  # the previous output chunk, on its way back
     for i, (lo, hi) in enumerate(bounds):
         current, ahead = ahead, ()
         with named_range("fpdt/all_to_all"):
-            q_i = current[0].wait()  # [b, C_i, h/P, d], global chunk i
+            q_i = current[0].wait()  # [b, C_i / R, h/U, d], this ring rank's part of global chunk i
         if opt.causal:
             store_kv(i, current[1:], keep=True)
         if i + 1 < n:
             ahead = issue_chunk(i + 1)  # runs during this chunk's attention
         out_i = lse_i = None
-        for j in orders[i]:
+        for m in orders[i]:
+            if m // plan.size == i and m != plan.own(i):  # a peer's part of this chunk: it moved meanwhile
+                land(i, {x for x in orders[i] if x // plan.size == i})
             nxt = next_key[block]
             # issue the next block's copy before computing this one (a causal diagonal comes by all-to-all)
-            if nxt is not None and nxt != j and ("k", nxt) in store:
+            if nxt is not None and nxt != m and ("k", nxt) in store:
                 store.prefetch(("k", nxt))
                 store.prefetch(("v", nxt))
-            k_j, v_j = store.get(("k", j)), store.get(("v", j))
+            k_m, v_m = store.get(("k", m)), store.get(("v", m))
             with named_range("fpdt/attention_chunk"):
-                block_out, block_lse = block_forward(opt.kernel, q_i, k_j, v_j, plan[(i, j)], opt.scale, opt.softcap)
+                block_out, block_lse = block_forward(opt.kernel, q_i, k_m, v_m, plan.blocks[(i, m)], opt.scale,
+                                                     opt.softcap)
                 out_i, lse_i = update_out_and_lse(out_i, lse_i, block_out, block_lse)
-            if nxt != j:  # full attention's block (n-2, n-1) is followed by (n-1, n-1): keep it
-                store.evict(("k", j))
-                store.evict(("v", j))
+            if nxt != m:  # full attention's block (n-2, n-1) is followed by (n-1, n-1): keep it
+                store.evict(("k", m))
+                store.evict(("v", m))
             block += 1
+        land(i, set())  # parts only later chunks read
         assert out_i is not None and lse_i is not None
         if sinks is not None:  # once per row, after every key block
             out_i, lse_i = merge_sink(out_i, lse_i, sinks)
@@ -209,112 +177,7 @@ def pipeline_forward(
     place(sent)
     exchange.close()
     assert out is not None
-    return out, lses[0] if n == 1 else torch.cat(lses, dim=2)  # lse [b, h/P, S]
-
-
-def pipeline_backward(
-    dout: Tensor, q_dtype: torch.dtype, opt: PipelineOptions, store: ChunkStore, sink: ChunkSink,
-    sinks: Tensor | None = None,
-) -> Tensor | None:
-    """Gradients of q, k, v from ``dout`` ``[b, s_local, h, d]`` and the chunks :func:`pipeline_forward`
-    left in ``store``, handed to ``sink`` chunk by chunk as they become final. Returns the gradient of this
-    rank's ``sinks`` ``[h/P]`` (accumulation dtype) when the forward had them, else ``None``.
-
-    The steps ``(j, i)`` (outer key chunk, inner query chunk) run as one sequence; before each step's
-    compute the next step's chunks are prefetched (its query set, and its k/v when the outer step
-    changes), and ``dout``'s next all-to-all is issued. Final gradient chunks go home by all-to-alls
-    that are waited for after the next step's compute.
-    """
-    s_local = dout.shape[1]
-    bounds = chunk_bounds(s_local, opt.local_chunk_size)
-    n = len(bounds)
-    acc = accumulate_dtype(q_dtype)
-    exchange = Exchange(opt.group, overlap=opt.overlap_comm)
-    plan = plan_blocks(opt.rules, global_ranges(bounds, group_size(opt.group)))
-    steps = [(j, i) for j in range(n) for i in (range(j, n) if opt.causal else range(n))
-             if (i, j) in plan]  # skipped blocks are not steps: nothing is prefetched or computed for them
-    store.stats.count_blocks(len(steps), n * (n + 1) // 2 if opt.causal else n * n)
-    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=acc, device=sinks.device)
-    # dout chunk i comes over at its first step; dq_i is final after its last one
-    first_visit, last_visit = {}, {}
-    for t, (_, i) in enumerate(steps):
-        first_visit.setdefault(i, t)
-        last_visit[i] = t
-    dout_order = sorted(first_visit, key=first_visit.get)
-    homebound: list[Callable[[], None]] = []  # gradient chunks in flight: hand them to the sink after a compute
-
-    def prefetch(t: int) -> None:
-        j, i = steps[t]
-        if t == 0 or steps[t - 1][0] != j:
-            store.prefetch(("k", j))
-            store.prefetch(("v", j))
-        for kind in _QUERY_SET:
-            if (kind, i) in store:
-                store.prefetch((kind, i))
-
-    def issue_dout(i: int) -> PendingAllToAll:
-        lo, hi = bounds[i]
-        return exchange.seq_to_head(dout[:, lo:hi], f"dout{i}")
-
-    def deliver() -> None:
-        with named_range("fpdt/all_to_all"):
-            for hand_over in homebound:
-                hand_over()
-        homebound.clear()
-
-    douts = iter(dout_order)  # first visits come in this order
-    dout_ahead: PendingAllToAll | None = issue_dout(next(douts))
-    prefetch(0)  # nothing to overlap the first step's copies with
-    for t, (j, i) in enumerate(steps):
-        nxt = steps[t + 1] if t + 1 < len(steps) else None
-        if t == 0 or steps[t - 1][0] != j:  # first row of outer step j
-            k_j, v_j = store.get(("k", j)), store.get(("v", j))
-            dk_j = dv_j = None
-        if first_visit[i] == t:  # first visit of query chunk i: its dout arrives, the next one's all-to-all starts
-            assert dout_ahead is not None
-            with named_range("fpdt/all_to_all"):
-                store.put(("do", i), dout_ahead.wait(), keep_on_device=True)
-            following = next(douts, None)
-            dout_ahead = issue_dout(following) if following is not None else None
-        if nxt is not None:
-            prefetch(t + 1)
-        q_i, o_i, lse_i, do_i = (store.get((kind, i)) for kind in ("q", "o", "lse", "do"))
-        with named_range("fpdt/attention_chunk_backward"):
-            if dsinks is not None and first_visit[i] == t:  # each row's sink gradient, once
-                dsinks += sink_grad(do_i, o_i, lse_i, sinks)
-            dq, dk, dv = block_backward(opt.kernel, do_i, q_i, k_j, v_j, o_i, lse_i, plan[(i, j)], opt.scale,
-                                        opt.softcap)
-        deliver()
-        if ("dq", i) not in store:
-            dq_i = dq.to(acc)
-        elif store.offload:
-            dq_i = store.get(("dq", i)) + dq  # not in place: the old one may still be copying to host
-        else:
-            dq_i = store.get(("dq", i)).add_(dq)
-        # the first contribution is the kernel's own fresh tensor: accumulate into it
-        dk_j = dk.to(acc) if dk_j is None else dk_j.add_(dk)
-        dv_j = dv.to(acc) if dv_j is None else dv_j.add_(dv)
-        store.delete(("dq", i))  # the accumulator is replaced by dq_i (or sent home)
-        reused = nxt is not None and nxt[1] == i  # the next step reads this query chunk again
-        if last_visit[i] == t:  # dq_i has every contribution
-            sent_dq = exchange.head_to_seq(dq_i.to(q_dtype), f"dq{i}")
-            homebound.append(lambda p=sent_dq, b=bounds[i]: sink.q(*b, p.wait()))
-            for kind in _QUERY_SET:
-                store.delete((kind, i))
-        else:
-            store.put(("dq", i), dq_i, keep_on_device=reused)
-            if not reused:
-                for kind in ("q", "o", "lse", "do"):
-                    store.evict((kind, i))
-        if nxt is None or nxt[0] != j:  # dk_j, dv_j have every contribution
-            assert dk_j is not None and dv_j is not None
-            store.delete(("k", j))
-            store.delete(("v", j))
-            sent_kv = exchange.head_to_seq(dk_j.to(q_dtype), f"dk{j}"), exchange.head_to_seq(dv_j.to(q_dtype), f"dv{j}")
-            homebound.append(lambda p=sent_kv, b=bounds[j]: sink.kv(*b, p[0].wait(), p[1].wait()))
-    deliver()
-    exchange.close()
-    return dsinks
+    return out, lses[0] if n == 1 else torch.cat(lses, dim=2)  # lse [b, h/U, S/R]
 
 
 class PipelineFunction(torch.autograd.Function):

@@ -147,7 +147,7 @@ class ProjectionChunkSource:
         return self._project(self.attn.q_proj, self.attn.n_heads, lo, hi, rope=True)
 
     def kv(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
-        a, p = self.attn, self.attn.context.size
+        a, p = self.attn, self.attn.context.ulysses_size
         k = self._project(a.k_proj, a.n_kv_heads, lo, hi, rope=True)
         v = self._project(a.v_proj, a.n_kv_heads, lo, hi, rope=False)
         return expand_kv_heads(k, p), expand_kv_heads(v, p)

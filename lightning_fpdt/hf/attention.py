@@ -190,13 +190,14 @@ def fpdt_attention_forward(
     ctx = fpdt_context or _ONE_PROCESS
     # [b, h, s_local, d] -> [b, s_local, h, d]: the pipeline's layout (s_local = S // sp)
     if tunes_temperature(module):  # Llama-4's NoPE layers scaled q at local positions: at the tokens' own instead
-        query = tuned_queries(module, query, ctx.size, ctx.group, ctx.chunk_size, documents)
+        query = tuned_queries(module, query, ctx, documents)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     record = AttentionRecord.for_call(q.shape[1], ctx)
     if fpdt_records is not None:
         fpdt_records.leave(module, record)
     out = fpdt_attention(
-        q, k, v, group=ctx.group, chunk_size=ctx.chunk_size, causal=True, backend=ctx.attention_backend,
+        q, k, v, group=ctx.attention_group, ring_group=ctx.ring_group, chunk_size=ctx.chunk_size, causal=True,
+        backend=ctx.attention_backend,
         scale=scaling, offload=ctx.offload, documents=documents, stats_sink=record.sink,
         window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), sinks=_sinks(module, kwargs),
         attention_chunk_size=attention_chunk_size(module),  # chunked layers: read from their mask (hf.masks)

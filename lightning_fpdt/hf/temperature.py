@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
+from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.comm import group_rank
 from lightning_fpdt.layout import shard_indices
 from lightning_fpdt.packed_documents import PackedDocuments
@@ -33,10 +33,10 @@ def _scales(module: nn.Module, positions: Tensor) -> Tensor:
 
 
 def token_positions(s_local: int, sp: int, rank: int, chunk_size: int | None,
-                    documents: PackedDocuments | None, device: torch.device) -> Tensor:
+                    documents: PackedDocuments | None, device: torch.device, ring_size: int = 1) -> Tensor:
     """``[batch or 1, s_local]``: the position of each of this rank's tokens in its document (global offsets in the
-    FPDT layout of ``chunk_size``, less the start of the document holding each)."""
-    offsets = shard_indices(s_local * sp, sp, rank, chunk_size).to(device)
+    FPDT layout of ``chunk_size`` and ``ring_size``, less the start of the document holding each)."""
+    offsets = shard_indices(s_local * sp, sp, rank, chunk_size, ring_size).to(device)
     if documents is None:
         return offsets[None]
     rows = []
@@ -46,13 +46,15 @@ def token_positions(s_local: int, sp: int, rank: int, chunk_size: int | None,
     return torch.stack(rows)
 
 
-def tuned_queries(module: nn.Module, query: Tensor, sp: int, group: ProcessGroup | None, chunk_size: int | None,
+def tuned_queries(module: nn.Module, query: Tensor, context: SequenceParallelContext,
                   documents: PackedDocuments | None) -> Tensor:
     """``query`` ``[batch, heads, s_local, head_dim]`` of a temperature-tuned layer rescaled from the scale of its
     local positions to that of its tokens' positions in their documents; unchanged where the two agree."""
     s_local = query.shape[2]
     local = _scales(module, torch.arange(s_local, device=query.device))
-    true = _scales(module, token_positions(s_local, sp, group_rank(group), chunk_size, documents, query.device))
+    positions = token_positions(s_local, context.size, group_rank(context.group), context.chunk_size, documents,
+                                query.device, context.ring_size)
+    true = _scales(module, positions)
     if torch.equal(true, local.expand_as(true)):
         return query
     wide = torch.promote_types(query.dtype, torch.float32)
