@@ -6,6 +6,7 @@ relative 1e-10).
   window edge or a document or skipped;
 - a 6-head model at sp=4, which plain Ulysses refuses: ``ring_size="auto"`` makes it Ulysses 2 x ring 2 (the own
   Llama, packed documents, chunks, offload emulated, activation checkpointing);
+- data parallel 2 x (Ulysses 2 x ring 2) on 8 processes (the own Llama, packed documents, chunks, offload emulated);
 - the hybrid layers, whose sequence-parallel forms follow the Ulysses layout only, are refused by name under a ring.
 """
 
@@ -71,3 +72,15 @@ def test_a_hybrid_is_refused_under_a_ring_by_name(tmp_path) -> None:
     with pytest.raises(Exception, match=r"HFCausalLM: ring_size=2, but model\.model\.layers\.0\.linear_attn"
                                                   r".*not supported yet\)\. Use ring_size=1"):
         trainer.fit(module, dataloader(TokenDataset(2, 16, 64, 0), 2))  # raised on each rank, wrapped by the launcher
+
+
+@pytest.mark.distributed
+def test_data_parallel_2_x_ulysses_2_x_ring_2_on_8_processes(tmp_path, fresh_seed: int) -> None:
+    """dp=2 outermost, each sequence-parallel group of 4 as Ulysses 2 x ring 2: the rings are ranks {0, 2}, {1, 3},
+    {4, 6}, {5, 7}; one step equals one process (packed documents, chunks, offload emulated)."""
+    torch.manual_seed(fresh_seed)
+    data = Packed(PACKING, fresh_seed)
+    case = Case(dp=2, sp=4, chunk_size=16, offload="emulate")
+    results, initial = fit_one_step(case, data, tmp_path, ring_size=2)
+    ref_loss, ref_grads = each_document_alone(initial, data.documents())
+    assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"dp2 x ulysses2 x ring2 seed={fresh_seed}")
