@@ -3,7 +3,8 @@ relative 1e-10).
 
 - Ulysses 2 x ring 2 and ring 4, with chunks, offload emulated, packed documents and a sliding window, on a
   Hugging Face family with one KV head (Mistral v0.1: every layer windowed), so every remote block is cut by a
-  window edge or a document or skipped;
+  window edge or a document or skipped; Llama-4 (attention chunks, temperature at each token's true position) and
+  gpt-oss (sinks) likewise;
 - a 6-head model at sp=4, which plain Ulysses refuses: ``ring_size="auto"`` makes it Ulysses 2 x ring 2 (the own
   Llama, packed documents, chunks, offload emulated, activation checkpointing);
 - data parallel 2 x (Ulysses 2 x ring 2) on 8 processes (the own Llama, packed documents, chunks, offload emulated);
@@ -25,12 +26,19 @@ from tests.test_hf_families import FamilyCase, _module, assert_fit_step_equals_p
 from tests.test_packed_training import PACKING, VOCAB, Case, Packed, each_document_alone, fit_one_step
 
 
+RING_CASES = [  # packed, sp=4, chunks of 8, offload emulated, one KV head
+    FamilyCase("mistral", packed=True, sp=4, ring_size=2),  # every layer windowed
+    FamilyCase("mistral", packed=True, sp=4, ring_size=4),
+    FamilyCase("llama4", packed=True, sp=4, ring_size=2),  # attention chunks, the NoPE layer's temperature, experts
+    FamilyCase("gpt_oss", packed=True, sp=4, ring_size=4),  # sinks (their gradient over the ring), windows, experts
+]
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("ring", [2, 4], ids=["ulysses2-ring2", "ring4"])
-def test_windowed_packed_family_at_ulysses_x_ring_equals_plain_transformers(ring: int, tmp_path,
-                                                                            fresh_seed: int) -> None:
+@pytest.mark.parametrize("case", RING_CASES, ids=lambda c: c.name)
+def test_released_family_at_ulysses_x_ring_equals_plain_transformers(case: FamilyCase, tmp_path,
+                                                                     fresh_seed: int) -> None:
     torch.manual_seed(fresh_seed)
-    case = FamilyCase("mistral", packed=True, sp=4, kv_heads=1, ring_size=ring)  # chunks of 8, offload emulated
     assert_fit_step_equals_plain(_module(case, fresh_seed), case, tmp_path, fresh_seed, case.name)
 
 
