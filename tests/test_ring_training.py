@@ -29,7 +29,9 @@ from tests.test_packed_training import PACKING, VOCAB, Case, Packed, each_docume
 RING_CASES = [  # packed, sp=4, chunks of 8, offload emulated, one KV head
     FamilyCase("mistral", packed=True, sp=4, ring_size=2),  # every layer windowed
     FamilyCase("mistral", packed=True, sp=4, ring_size=4),
-    FamilyCase("llama4", packed=True, sp=4, ring_size=2),  # attention chunks, the NoPE layer's temperature, experts
+    # attention chunks, the NoPE layer's temperature, experts, under the memory stack (tiled MLP and loss,
+    # checkpointing with offload emulation, FSDP2)
+    FamilyCase("llama4", packed=True, sp=4, stack=True, ring_size=2),
     FamilyCase("gpt_oss", packed=True, sp=4, ring_size=4),  # sinks (their gradient over the ring), windows, experts
 ]
 
