@@ -10,8 +10,9 @@ A world of ``D x P`` processes, global rank ``g = d * P + a * U + u`` (``P = U x
 - the ring ``(d, u)``: the ``R`` ranks ``d * P + u + U * a``, one per Ulysses group, which move key/value parts
   point to point (``lightning_fpdt.attention.ring``): across nodes when ``P`` spans several.
 
-``ring_size="auto"`` picks the largest Ulysses degree that divides ``P``, fits the heads of every attention layer
-(:func:`~lightning_fpdt.comm.heads_fit`) and the devices of one node; the ring is the rest.
+``ring_size="auto"`` picks the largest Ulysses degree that divides ``P`` and the devices of one node (so that every
+Ulysses group sits on one node) and fits the heads of every attention layer (:func:`~lightning_fpdt.comm.heads_fit`);
+the ring is the rest.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from lightning_fpdt.errors import PREFIX
 def resolve_ring_size(ring_size: int | Literal["auto"], sp: int, devices_per_node: int,
                       heads: Sequence[tuple[int, int]] = ()) -> int:
     """The ring size of a sequence-parallel group of ``sp`` ranks: ``ring_size`` as given, or with ``"auto"`` the
-    one whose Ulysses degree is the largest that divides ``sp``, is at most ``devices_per_node`` and fits every
+    one whose Ulysses degree is the largest that divides ``sp`` and ``devices_per_node`` and fits every
     ``(n_heads, n_kv_heads)`` of ``heads`` (none known yet: any).
 
     Raises:
@@ -43,8 +44,8 @@ def resolve_ring_size(ring_size: int | Literal["auto"], sp: int, devices_per_nod
             raise ValueError(f"{PREFIX}ring_size={ring_size} does not divide sequence_parallel_size={sp} (the group is"
                              f" ulysses x ring ranks); use one of {divisors}, or ring_size='auto'.")
         return ring_size
-    for u in range(min(sp, max(1, devices_per_node)), 0, -1):
-        if sp % u == 0 and all(heads_fit(h, kv, u) for h, kv in heads):
+    for u in range(min(sp, max(1, devices_per_node)), 0, -1):  # u = 1 always qualifies
+        if sp % u == 0 and devices_per_node % u == 0 and all(heads_fit(h, kv, u) for h, kv in heads):
             return sp // u
     return sp
 
@@ -89,14 +90,19 @@ def build_mesh(device_type: str, data_parallel: int, sp: int, ring: int) -> tupl
 
 
 def placement(groups: SequenceParallelGroups, devices_per_node: int) -> str:
-    """Where the groups lie, in words, for the strategy's log line."""
-    data_parallel, ulysses, ring = groups.data_parallel, groups.ulysses, groups.ring
-    nodes = -(-ulysses // devices_per_node)
-    inside = nodes == 1 and devices_per_node % ulysses == 0
-    ulysses_where = "inside a node" if inside else f"across {nodes} nodes"
+    """Where the groups lie, in words, for the strategy's log line (nodes hold consecutive ranks,
+    ``devices_per_node`` each)."""
+    dp, u, ring = groups.data_parallel, groups.ulysses, groups.ring
+    sp = u * ring
+
+    def nodes(ranks: range) -> int:
+        return len({r // devices_per_node for r in ranks})
+
+    ulysses_nodes = max(nodes(range(d * sp + a * u, d * sp + (a + 1) * u)) for d in range(dp) for a in range(ring))
+    ulysses_where = "inside a node" if ulysses_nodes == 1 else f"across up to {ulysses_nodes} nodes"
     if ring == 1:
-        return f"sequence_parallel={ulysses} as ulysses={ulysses} ({ulysses_where}); data_parallel={data_parallel}"
-    ring_nodes = len({(a * ulysses) // devices_per_node for a in range(ring)})
+        return f"sequence_parallel={sp} as ulysses={u} ({ulysses_where}); data_parallel={dp}"
+    ring_nodes = max(nodes(range(d * sp + x, (d + 1) * sp, u)) for d in range(dp) for x in range(u))
     ring_where = f"across {ring_nodes} nodes" if ring_nodes > 1 else "inside a node"
-    return (f"sequence_parallel={ulysses * ring} as ulysses={ulysses} (consecutive ranks, {ulysses_where}) x"
-            f" ring={ring} (ranks {ulysses} apart, {ring_where}); data_parallel={data_parallel} outermost")
+    return (f"sequence_parallel={sp} as ulysses={u} (consecutive ranks, {ulysses_where}) x ring={ring}"
+            f" (ranks {u} apart, {ring_where}); data_parallel={dp} outermost")

@@ -93,6 +93,8 @@ def test_auto_ring_size_is_the_largest_ulysses_degree_that_fits() -> None:
     assert resolve_ring_size("auto", 64, 8, [(32, 8)]) == 8  # Llama-3-8B on 8 nodes x 8: Ulysses 8 inside a node
     assert resolve_ring_size("auto", 4, 4, [(8, 2)]) == 1  # heads divide: plain Ulysses, as before
     assert resolve_ring_size("auto", 4, 4, [(4, 4), (6, 6)]) == 2  # every layer's heads
+    assert resolve_ring_size("auto", 4, 6, [(32, 8)]) == 2  # Ulysses groups must not straddle 6-device nodes
+    assert resolve_ring_size("auto", 12, 8, [(48, 12)]) == 3  # Ulysses 4 (divides 8), not 6
     assert resolve_ring_size(2, 4, 4, [(3, 3)]) == 2  # as given (the heads are checked at binding)
     with pytest.raises(ValueError, match=r"ring_size=3 does not divide sequence_parallel_size=4.*\[1, 2, 4\]"):
         resolve_ring_size(3, 4, 4)
@@ -115,6 +117,10 @@ def test_the_log_line_says_where_each_group_lies() -> None:
         " data_parallel=1 outermost")
     assert placement(SequenceParallelGroups(2, 4, 1), 4) == "sequence_parallel=4 as ulysses=4 (inside a node); " \
                                                             "data_parallel=2"
+    # 6 devices per node: the second group's Ulysses ranks 4-7 straddle nodes 0 and 1; rings of the second data-
+    # parallel group (ranks 12 + x, 12 + 6 + x) lie across nodes 2 and 3
+    assert "ulysses=4 (across up to 2 nodes)" in placement(SequenceParallelGroups(3, 4, 1), 6)
+    assert "ring=2 (ranks 6 apart, across 2 nodes)" in placement(SequenceParallelGroups(2, 6, 2), 8)
 
 
 # ---- on ranks --------------------------------------------------------------------------------------------------
