@@ -18,7 +18,10 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +98,8 @@ def peer_failure_message(error: BaseException, peers: tuple[Peer, ...], rank: in
     if dead:
         what = ", ".join(f"rank {r} (pid {peers[r].pid}, {s})" for r, s in dead.items())
         head = f"the process of {what} died, so this collective cannot complete."
+        if not any(s.startswith("killed") for s in dead.values()):  # maybe a survivor that raised and exited first
+            head += " A rank that exits with an error may have lost a peer itself: its own error names that peer."
     else:
         head = "another rank's process died or closed its connection (none of the ranks on this host is gone)."
     alive = f"Still running on {here}: rank(s) {sorted([rank, *running])}"
@@ -110,9 +115,29 @@ def peer_failure_message(error: BaseException, peers: tuple[Peer, ...], rank: in
 def explain_peer_failure(error: BaseException, peers: tuple[Peer, ...], rank: int) -> None:
     """Rewrite ``error``'s message in place with :func:`peer_failure_message` when a peer process is gone
     (the exception keeps its type and traceback, as Lightning's own ``on_exception`` messages do)."""
-    message = peer_failure_message(error, peers, rank)
-    if message is not None:
-        error.args = (message,)
+    with _sigterm_deferred():
+        message = peer_failure_message(error, peers, rank)
+        if message is not None:
+            error.args = (message,)
+
+
+@contextmanager
+def _sigterm_deferred() -> Iterator[None]:
+    """SIGTERM held back until the message is made, then raised again. A launcher stops the rest of a node's
+    processes once one has exited (torchrun), often while the others wait for a dead peer to show in /proc; Lightning's
+    SIGTERM handler then runs a broadcast, which fails with the backend's words in place of this message."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous is None:  # not set from Python
+        yield
+        return
+    received: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if received:
+            signal.raise_signal(signal.SIGTERM)  # handled now as it would have been then
 
 
 class ShardAwareLauncher(_MultiProcessingLauncher):
