@@ -141,7 +141,7 @@ class FPDTStrategy(DDPStrategy):
     def estimate_options(self) -> EstimateOptions:
         """What the memory model needs of this strategy (the batch size, precision, optimizer and tiling
         are the module's and the trainer's)."""
-        return EstimateOptions.from_strategy(self._options, self.num_nodes, self.num_processes)
+        return EstimateOptions.from_strategy(self._options, self.num_nodes, self.num_processes, model=self.model)
 
     @property
     def sequence_parallel_rank(self) -> int:

@@ -136,3 +136,16 @@ def test_support_matrix_smoke(tmp_path) -> None:
     saved = {r["family"]: r for r in json.loads(path.read_text())}
     assert saved.keys() == {"llama", "bert"} and saved["llama"]["error"] <= 1e-10, saved
     assert "2 families: exact: 1, refused: 1" in out, out
+
+
+def test_ring_benchmark_smoke() -> None:
+    # Ulysses 4, Ulysses 2 x ring 2 and ring 4 at tiny sizes: the float64 gate passes, and the bytes each rank sends
+    # (measured by wrapping all_to_all_single and batch_isend_irecv) are the memory model's to the byte
+    out = _run("ring.py", "--smoke")
+    assert "correctness gate (float64" in out and "not measuring" not in out, out
+    rows = {r[0]: r for r in _table_rows(out) if len(r) == 13 and r[0] != "configuration" and r[0][0] != "-"}
+    assert {c: r[1] for c, r in rows.items()} == {"ulysses 4": "4 x 1", "ulysses 2 x ring 2": "2 x 2",
+                                                  "ring 4": "1 x 4"}, out
+    for name, row in rows.items():
+        assert float(row[2]) > 0 and float(row[10]) > 0 and row[9] == "exact", row  # s/step, peak, bytes vs model
+        assert (float(row[5]) > 0) == (name != "ring 4") and (float(row[7]) > 0) == (name != "ulysses 4"), row

@@ -10,13 +10,15 @@ The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-w
 - parameters, gradients (twice under DDP without ``gradient_as_bucket_view``: its buckets) and AdamW state
   (every rank holds all of them, or ``1 / world`` of them and the gathered layers in use with ``shard_parameters``);
 - saved activations per layer (block input, norm outputs, the attention pipeline's head-sharded
-  q/k/v/out chunks and lse, the o_proj input, the MLP intermediates unless tiled; a hybrid's layers by what each
-  has, a gated delta-net's or Mamba-2 mixer's conv windows, chunk inputs and states as its
-  :class:`~lightning_fpdt.binding.SequenceMixerMemory` says); with activation checkpointing only the block input (on
-  the host with ``offload_checkpoints``);
+  q/k/v/out chunks and lse (with a ring of ``ring_size`` ranks, k/v of the whole sequence at the Ulysses degree
+  ``sp / ring_size``: the ring peers' parts join the rank's store), the o_proj input, the MLP intermediates unless
+  tiled; a hybrid's layers by what each has, a gated delta-net's or Mamba-2 mixer's conv windows, chunk inputs and
+  states as its :class:`~lightning_fpdt.binding.SequenceMixerMemory` says); with activation checkpointing only the
+  block input (on the host with ``offload_checkpoints``);
 - the largest transient: the loss (full logits unless tiled) or the backward of one block (recomputed
   with activation checkpointing), plus the attention working set of one chunk (a mixer's: one chunk's kernel
-  intermediates and their gradients);
+  intermediates and their gradients; with a ring, its point-to-point buffers: the backward's packed key/value
+  gradient sums in the accumulation dtype);
 - the gradients made so far during backward: a block's backward is the peak when it runs late in the
   backward, with the gradients of every later block (and, under ``shard_parameters``, the unsharded
   gradients of the root's parameters and of one block, and a block's float32 reduce-scatter input) alive;
@@ -29,6 +31,9 @@ embedding, and its parameters, so any model built from ``FPDTBlock`` or wrapped 
 sized, not only the bundled ones; this package imports no model. How the run trains is one
 :class:`EstimateOptions` (built from a strategy's options or from a YAML). It is an estimate for planning.
 ``benchmarks/training.py`` measures the real peak of live tensors.
+
+:func:`communication_bytes` gives the bytes attention moves per step: all-to-alls inside the Ulysses groups and the
+ring's point-to-point parts (``benchmarks/ring.py`` measures them).
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from lightning_fpdt.comm import heads_fit
+from lightning_fpdt.layout import layout_multiple, padded_length
 from lightning_fpdt.memory.estimate_options import OPTIMIZER_STATES, PRECISION_BYTES, EstimateOptions
 from lightning_fpdt.memory.shape import LayerKind, ModelShape
 from lightning_fpdt.tiling import largest_tile, mlp_tile_tokens
 
-__all__ = ["GIB", "EstimateOptions", "MemoryEstimate", "ModelShape", "auto_chunk_size", "estimate", "format_bytes",
-           "report"]
+__all__ = ["GIB", "EstimateOptions", "MemoryEstimate", "ModelShape", "auto_chunk_size", "communication_bytes",
+           "estimate", "format_bytes", "report"]
 
 GIB = 2**30
 
@@ -58,6 +65,7 @@ def format_bytes(n: float) -> str:
 class MemoryEstimate:
     """Bytes per rank. ``device_peak`` is the estimated peak of live tensors on the compute device;
     ``gathered`` the parameters FSDP2 holds all-gathered (the root's and two blocks', with ``shard_parameters``;
+    printed only then); ``ring_buffers`` the ring's point-to-point buffers of one chunk (with ``ring_size > 1``;
     printed only then)."""
 
     parameters: int
@@ -70,6 +78,7 @@ class MemoryEstimate:
     device_peak: int
     notes: list[str] = field(default_factory=list)
     gathered: int = 0
+    ring_buffers: int = 0
 
     def table(self) -> str:
         rows = [("parameters", self.parameters), ("gradients", self.gradients), ("optimizer state", self.optimizer),
@@ -78,6 +87,9 @@ class MemoryEstimate:
                 ("host (pinned)", self.host)]
         if self.gathered:
             rows.insert(3, ("gathered (FSDP)", self.gathered))
+        if self.ring_buffers:
+            rows.insert(rows.index(("attention chunk buffers", self.chunk_buffers)) + 1,
+                        ("ring buffers", self.ring_buffers))
         width = max(len(r[0]) for r in rows)
         lines = [f"{name:<{width}}  {format_bytes(value):>11}" for name, value in rows]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
@@ -95,14 +107,16 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
         raise ValueError("estimate needs a chunk size: resolve chunk_size='auto' with auto_chunk_size() first.")
     batch_size, chunk_size = options.batch_size, options.chunk_size
     pe, e = PRECISION_BYTES[options.precision]
-    p = options.sequence_parallel_size
-    s_pad = -(-seq_len // p) * p
+    p, r, u = options.sequence_parallel_size, options.ring_size, options.ulysses_size  # p = u x r
+    s_pad = padded_length(seq_len, p, ring_size=r)
     t = batch_size * s_pad // p  # tokens per rank
     h, hd = shape.hidden_size, shape.head_dim or shape.hidden_size // shape.num_heads
     vd = shape.v_head_dim or hd  # v's head width (multi-head latent attention: narrower than q's and k's)
     qd, od = shape.num_heads * hd, shape.num_heads * vd  # widths of q and of the attention output (need not be h)
-    kv_heads = max(shape.num_kv_heads, p)  # KV heads are replicated up to sp
-    qkvo = qd + od + kv_heads * (hd + vd)  # q, out, k and v per token, KV heads replicated
+    kv_heads = max(shape.num_kv_heads, u)  # KV heads are replicated up to the Ulysses degree (comm.expand_kv_heads)
+    # q, out, k and v kept per token of the rank: a rank holds heads / u of its ring part (S / r tokens) of q and out,
+    # and k/v of the whole sequence at heads / u (its ring peers' parts join its store: lightning_fpdt.attention.ring)
+    qkvo = qd + od + r * kv_heads * (hd + vd)
     chunk = s_pad if chunk_size is None else min(chunk_size, s_pad)
     chunk_tokens_rank = batch_size * chunk // p  # one chunk, per rank
 
@@ -177,12 +191,22 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     else:
         mlp_work = intermediate_grads * t
 
-    # attention working set: the current and the prefetched chunk (one chunk: the whole local q/k/v
-    # and their head-sharded copies)
-    chunk_buffers = 2 * min(chunk_tokens_rank, t) * qkvo * e
-    if options.attention_backend == "math":  # it materializes a chunk pair's scores: S, P, dP and dS in backward
-        chunk_global = min(chunk, s_pad)
-        chunk_buffers += 4 * batch_size * (shape.num_heads // p or 1) * chunk_global**2 * max(e, 4)
+    # attention working set, forward: the current and the prefetched chunk's query side (one chunk: the whole local
+    # q/k/v and their head-sharded copies), the current chunk's k/v parts of every ring rank and the next one prefetched
+    part = min(chunk_tokens_rank, t) * kv_heads * (hd + vd)  # one ring rank's k/v of one chunk, at heads / u
+    chunk_buffers = 2 * min(chunk_tokens_rank, t) * (qd + od) * e + (r + 1) * part * e
+    # backward: the query sides, the current and the prefetched part, and the ring's buffers: the packed dk/dv sums of
+    # the peers' parts going home and the peers' sums for this rank's part arriving, both in the accumulation dtype
+    # (float32, float64 for float64). Not offloaded, the peers' parts leave the store as their sums are made
+    ring_buffers = 2 * (r - 1) * part * max(e, 4)
+    backward_buffers = (2 * min(chunk_tokens_rank, t) * (qd + od) * e + 2 * part * e + ring_buffers
+                        - (0 if options.offload else (r - 1) * part * e))
+    if options.attention_backend == "math":  # it materializes a block's scores: S, P, dP and dS in backward
+        block = min(chunk, s_pad) // r  # a ring part of a chunk against a ring part
+        scores = 4 * batch_size * (shape.num_heads // u or 1) * block**2 * max(e, 4)
+        chunk_buffers += scores
+        backward_buffers += scores
+    attention_work = max(chunk_buffers, backward_buffers)
 
     # Hugging Face layers project q/k/v for the whole local sequence before the pipeline: those and their
     # gradients exist while a layer's attention runs (forward, and its recomputation's backward)
@@ -193,7 +217,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     def layer_work(kind: LayerKind) -> float:
         mixer = max((min(chunk_tokens_rank, t) * 4 * m.work() - t * e * m.released() for m in kind.mixers),
                     default=0)
-        return max(chunk_buffers + qkv_local if kind.attention else 0, mlp_work if kind.mlp else 0, mixer)
+        return max(attention_work + qkv_local if kind.attention else 0, mlp_work if kind.mlp else 0, mixer)
 
     # one block's backward: the incoming gradient and the larger of the attention chunk buffers (with the whole
     # local q/k/v of a Hugging Face layer), the MLP's backward and a mixer's chunk; recomputed, on top of the
@@ -236,30 +260,82 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # gradients are created during backward; AdamW's update adds about half a parameter set
     device_peak = gathered + buckets + max(params + grads + opt + shape.num_params * pe // 2 // shards,
                                            params + opt + max(loss_phase, backward_phase))
-    if p > 1 and shape.num_heads % p:
-        notes.append(f"num_heads={shape.num_heads} is not divisible by sp={p}: the run will be refused")
+    if u > 1 and not heads_fit(shape.num_heads, shape.num_kv_heads, u):
+        degree = f"sp={p}" if r == 1 else f"the Ulysses degree {u} (sp={p} / ring_size={r})"
+        notes.append(f"num_heads={shape.num_heads}, num_kv_heads={shape.num_kv_heads} cannot be sharded over {degree}:"
+                     " the run will be refused")
+    if r > 1 and any(k.mixers for k in kinds):
+        notes.append(f"ring_size={r} with token mixers besides attention (a gated delta-net, Mamba-2, a short"
+                     " convolution): the run will be refused")
     return MemoryEstimate(params, grads + buckets, opt, saved, chunk_buffers, transient, host, device_peak, notes,
-                          gathered)
+                          gathered, ring_buffers)
+
+
+def communication_bytes(shape: ModelShape, options: EstimateOptions, seq_len: int) -> dict[str, float]:
+    """Bytes one rank sends per training step of ``shape`` on sequences of ``seq_len`` tokens under ``options``,
+    summed over the attention layers (``benchmarks/ring.py`` measures them).
+
+    The sequence-parallel group of ``P = U x R`` ranks (``lightning_fpdt.mesh``) moves, in every attention layer:
+
+    - inside each Ulysses group of ``U`` ranks, per chunk, the all-to-alls of q, k, v (forward) and of the output
+      back, and in backward those of ``dout``, ``dq``, ``dk`` and ``dv``. An all-to-all keeps ``1 / U`` of its input on
+      the rank and sends the rest, so each moves ``(U - 1) / U`` of the rank's local tensor. KV heads fewer than ``U``
+      are replicated before it (:func:`lightning_fpdt.comm.expand_kv_heads`): k and v then move at ``U`` heads;
+    - inside each ring of ``R`` ranks, per chunk, this rank's key/value part (``C / R`` tokens at the rank's heads of
+      the Ulysses group) to every ring peer whose queries see it: all ``R - 1`` of them under causal or full attention
+      (a window or documents may spare some; not modelled: the figure is the upper bound). In backward the peers send
+      the part's key/value gradients over their queries back, as many messages, in the accumulation dtype (float32 for
+      bf16/fp16 inputs, else the input dtype) (:mod:`lightning_fpdt.attention.ring`).
+
+    The total over a step does not depend on the chunk size: every token's q, k, v and output crosses the all-to-all
+    once per pass, and every part goes to each peer once however many query chunks read it. With activation
+    checkpointing the forward's moves happen twice (the forward, and the recomputation in backward). Not counted: the
+    gradient all-reduce over the world and the loss's scalar all-reduces (independent of ``U x R``).
+
+    Returns:
+        ``{"all_to_all_forward", "ring_forward", "all_to_all_backward", "ring_backward"}`` -> bytes; the forward's
+        twice with ``activation_checkpointing`` (its recomputation in backward moves them again).
+    """
+    p, r, u = options.sequence_parallel_size, options.ring_size, options.ulysses_size
+    _, e = PRECISION_BYTES[options.precision]
+    acc = max(e, 4)  # lightning_fpdt.attention.kernels.accumulate_dtype
+    t = options.batch_size * padded_length(seq_len, p, ring_size=r) // p  # tokens per rank
+    hd = shape.head_dim or shape.hidden_size // shape.num_heads
+    vd = shape.v_head_dim or hd
+    kv_heads = max(shape.num_kv_heads, u)  # replicated up to the Ulysses degree before the all-to-all
+    layers = sum(kind.attention for kind in shape.layer_kinds())
+    passes = 2 if options.activation_checkpointing else 1
+    share = (u - 1) / u  # what leaves the rank of an all-to-all's input
+    q, out = t * shape.num_heads * hd, t * shape.num_heads * vd  # elements per rank
+    kv = t * kv_heads * (hd + vd)  # the local k and v, replicated; also this rank's parts of every chunk, summed
+    ring = (r - 1) * kv  # each part to every other rank of the ring
+    return {
+        "all_to_all_forward": passes * layers * share * (q + kv + out) * e,
+        "ring_forward": passes * layers * ring * e,
+        "all_to_all_backward": layers * share * (out + q + kv) * e,  # dout, dq, dk and dv
+        "ring_backward": layers * ring * acc,
+    }
 
 
 def auto_chunk_size(
     shape: ModelShape, seq_len: int, budget_bytes: int, options: EstimateOptions | None = None
 ) -> int | None:
-    """The largest chunk size (a multiple of ``options.sequence_parallel_size``, halving from the whole
-    sequence) whose estimated device peak fits ``budget_bytes``; ``None`` means no chunking fits best (one
-    chunk). ``options.chunk_size`` is not read.
+    """The largest chunk size (a multiple of :func:`~lightning_fpdt.layout.layout_multiple` of the
+    sequence-parallel and ring sizes, halving from the whole sequence) whose estimated device peak fits
+    ``budget_bytes``; ``None`` means no chunking fits best (one chunk). ``options.chunk_size`` is not read.
 
     Raises:
         ValueError: when not even the smallest chunk fits, naming the estimate and the budget.
     """
     options = options or EstimateOptions()
-    p = options.sequence_parallel_size
-    s_pad = -(-seq_len // p) * p
-    candidates: list[int | None] = [None]  # no chunking first, then halving chunks (multiples of p)
-    size = s_pad // 2 // p * p
-    while size >= p:
+    # every chunk is cut into one sub-chunk per rank and, with a ring, 2 x ring pieces (lightning_fpdt.layout)
+    multiple = layout_multiple(options.sequence_parallel_size, options.ring_size)
+    s_pad = -(-seq_len // multiple) * multiple
+    candidates: list[int | None] = [None]  # no chunking first, then halving chunks (multiples of the layout's)
+    size = s_pad // 2 // multiple * multiple
+    while size >= multiple:
         candidates.append(size)
-        size = size // 2 // p * p
+        size = size // 2 // multiple * multiple
     smallest = None
     for candidate in candidates:
         smallest = estimate(shape, seq_len, options.replace(chunk_size=candidate))

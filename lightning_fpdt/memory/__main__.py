@@ -3,11 +3,14 @@
     python -m lightning_fpdt.memory --config examples/configs/tiny_cpu.yaml
     python -m lightning_fpdt.memory --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --vocab 128256 \\
         --seq 1048576 --sp 8 --chunk-size 65536 --offload --checkpointing --precision bf16-mixed
+    python -m lightning_fpdt.memory --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --vocab 128256 \\
+        --seq 4194304 --sp 64 --ring 8 --chunk-size 65536 --offload --checkpointing --precision bf16-mixed
 
-With ``--config`` (an ``fpdt-train`` YAML) the model is built on the meta device from the YAML's
-``model`` and read like any module (:meth:`ModelShape.from_module`); the run's settings are read as the
-strategy reads them (:meth:`EstimateOptions.from_yaml`). Without it, a Llama of the given sizes
-(:func:`shape_from_config`).
+``--ring``: Ulysses ``sp / ring`` x ring ``ring``. After the memory table it prints the bytes attention moves
+per step and rank (all-to-alls and ring, :func:`~lightning_fpdt.memory.communication_bytes`). With
+``--config`` (an ``fpdt-train`` YAML) the model is built on the meta device from the YAML's ``model`` and read
+like any module (:meth:`ModelShape.from_module`); the run's settings are read as the strategy reads them
+(:meth:`EstimateOptions.from_yaml`). Without it, a Llama of the given sizes (:func:`shape_from_config`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import yaml
 from torch import nn
 
-from lightning_fpdt.memory import EstimateOptions, ModelShape, report
+from lightning_fpdt.memory import EstimateOptions, ModelShape, communication_bytes, format_bytes, report
 from lightning_fpdt.models import GPTConfig, LlamaConfig
 from lightning_fpdt.models.convert import FAMILIES
 from lightning_fpdt.models.from_config import module_from_yaml
@@ -49,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
              "seq": 262144, "batch": 1, "sp": 1, "dp": 1}  # --dp: the data-parallel size (matters with --shard)
     for name, default in sizes.items():
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--ring", type=int, default=1,
+                        help="ring_size: ranks of the ring in each sequence-parallel group (--sp = ulysses x ring);"
+                             " with --config, the YAML's strategy ring_size is used")
     parser.add_argument("--chunk-size", type=lambda v: v if v == "auto" else int(v), default=None)
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--checkpointing", action="store_true")
@@ -65,8 +71,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.config:
             with open(args.config) as f:
                 cfg = yaml.safe_load(f)
-            shape, tiling = ModelShape.from_module(_module_from_yaml(cfg.get("model") or {}))
-            options = EstimateOptions.from_yaml(cfg, batch_size=args.batch, **tiling)
+            module = _module_from_yaml(cfg.get("model") or {})
+            shape, tiling = ModelShape.from_module(module)
+            options = EstimateOptions.from_yaml(cfg, batch_size=args.batch, model=module, **tiling)
             seq = ((cfg.get("data") or {}).get("init_args") or {}).get("seq_len", args.seq)
             strategy = (cfg.get("trainer") or {}).get("strategy")
             if budget is None and isinstance(strategy, dict):
@@ -77,14 +84,29 @@ def main(argv: list[str] | None = None) -> None:
                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads))
             options = EstimateOptions(
                 batch_size=args.batch, chunk_size=args.chunk_size, sequence_parallel_size=args.sp,
-                data_parallel_size=args.dp, offload=args.offload, activation_checkpointing=args.checkpointing,
+                data_parallel_size=args.dp, ring_size=args.ring, offload=args.offload,
+                activation_checkpointing=args.checkpointing,
                 offload_checkpoints=args.offload_checkpoints, mlp_tiled=args.tiled, loss_tiled=args.tiled,
                 precision=args.precision, attention_backend=args.attention_backend, shard_parameters=args.shard,
                 offload_optimizer=args.offload_optimizer)
             seq = args.seq
         print(report(shape, seq, options, budget_gib=budget))
+        print(communication_report(communication_bytes(shape, options, seq), options))
     except ValueError as err:
         raise SystemExit(str(err)) from None
+
+
+def communication_report(moved: dict[str, float], options: EstimateOptions) -> str:
+    """The lines of :func:`communication_bytes` as the CLI prints them."""
+    u, r = options.ulysses_size, options.ring_size
+    names = {"all_to_all_forward": f"all-to-all forward (ulysses {u})", "ring_forward": f"ring forward (ring {r})",
+             "all_to_all_backward": f"all-to-all backward (ulysses {u})", "ring_backward": f"ring backward (ring {r})"}
+    twice = " (forward twice: recomputed)" if options.activation_checkpointing else ""
+    lines = [f"bytes moved per step per rank, attention{twice}:"]
+    width = max(len(n) for n in names.values())
+    lines += [f"  {names[k]:<{width}}  {format_bytes(v):>11}" for k, v in moved.items()]
+    lines.append(f"  {'total':<{width}}  {format_bytes(sum(moved.values())):>11}")
+    return "\n".join(lines)
 
 
 def _module_from_yaml(model: dict[str, Any]) -> nn.Module:

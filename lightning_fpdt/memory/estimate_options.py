@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from torch import nn
+
 from lightning_fpdt.options import FPDTOptions
 
 # Lightning precision string -> (parameter bytes, activation bytes)
@@ -45,6 +47,10 @@ class EstimateOptions:
     """Ranks sharing one sample's sequence."""
     data_parallel_size: int = 1
     """Sequence-parallel groups (matters when parameters are sharded over data x sequence ranks)."""
+    ring_size: int = 1
+    """Of the sequence-parallel group, ranks that form a ring (``sequence_parallel_size = ulysses x ring``,
+    :mod:`lightning_fpdt.mesh`): the heads are scattered over the Ulysses degree ``sequence_parallel_size /
+    ring_size`` only, and each rank's chunk store holds its ring peers' key/value parts too. 1: plain Ulysses."""
     offload: bool = False
     """Saved attention chunks live in host memory (the strategy's ``offload="on"``)."""
     activation_checkpointing: bool = False
@@ -74,10 +80,20 @@ class EstimateOptions:
             raise ValueError(f"precision={self.precision!r} is not one of {sorted(PRECISION_BYTES)}.")
         if self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer={self.optimizer!r} is not one of {sorted(OPTIMIZER_STATES)}.")
-        for name in ("batch_size", "sequence_parallel_size", "data_parallel_size"):
+        for name in ("batch_size", "sequence_parallel_size", "data_parallel_size", "ring_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if self.sequence_parallel_size % self.ring_size:
+            sp = self.sequence_parallel_size
+            divisors = [r for r in range(1, sp + 1) if sp % r == 0]
+            raise ValueError(f"EstimateOptions: ring_size={self.ring_size} does not divide sequence_parallel_size={sp}"
+                             f" (the group is ulysses x ring ranks); use one of {divisors}.")
+
+    @property
+    def ulysses_size(self) -> int:
+        """The Ulysses degree: ranks whose all-to-alls scatter the heads (``sequence_parallel_size / ring_size``)."""
+        return self.sequence_parallel_size // self.ring_size
 
     def replace(self, **changes: Any) -> EstimateOptions:
         """A copy with ``changes`` (field names) applied."""
@@ -85,7 +101,8 @@ class EstimateOptions:
 
     @classmethod
     def from_strategy(
-        cls, options: FPDTOptions, num_nodes: int, processes_per_node: int, **run: Any
+        cls, options: FPDTOptions, num_nodes: int, processes_per_node: int, ring_size: int | None = None,
+        model: nn.Module | None = None, **run: Any
     ) -> EstimateOptions:
         """The estimate of a run of ``FPDTStrategy(**options)`` on ``num_nodes`` x ``processes_per_node``
         processes.
@@ -95,12 +112,21 @@ class EstimateOptions:
             num_nodes: nodes of the run.
             processes_per_node: processes (devices) per node; ``sequence_parallel_size="auto"`` is resolved
                 against it by :meth:`FPDTOptions.mesh_shape`, as the strategy resolves it.
+            ring_size: the run's resolved ring size; ``None``: ``options.ring_size`` resolved by
+                :meth:`FPDTOptions.resolved_ring_size` against the node's processes and ``model``'s heads, as the
+                strategy resolves it in ``setup_environment``.
+            model: the module whose attention heads ``ring_size="auto"`` must fit (``None``: heads not known yet).
             **run: the fields the strategy does not know (``batch_size``, ``precision``, ``optimizer``,
                 ``mlp_tiled``, ``loss_tiled``).
+
+        Raises:
+            ValueError: a ring size that does not divide the sequence-parallel size.
         """
         dp, sp = options.mesh_shape(num_nodes, processes_per_node)
+        if ring_size is None:
+            ring_size = options.resolved_ring_size(sp, processes_per_node, model)
         return cls(
-            chunk_size=options.chunk_size, sequence_parallel_size=sp, data_parallel_size=dp,
+            chunk_size=options.chunk_size, sequence_parallel_size=sp, data_parallel_size=dp, ring_size=ring_size,
             offload=options.offload == "on", activation_checkpointing=options.activation_checkpointing,
             offload_checkpoints=options.offload_checkpoints == "on", attention_backend=options.attention_backend,
             shard_parameters=options.shard_parameters, offload_optimizer=options.offload_optimizer,
@@ -108,7 +134,8 @@ class EstimateOptions:
         )
 
     @classmethod
-    def from_yaml(cls, config: Mapping[str, Any], batch_size: int = 1, **tiling: bool) -> EstimateOptions:
+    def from_yaml(cls, config: Mapping[str, Any], batch_size: int = 1, model: nn.Module | None = None,
+                  **tiling: bool) -> EstimateOptions:
         """The estimate of the run an ``fpdt-train`` YAML describes (``config`` as ``yaml.safe_load`` reads it).
 
         The strategy's ``init_args`` become :class:`FPDTOptions` (validated as the strategy validates them) and
@@ -118,6 +145,7 @@ class EstimateOptions:
         Args:
             config: the YAML's content.
             batch_size: used when the YAML's data has none.
+            model: the YAML's model (built on the meta device), whose heads ``ring_size="auto"`` fits.
             **tiling: ``mlp_tiled`` and ``loss_tiled``, read from the model (``ModelShape.from_module``).
         """
         trainer = config.get("trainer") or {}
@@ -127,7 +155,7 @@ class EstimateOptions:
         devices = trainer.get("devices", 1)
         data = (config.get("data") or {}).get("init_args") or {}
         return cls.from_strategy(
-            FPDTOptions(**known), trainer.get("num_nodes", 1), devices if isinstance(devices, int) else 1,
+            FPDTOptions(**known), trainer.get("num_nodes", 1), devices if isinstance(devices, int) else 1, model=model,
             batch_size=data.get("batch_size", batch_size), precision=str(trainer.get("precision", "32-true")),
             **tiling,
         )
