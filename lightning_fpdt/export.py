@@ -9,7 +9,8 @@ It streams: each Hugging Face tensor is read from the checkpoint alone (a ``.ckp
 sharded torch.distributed.checkpoint directory one key at a time), cast to the export dtype, and written with
 its shard; at most one shard is held at a time. Names: ``HFCausalLM``'s parameters are ``model.<transformers
 name>``; ``LlamaLM`` and ``GPTLM`` go through the weight-name tables of :mod:`lightning_fpdt.models.convert`,
-row by row (GPT-2's fused ``c_attn`` is assembled from our q, k and v). Tied embeddings are written once.
+row by row (GPT-2's fused ``c_attn`` is assembled from our q, k and v). Tied embeddings are written once. A LoRA
+run's adapted layers are merged (``W + scaling * B @ A``); ``--adapter`` writes the adapter alone (:mod:`.lora_export`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from lightning_fpdt.export_checks import (
     staging_dir,
 )
 from lightning_fpdt.hf.causal_lm import HFCausalLM
+from lightning_fpdt.hf.lora import export_sources
+from lightning_fpdt.lora_export import adapted_module, export_adapter, write_adapter
 from lightning_fpdt.models.bundled import BundledLM
 from lightning_fpdt.models.convert import hf_config_of
 from lightning_fpdt.models.family import Weight
@@ -57,13 +60,14 @@ class Part(NamedTuple):
 
 
 class ExportPlan(NamedTuple):
-    """What to write: the transformers ``config``, each tensor's ``parts`` (in file order) and ``shapes``, and the
-    directory to copy tokenizer files from (``None``: none)."""
+    """What to write: the transformers ``config``, each tensor's ``parts`` (in file order) and ``shapes``, the
+    directory to copy tokenizer files from (``None``: none), and ``merges`` (a LoRA layer's merged weight's maker)."""
 
     config: PretrainedConfig
     parts: dict[str, list[Part]]
     shapes: dict[str, torch.Size]
     tokenizer_dir: str | None
+    merges: dict[str, Callable[[list[Tensor]], Tensor]] | None = None
 
 
 def plan_for(module: pl.LightningModule, tokenizer_dir: str | None = None) -> ExportPlan:
@@ -95,13 +99,14 @@ def plan_for(module: pl.LightningModule, tokenizer_dir: str | None = None) -> Ex
 
 def hf_plan(model: PreTrainedModel, prefix: str, tokenizer_dir: str | None) -> ExportPlan:
     """The plan of a transformers model whose tensors are ``prefix + <its name>``: its parameters (tied ones once)
-    and persistent buffers."""
+    and persistent buffers; with LoRA adapters, each adapted layer's weight merged from its base and its adapter."""
     params = dict(model.named_parameters())  # a tied tensor appears once, under its first name
     tensors = {**params, **{n: b for n, b in model.named_buffers() if n in model.state_dict()}}
     config = copy.deepcopy(model.config)
     config._attn_implementation = None  # FPDT's attention is this run's; the export loads with transformers' own
-    return ExportPlan(config, {n: [Part(prefix + n)] for n in tensors}, {n: t.shape for n, t in tensors.items()},
-                      tokenizer_dir)
+    sources, merges = export_sources(model, list(tensors))  # without adapters: each name its own
+    return ExportPlan(config, {n: [Part(prefix + k) for k in keys] for n, keys in sources.items()},
+                      {n: tensors[keys[0]].shape for n, keys in sources.items()}, tokenizer_dir, merges)
 
 
 def write(plan: ExportPlan, read: Callable[[str], Tensor], out: str | Path, dtype: torch.dtype | None = None,
@@ -249,6 +254,7 @@ class HFExport(pl.Callback):
         max_shard_size: bytes per safetensors file.
         tokenizer: where to copy tokenizer files from (``None``: the model's source directory, ``HFCausalLM``'s path
             or ``hf_checkpoint``).
+        adapter: write a LoRA run's adapter in peft's format, not the merged model (:mod:`~lightning_fpdt.lora_export`).
 
     Each export replaces the model files of its directory (the callback's own: a resumed run writes there again);
     the model's source directory is refused when ``fit`` starts.
@@ -258,15 +264,17 @@ class HFExport(pl.Callback):
     """
 
     def __init__(self, dirpath: str, every_n_steps: int | None = None, dtype: str | torch.dtype | None = None,
-                 max_shard_size: int | str = "5GB", tokenizer: str | None = None) -> None:
-        self.dirpath, self.every_n_steps, self.tokenizer = dirpath, every_n_steps, tokenizer
+                 max_shard_size: int | str = "5GB", tokenizer: str | None = None, adapter: bool = False) -> None:
+        self.dirpath, self.every_n_steps, self.tokenizer, self.adapter = dirpath, every_n_steps, tokenizer, adapter
         shard_bytes(max_shard_size)
         self.max_shard_size = max_shard_size
         self.dtype = export_dtype(dtype)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Refuse a directory that is the model's source, before training rather than after it."""
+        """Refuse a directory that is the model's source (or ``adapter`` without LoRA), before training, not after."""
         check_out(Path(self.dirpath), True, [self.tokenizer, _source_dir(_source_of(pl_module))])
+        if self.adapter:
+            adapted_module(pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -286,8 +294,11 @@ class HFExport(pl.Callback):
             tensor = tensors[key].detach()
             return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
-        write(plan_for(pl_module, self.tokenizer), read, out, self.dtype, self.max_shard_size,
-              writer=trainer.is_global_zero)
+        plan = plan_for(pl_module, self.tokenizer)
+        if self.adapter:
+            write_adapter(pl_module, read, out, self.dtype, trainer.is_global_zero, plan.tokenizer_dir)
+        else:
+            write(plan, read, out, self.dtype, self.max_shard_size, writer=trainer.is_global_zero)
         trainer.strategy.barrier("fpdt_hf_export_written")
 
 
@@ -298,8 +309,8 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> None:
     """``fpdt-export CKPT OUT [--config FIT_YAML] [--dtype bf16] [--max-shard-size 5GB] [--tokenizer DIR]
-    [--overwrite]``: exit status 0 when written, 2 for arguments it refuses, 1 for a checkpoint, model or output
-    directory it refuses; each refusal one line on stderr, naming the problem and the fix."""
+    [--overwrite] [--adapter]``: exit status 0 when written, 2 for arguments it refuses, 1 for a checkpoint, model or
+    output directory it refuses; each refusal one line on stderr, naming the problem and the fix."""
     parser = _Parser(prog="fpdt-export", description="A run's checkpoint as a Hugging Face directory.")
     parser.add_argument("ckpt", help="a .ckpt file or a sharded checkpoint directory")
     parser.add_argument("out", help="the Hugging Face directory to write")
@@ -310,10 +321,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="bytes per safetensors file: 5GB, 500MB, 2GiB, ...")
     parser.add_argument("--tokenizer", default=None, help="copy the tokenizer files of this directory")
     parser.add_argument("--overwrite", action="store_true", help="replace the model files OUT already holds")
+    parser.add_argument("--adapter", action="store_true", help="a LoRA run's adapter in peft's format, not merged")
     args = parser.parse_args(argv)
     try:
-        out = export(args.ckpt, args.out, args.config, args.dtype, args.max_shard_size, args.tokenizer,
-                     args.overwrite)
+        out = (export_adapter(args.ckpt, args.out, args.config, args.dtype, args.tokenizer, args.overwrite)
+               if args.adapter else export(args.ckpt, args.out, args.config, args.dtype, args.max_shard_size,
+                                           args.tokenizer, args.overwrite))
     except (ValueError, TypeError, OSError, NotImplementedError) as err:  # CheckpointError is a ValueError
         message = " ".join(str(err).split())
         ours = message.startswith(OWNER.strip())  # else another library's (a disk full): its kind shows too
@@ -341,6 +354,9 @@ def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 def _assemble(plan: ExportPlan, name: str, read: Callable[[str], Tensor], dtype: torch.dtype | None) -> Tensor:
     """The Hugging Face tensor ``name``, in ``dtype``: one source tensor, or rows placed into a new tensor."""
     parts = plan.parts[name]
+    if plan.merges and name in plan.merges:  # a LoRA layer's weight: its base plus scaling * B @ A
+        merged = plan.merges[name]([read(part.key) for part in parts])
+        return merged.to(dtype or merged.dtype, copy=True).contiguous()
     if len(parts) == 1 and parts[0].weight is None:
         source = read(parts[0].key)
         return source.to(dtype or source.dtype, copy=True).contiguous()

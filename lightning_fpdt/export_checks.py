@@ -41,7 +41,8 @@ OWNER = "fpdt-export: "
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
                    "chat_template.json")
-CONFIG_FILES = ("config.json", "generation_config.json")
+# adapter_config.json too: from_pretrained of a directory holding one loads it as a peft adapter of another model
+CONFIG_FILES = ("config.json", "generation_config.json", "adapter_config.json")
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".h5", ".msgpack", ".gguf")
 
 # the floating dtypes an export can hold, by name and alias (an integer dtype would truncate every weight to 0)

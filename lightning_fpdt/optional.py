@@ -1,7 +1,8 @@
 """Optional dependencies, imported where they are used, each behind one install hint.
 
 ``transformers`` is the extra ``hf``: the strategy, the bundled models and the data modules work without it;
-``HFCausalLM``, conversion to and from ``transformers`` and reading a pretrained directory need it.
+``HFCausalLM``, conversion to and from ``transformers`` and reading a pretrained directory need it. ``peft`` (the same
+extra) is needed for ``HFCausalLM(lora=...)`` only.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-HINTS = {"transformers": "pip install 'lightning-fpdt[hf]'"}
+HINTS = {"transformers": "pip install 'lightning-fpdt[hf]'", "peft": "pip install 'lightning-fpdt[hf]'"}
 
 
 def require(module: str, feature: str) -> ModuleType:

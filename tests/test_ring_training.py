@@ -25,7 +25,6 @@ from tests.helpers import TokenDataset, assert_same_step, dataloader
 from tests.test_hf_families import FamilyCase, _module, assert_fit_step_equals_plain
 from tests.test_packed_training import PACKING, VOCAB, Case, Packed, each_document_alone, fit_one_step
 
-
 RING_CASES = [  # packed, sp=4, chunks of 8, offload emulated, one KV head
     FamilyCase("mistral", packed=True, sp=4, ring_size=2),  # every layer windowed
     FamilyCase("mistral", packed=True, sp=4, ring_size=4),

@@ -5,7 +5,7 @@ with ``config_overrides``), ``attention`` (the attention function that runs the 
 would be silently wrong, refused: the context's arrival, the head's logit transform, length-dependent RoPE),
 ``masks`` (windows read from each layer's mask), ``layers`` (the memory stack on its decoder layers), ``experts``
 (mixtures of experts, their router loss over the whole batch), ``weights`` (a pretrained directory read onto the
-meta-device model), ``flops`` (training FLOPs per token). The public name is also
+meta-device model), ``flops`` (training FLOPs per token), ``lora`` (LoRA adapters through peft). The public name is also
 ``lightning_fpdt.models.HFCausalLM``.
 """
 

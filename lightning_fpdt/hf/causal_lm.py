@@ -13,6 +13,9 @@ The transformers model stays a plain transformers model (its parameters keep the
   ``activation_checkpointing`` says so, and ``shard_parameters`` shards each decoder layer (FSDP2) through
   :meth:`HFCausalLM.decoder_layers`. The loss runs in token tiles, so no full logits tensor exists
   (``loss_tiles=1`` turns the tiling off and keeps them).
+
+``lora`` adds peft's LoRA adapters to the decoder layers' projections and freezes the rest
+(:mod:`lightning_fpdt.hf.lora`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.flops import flops_per_token
 from lightning_fpdt.hf.guards import check_context_arrived, check_static_rope, find_head_transform
 from lightning_fpdt.hf.layers import check_decoder_modules, check_recomputable, decoder_modules, install_memory_stack
+from lightning_fpdt.hf.lora import AdaptedWeights, AdapterCalls, add_adapters, check_adapter_dropout, merged_state_dict
 from lightning_fpdt.hf.masks import check_mask_windows
 from lightning_fpdt.hf.mixing import hf_token_mixers
 from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, install_recurrences
@@ -74,6 +78,10 @@ class HFCausalLM(CausalLM):
             only), e.g. ``{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings":
             32768}`` for context extension (:func:`~lightning_fpdt.hf.build.apply_config_overrides`;
             docs/context-extension.md).
+        lora: LoRA adapters (peft's ``LoraConfig`` options: ``r``, ``lora_alpha``, ``target_modules``,
+            ``lora_dropout``, ...; :func:`~lightning_fpdt.hf.lora.lora_config`) on the decoder layers' ``nn.Linear``
+            projections; every other parameter is frozen (a built ``model`` is adapted in place). ``None``: no
+            adapters, every parameter trained.
         **kwargs: the optimizer and schedule options of :class:`CausalLM`.
 
     Raises:
@@ -87,6 +95,8 @@ class HFCausalLM(CausalLM):
             than one rank, a RoPE schedule that changes with the sequence length
             (:func:`~lightning_fpdt.hf.guards.check_static_rope`); and, at the first forward under a bound
             context, an attention layer that ran without it (:func:`~lightning_fpdt.hf.guards.check_context_arrived`).
+            LoRA targets that are no decoder layer's ``nn.Linear``, or dropout in a recomputed adapter
+            (:func:`~lightning_fpdt.hf.lora.add_adapters`, :func:`~lightning_fpdt.hf.lora.check_adapter_dropout`).
         TypeError: ``model`` of another type.
         ValueError: ``mlp_tiles`` below 1; ``config_overrides`` with a built model, or naming an attribute the
             config does not have (:func:`~lightning_fpdt.hf.build.apply_config_overrides`).
@@ -99,6 +109,7 @@ class HFCausalLM(CausalLM):
         mlp_tiles: int | None = None,
         from_pretrained_kwargs: dict[str, Any] | None = None,
         config_overrides: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(loss_tiles=loss_tiles, **kwargs)
@@ -123,6 +134,12 @@ class HFCausalLM(CausalLM):
         self.router_loss = router_loss_for(self.model, routers_of(self.model),
                                            [router for _, router in expert_blocks(self.model, layers)])
         install_memory_stack(self.model, mlp_tiles, self.router_loss)
+        # adapters last: the stack's forwards read their submodules at each call, so they run the adapted projections
+        self.lora = add_adapters(self.model, lora)  # peft's resolved LoraConfig, or None
+        check_adapter_dropout(self.model, checkpointing=False)
+        if files is not None and self.lora is not None:  # the base under transformers' names, the adapters drawn
+            self._pending_weights = AdaptedWeights(self.model, files)
+        self.adapter_calls = AdapterCalls(self.model)  # every adapted layer must run at the first forward
         self.mlp_tiles = mlp_tiles
         self.context = SequenceParallelContext()
         self._bound = False  # whether a strategy bound self.context (hf_guards.check_context_arrived)
@@ -130,6 +147,7 @@ class HFCausalLM(CausalLM):
         saved = model if isinstance(model, str) else self.model.config.to_dict()  # a module is not a hyper-parameter
         # a saved config already holds the overrides (applying them twice would re-default the original context)
         overrides = {"config_overrides": config_overrides} if isinstance(model, str) and config_overrides else {}
+        overrides.update({"lora": lora} if lora is not None else {})
         self.save_hyperparameters({"model": saved, "loss_tiles": loss_tiles, "mlp_tiles": mlp_tiles, **overrides,
                                    **kwargs})
 
@@ -190,6 +208,7 @@ class HFCausalLM(CausalLM):
                 if isinstance(forward := m.__dict__.get("forward"), SequenceParallelRecurrence):
                     forward.check_heads(context.size)
         if context.activation_checkpointing:
+            check_adapter_dropout(self.model, checkpointing=True)  # first: its message names the adapter
             check_recomputable(self.model, mlp_tiled=self.mlp_tiles != 1, checkpointing=True)
         self.context, self._bound = context, True
 
@@ -273,7 +292,8 @@ class HFCausalLM(CausalLM):
         # have run with them (hf_guards)
         keywords = {"fpdt_context": self.context, "documents": batch["documents"], "fpdt_records": self.records}
         self.records.clear()
-        with delivered_to([m for m in self.model.modules() if receives_keywords(m)], keywords):
+        receivers = [m for m in self.model.modules() if receives_keywords(m)]
+        with delivered_to(receivers, keywords), self.adapter_calls.watch():
             out = self.model.base_model(
                 input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **keywords,
             )
@@ -337,6 +357,9 @@ class HFCausalLM(CausalLM):
 
     def save_pretrained(self, path: str, **kwargs: Any) -> None:
         """Export the transformers model (weights and config) to ``path``; loads with plain transformers
-        (``from_pretrained``), which picks its own attention implementation."""
+        (``from_pretrained``), which picks its own attention implementation. With adapters: the merged model
+        (:func:`~lightning_fpdt.hf.lora.merged_state_dict`; ``fpdt-export --adapter`` writes the adapter alone)."""
         self.load_weights()
+        if self.lora is not None:
+            kwargs.setdefault("state_dict", merged_state_dict(self.model))
         self.model.save_pretrained(path, **kwargs)

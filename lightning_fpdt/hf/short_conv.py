@@ -36,6 +36,7 @@ def is_short_conv(module: nn.Module) -> bool:
     """Whether ``module`` has the parts of a short convolution: ``in_proj`` (width -> 3 x width), a depthwise
     causal ``conv`` (``Conv1d`` with ``groups == channels`` and ``K - 1`` padding) and ``out_proj``."""
     conv, inp, out = (getattr(module, n, None) for n in ("conv", "in_proj", "out_proj"))
+    inp, out = (getattr(m, "base_layer", m) for m in (inp, out))  # a LoRA-adapted projection (lightning_fpdt.hf.lora)
     if not (isinstance(conv, nn.Conv1d) and isinstance(inp, nn.Linear) and isinstance(out, nn.Linear)):
         return False
     k = conv.kernel_size[0]

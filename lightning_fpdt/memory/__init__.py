@@ -9,6 +9,8 @@ The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-w
 
 - parameters, gradients (twice under DDP without ``gradient_as_bucket_view``: its buckets) and AdamW state
   (every rank holds all of them, or ``1 / world`` of them and the gathered layers in use with ``shard_parameters``);
+  gradients and AdamW state of the trainable parameters only (``ModelShape.trainable_params``: LoRA's adapters,
+  whose frozen base and output projection make none);
 - saved activations per layer (block input, norm outputs, the attention pipeline's head-sharded
   q/k/v/out chunks and lse (with a ring of ``ring_size`` ranks, k/v of the whole sequence at the Ulysses degree
   ``sp / ring_size``: the ring peers' parts join the rank's store), the o_proj input, the MLP intermediates unless
@@ -124,19 +126,21 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # parameters of the units in use (the root's embeddings and output projection, and two blocks:
     # the current one and the prefetched next one)
     shards = max(1, options.data_parallel_size * p) if options.shard_parameters else 1
+    trained = shape.num_params if shape.trainable_params is None else shape.trainable_params  # LoRA: the adapters
     params = shape.num_params * pe // shards
-    grads = shape.num_params * pe // shards
+    grads = trained * pe // shards
     buckets = 0 if options.shard_parameters or options.gradient_as_bucket_view else grads  # DDP's, between steps
-    opt = OPTIMIZER_STATES[options.optimizer] * shape.num_params * max(pe, 4) // shards  # float32 or wider
+    opt = OPTIMIZER_STATES[options.optimizer] * trained * max(pe, 4) // shards  # float32 or wider
     notes: list[str] = []
     layer = shape.block_params
     if layer is None:
         layer = (shape.num_params - shape.vocab_size * h * (1 if shape.tied_embeddings else 2)) // max(
             1, shape.num_layers)
+    layer_trained = layer if shape.block_trainable is None else shape.block_trainable
     mixed = options.precision in ("bf16-mixed", "16-mixed")
     gathered = unsharded_grads = 0
     # the output projection's gradient is made in the loss's backward and lives through every block's
-    out_proj_grad = shape.vocab_size * h * pe
+    out_proj_grad = shape.vocab_size * h * pe * shape.head_trainable
     if options.shard_parameters:
         root = shape.num_params - layer * shape.num_layers
         compute = 2 if mixed else pe  # FSDP2 gathers (and makes gradients) in the compute dtype
@@ -144,8 +148,8 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
         # FSDP2 reduce-scatters the root's gradients (the output projection's) at the end of backward: unsharded
         # until then; a block's are unsharded while its backward runs, and its reduce-scatter input (in float32
         # under mixed precision) is held until the next block's reduce-scatter is issued
-        out_proj_grad = shape.vocab_size * h * compute
-        unsharded_grads = layer * (compute + (4 if mixed else pe))
+        out_proj_grad = shape.vocab_size * h * compute * shape.head_trainable
+        unsharded_grads = layer_trained * (compute + (4 if mixed else pe))
         if options.offload_optimizer:  # sharded parameters, gradients and optimizer state live on the host
             notes.append(f"offload_optimizer: {format_bytes(params + grads + opt)} of sharded state in host memory")
 
@@ -179,7 +183,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     loss_saved = 0 if options.loss_tiled else logits  # the log-softmax output, kept for backward
     loss_transient = 2 * logits  # gradients of the log-softmax output and of the logits
     if options.loss_tiled:  # a tile's logits, overwritten by their softmax; the output-embedding gradient, d(hidden)
-        loss_transient = logits + shape.vocab_size * h * max(pe, 4) + t * h * e
+        loss_transient = logits + shape.vocab_size * h * max(pe, 4) * shape.head_trainable + t * h * e
 
     # the MLP's backward: a tiled MLP recomputes one tile of tokens at a time, its intermediates and their
     # gradients; an untiled one keeps its intermediates (saved above) and makes their gradients for every token
@@ -255,10 +259,10 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # output projection's gradient, every block's activations) or the first (every block's gradients too, one
     # block's activations). The input embedding's gradient comes after the first block's backward (under FSDP2
     # the root's sharded gradients too: it reduce-scatters the root's at the very end).
-    layer_grads = 0 if grads == 0 else shape.num_layers * layer * pe // shards
+    layer_grads = 0 if grads == 0 else shape.num_layers * layer_trained * pe // shards
     backward_phase = unsharded_grads + final + recompute + out_proj_grad + max(all_stored, layer_grads + stored)
     # gradients are created during backward; AdamW's update adds about half a parameter set
-    device_peak = gathered + buckets + max(params + grads + opt + shape.num_params * pe // 2 // shards,
+    device_peak = gathered + buckets + max(params + grads + opt + trained * pe // 2 // shards,
                                            params + opt + max(loss_phase, backward_phase))
     if u > 1 and not heads_fit(shape.num_heads, shape.num_kv_heads, u):
         degree = f"sp={p}" if r == 1 else f"the Ulysses degree {u} (sp={p} / ring_size={r})"

@@ -29,5 +29,6 @@ def read_experts(mlp: nn.Module, hidden: int, top_k: int | None = None) -> tuple
     if not widths or found is None:
         return None
     inter = min(widths)  # down_proj's input; gate_up is twice as wide
-    shared = sum(m.in_features for m in mlp.modules() if isinstance(m, nn.Linear) and m.out_features == hidden)
+    shared = sum(m.in_features for name, m in mlp.named_modules()  # LoRA's lora_B is no shared expert
+                 if isinstance(m, nn.Linear) and m.out_features == hidden and ".lora_" not in f".{name}")
     return inter, max(1, sum(widths) // inter - 1), found + -(-shared // inter)

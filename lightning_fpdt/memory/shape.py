@@ -58,6 +58,10 @@ class ModelShape:
             layer with an MLP.
         v_head_dim: per-head width of v and of the attention output, where it differs from ``head_dim`` (multi-head
             latent attention: DeepSeek-V2/V3, MiniCPM3); ``None`` means ``head_dim``.
+        trainable_params: parameters the optimizer updates (``requires_grad``: LoRA's adapters alone); ``None``: all
+            of ``num_params``. Gradients and optimizer state are counted for these only.
+        block_trainable: the trainable parameters of one block; ``None``: ``block_params`` when everything trains.
+        head_trainable: the output projection gets a gradient (``False``: frozen, as under LoRA).
     """
 
     hidden_size: int
@@ -78,6 +82,9 @@ class ModelShape:
     experts_per_token: int = 1
     layers: tuple[LayerKind, ...] | None = None
     v_head_dim: int | None = None
+    trainable_params: int | None = None
+    block_trainable: int | None = None
+    head_trainable: bool = True
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -117,7 +124,8 @@ class ModelShape:
           ``nn.Embedding`` of width ``hidden_size`` outside the layers (the token embedding, taken as
           tied). Embeddings are tied when the output projection's weight is such an embedding's weight;
         - ``num_params``: every parameter of ``module``, shared ones once (position embeddings, norms
-          and biases included);
+          and biases included); ``trainable_params``, ``block_trainable`` and ``head_trainable`` from their
+          ``requires_grad`` (LoRA: the adapters alone; their ``lora_A`` / ``lora_B`` are read as no projection);
         - ``loss_tiles``: the first ``loss_tiles`` attribute on ``module`` (``CausalLM``'s), a submodule or its
           ``config`` (tiled unless 1); without one the loss is taken as untiled (the larger estimate).
 
@@ -150,7 +158,9 @@ class ModelShape:
                       for layer, (_, mlp, _, _) in zip(layers, read))
         in_layers = {id(m) for layer in layers for m in layer.module.modules()}
         outside = [m for m in module.modules() if id(m) not in in_layers]
-        heads_out = [m for m in outside if isinstance(m, nn.Linear) and m.in_features == hidden]
+        adapters = {id(m) for m in _adapter_linears(module)}  # LoRA's A and B: no output projection
+        heads_out = [m for m in outside if isinstance(m, nn.Linear) and m.in_features == hidden
+                     and id(m) not in adapters]
         embeddings = [m for m in outside if isinstance(m, nn.Embedding) and m.embedding_dim == hidden]
         if heads_out:
             head = max(heads_out, key=lambda m: m.out_features)
@@ -164,6 +174,10 @@ class ModelShape:
                 f" size, and with it the loss's memory, cannot be read: {_EXPLICIT}."
             )
         num_params = sum(p.numel() for p in module.parameters())  # parameters() yields a shared one once
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        block_trainable = max(sum(p.numel() for p in layer.module.parameters() if p.requires_grad)
+                              for layer in layers)
+        head_trainable = head.weight.requires_grad if heads_out else embeddings[0].weight.requires_grad
         mlp_tiles = {configured_tiles(layer.module) for layer, kind in zip(layers, kinds) if kind.mlp} or {1}
         if len(mlp_tiles) > 1:
             raise ValueError(f"{name}: its decoder layers' MLPs run in different tile counts ({mlp_tiles}); the"
@@ -173,7 +187,9 @@ class ModelShape:
                     block_params, norm_extras, all(layer.chunked_projections for layer in layers),
                     mlp_tiles=None if mlp_count == 1 else mlp_count, loss_tiles=None if loss_count == 1 else loss_count,
                     experts_per_token=top_k, layers=None if all(k == LayerKind() for k in kinds) else kinds,
-                    v_head_dim=v_head_dim)
+                    v_head_dim=v_head_dim, trainable_params=None if trainable == num_params else trainable,
+                    block_trainable=None if trainable == num_params else block_trainable,
+                    head_trainable=head_trainable)
         return shape, {"mlp_tiled": all(tiled for _, mlp, _, tiled in read if mlp is not None),
                        "loss_tiled": loss_count != 1}
 
@@ -192,7 +208,8 @@ def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], tuple[int, int, i
         if layer.attention or layer.mixers:  # a hybrid's attention-only or mixer-only layer (Nemotron-H)
             return dims, None, params, layer.mlp_tiled
         raise ValueError(f"{layer.name} has no 'mlp' module, so its intermediate size cannot be read: {_EXPLICIT}.")
-    linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)]
+    adapters = {id(m) for m in _adapter_linears(mlp)}  # LoRA's A and B: not the MLP's projections
+    linears = [m for m in mlp.modules() if isinstance(m, nn.Linear) and id(m) not in adapters]
     back = [m for m in linears if m.out_features == hidden]
     experts = read_experts(mlp, hidden, layer.experts_per_token)
     if not back and experts is None:
@@ -220,3 +237,10 @@ def _loss_tiles(module: nn.Module) -> int | None:
             if owner is not None and hasattr(owner, "loss_tiles"):
                 return owner.loss_tiles
     return 1
+
+
+def _adapter_linears(module: nn.Module) -> list[nn.Module]:
+    """The ``nn.Linear`` s inside LoRA layers that are the adapters' ``lora_A`` / ``lora_B`` (peft's), not a layer's
+    base projection."""
+    return [m for name, m in module.named_modules() if isinstance(m, nn.Linear)
+            and (".lora_A." in f".{name}." or ".lora_B." in f".{name}.")]
