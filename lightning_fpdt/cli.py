@@ -191,7 +191,8 @@ def run(args: list[str] | None = None) -> FPDTCLI:
 
 
 # messages of this package's classes start with the class (or command) name
-_OWN_ERROR = re.compile(r"^(FPDTStrategy|fpdt-train|[A-Za-z]*Config|[A-Za-z]*DataModule|[A-Za-z]*LM|shard_batch): ")
+_OWN_ERROR = re.compile(r"^(FPDTStrategy|fpdt-train|fpdt-eval|[A-Za-z]*Config|[A-Za-z]*DataModule|[A-Za-z]*LM|"
+                        r"shard_batch|LongContextEvaluation|[A-Za-z]*Task|Haystack|evaluate): ")
 
 
 def own_message(err: BaseException) -> str | None:

@@ -4,6 +4,7 @@ end, so the answer needs attention across the whole context (the quick start and
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -13,6 +14,45 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_fpdt.data.byte_tokenizer import ByteTokenizer
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+QUESTION = " What is the pass key? #"
+
+
+def needle_text(key: str, key_repeats: int = 1) -> str:
+    """The sentence that hides the key, written ``key_repeats`` times: ``" The pass key is #7 #7. Remember it. "``."""
+    return " The pass key is" + f" #{key}" * key_repeats + ". Remember it. "
+
+
+def passkey_sample(
+    encode: Callable[[str], list[int]], seq_len: int, rng: random.Random, depth: float | None, digits: int,
+    key_repeats: int = 1,
+) -> tuple[list[int], int, float, str]:
+    """One pass-key sample of exactly ``seq_len`` tokens from ``encode`` (a tokenizer's text to ids)::
+
+        <filler> The pass key is #48213. Remember it. <filler> What is the pass key? #48213
+
+    The random draws, in this order: the key's digits, the depth (only when ``depth`` is ``None``), the filler's
+    offset. :class:`PasskeyDataset` (the byte tokenizer) and the evaluation's ``PasskeyTask`` (any tokenizer) both
+    build their samples here.
+
+    Returns:
+        ``(ids, answer_len, depth, key)``: ``ids`` (``seq_len`` ids) end with the ``answer_len`` ids of the key,
+        right after the question; ``depth`` is where the needle sits, a fraction of the filler.
+
+    Raises:
+        ValueError: ``seq_len`` too short for the needle, the question and the answer (the minimum named).
+    """
+    key = "".join(rng.choice("0123456789") for _ in range(digits))
+    needle, question, answer = encode(needle_text(key, key_repeats)), encode(QUESTION), encode(key)
+    n_filler = seq_len - len(needle) - len(question) - len(answer)
+    if n_filler < 1:
+        raise ValueError(f"passkey_sample: seq_len={seq_len} is too short for the task; use at least"
+                         f" {seq_len - n_filler + 1}.")
+    depth = rng.random() if depth is None else depth
+    unit = encode(FILLER)
+    offset = rng.randrange(len(FILLER)) % len(unit)  # bytes: an offset in characters; other tokenizers: in tokens
+    filler = (unit * ((offset + n_filler) // len(unit) + 2))[offset : offset + n_filler]
+    cut = int(round(depth * n_filler))
+    return filler[:cut] + needle + filler[cut:] + question + answer, len(answer), depth, key
 
 
 class PasskeyDataset(Dataset):
@@ -62,25 +102,18 @@ class PasskeyDataset(Dataset):
             raise ValueError(f"PasskeyDataset: depth={depth} must be in [0, 1].")
 
     def _needle(self, key: str) -> list[int]:
-        return self.tokenizer.encode(" The pass key is" + f" #{key}" * self.key_repeats + ". Remember it. ")
+        return self.tokenizer.encode(needle_text(key, self.key_repeats))
 
     def _tail(self, key: str) -> list[int]:
-        return self.tokenizer.encode(f" What is the pass key? #{key}")
+        return self.tokenizer.encode(QUESTION + key)
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         rng = random.Random(self.seed * 1_000_003 + index)
-        key = "".join(rng.choice("0123456789") for _ in range(self.digits))
-        needle, tail = self._needle(key), self._tail(key)
-        n_filler = self.seq_len - len(needle) - len(tail)
-        depth = rng.random() if self.depth is None else self.depth
-        filler = self.tokenizer.encode(FILLER * (n_filler // len(FILLER) + 2))
-        offset = rng.randrange(len(FILLER))
-        filler = filler[offset : offset + n_filler]
-        cut = int(round(depth * n_filler))
-        ids = filler[:cut] + needle + filler[cut:] + tail
+        ids, _, depth, _ = passkey_sample(self.tokenizer.encode, self.seq_len, rng, self.depth, self.digits,
+                                          self.key_repeats)
         answer_mask = torch.zeros(self.seq_len, dtype=torch.bool)
         answer_mask[self.seq_len - self.digits - 1 : self.seq_len - 1] = True  # next token is a key digit
         item = {"input_ids": torch.tensor(ids, dtype=torch.long), "answer_mask": answer_mask, "depth": depth}
@@ -123,6 +156,7 @@ class PasskeyDataModule(pl.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.seq_len, self.batch_size, self.num_workers = seq_len, batch_size, num_workers
+        self.tokenizer = ByteTokenizer()  # the samples' tokenizer, read by lightning_fpdt.evaluation
         self.train_set = PasskeyDataset(train_samples, seq_len, None, digits, 1, loss_on, key_repeats)
         # held out: another seed draws other keys, depths and filler offsets
         self.val_set = PasskeyDataset(val_samples, val_seq_len or seq_len, depth, digits, 2, loss_on, key_repeats)

@@ -1,0 +1,51 @@
+"""``fpdt-eval``: ``fpdt-train validate`` with the long-context evaluation on (docs/evaluation.md).
+
+    fpdt-eval --config run.yaml --ckpt_path runs/.../last.ckpt --evaluation.tasks=[passkey]
+
+It takes everything ``fpdt-train validate`` takes (the run's config, ``--ckpt_path``, ``--trainer.*``,
+``--model.*``, ``--data.*``: the same :class:`~lightning_fpdt.cli.FPDTCLI`, so a checkpoint brings its own
+model) and adds :class:`~lightning_fpdt.evaluation.LongContextEvaluation`'s arguments under ``--evaluation.*``.
+The evaluation runs once, at the end of the validation, on the run's strategy and processes.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_fpdt.cli import FPDTCLI, check_config_files, own_message
+from lightning_fpdt.evaluation.callback import LongContextEvaluation
+from lightning_fpdt.models import CausalLM
+
+
+class EvaluationCLI(FPDTCLI):
+    """:class:`~lightning_fpdt.cli.FPDTCLI` with :class:`LongContextEvaluation` under the ``evaluation`` key."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_lightning_class_args(LongContextEvaluation, "evaluation")
+
+
+def run(args: list[str] | None = None) -> EvaluationCLI:
+    """Run ``fpdt-eval`` on ``args`` (default ``sys.argv[1:]``): the ``validate`` subcommand, evaluation on."""
+    args = sys.argv[1:] if args is None else list(args)
+    check_config_files(args)
+    return EvaluationCLI(CausalLM, pl.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                         save_config_kwargs={"overwrite": True}, args=["validate", *args])
+
+
+def main(args: list[str] | None = None) -> None:
+    """The ``fpdt-eval`` console script; the errors of the objects it builds printed as their own last line."""
+    try:
+        run(args)
+    except (ValueError, TypeError) as err:
+        message = own_message(err)
+        if message is None:
+            raise
+        raise SystemExit(f"fpdt-eval: error: {message}") from None
+
+
+if __name__ == "__main__":
+    main()
