@@ -11,10 +11,12 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fpdt.dtensors import full_tensor, local_tensor
 from lightning_fpdt.loss import token_weighted_loss
+from lightning_fpdt.memtrack import peak_step_bytes
 from tests.reference import rel_error
 
 
@@ -130,3 +132,25 @@ def float32_classes(family: Any) -> list[type]:
     return [c for c in vars(family).values() if isinstance(c, type) and issubclass(c, torch.nn.Module)
             and c.__module__ == family.__name__ and c.forward is not torch.nn.Module.forward
             and any(f in inspect.getsource(c.forward) for f in ("torch.float32", ".float()"))]
+
+
+def training_step_peak(module: torch.nn.Module, batch: dict[str, Any], optimizer: torch.optim.Optimizer, *,
+                       reduce_gradients: bool = True, bf16: bool = False, resizable: bool = False) -> int:
+    """The peak of live tensors of one training step of ``module`` on ``batch`` (the token-weighted loss, its
+    backward, every gradient all-reduced over the world unless ``reduce_gradients`` is off (FSDP2 reduces its own),
+    the optimizer step), measured on a second step: the first creates the optimizer state. ``bf16``: the loss under
+    bf16 autocast; ``resizable``: :func:`~lightning_fpdt.memtrack.peak_step_bytes`'s (FSDP2's resized storages)."""
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = token_weighted_loss(*module.loss_terms(batch))
+        loss.backward()
+        if reduce_gradients:
+            for p in module.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    return peak_step_bytes(step, module, optimizer, resizable=resizable)

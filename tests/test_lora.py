@@ -34,14 +34,12 @@ from lightning_fpdt.dtensors import full_tensor
 from lightning_fpdt.export import HFExport, export
 from lightning_fpdt.hf.lora import adapter_layers
 from lightning_fpdt.lora_export import export_adapter
-from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.memory import EstimateOptions, ModelShape, estimate
-from lightning_fpdt.memtrack import peak_step_bytes
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.models.from_config import module_from_yaml
 from lightning_fpdt.sharding import shard_module
 from lightning_fpdt.testing import run_in_fork, run_on_ranks
-from tests.helpers import TokenDataset, assert_same_step, dataloader, step_errors
+from tests.helpers import TokenDataset, assert_same_step, dataloader, step_errors, training_step_peak
 from tests.test_hf_causal_lm import SEQ, SIZES, VOCAB, _redraw
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -289,18 +287,8 @@ def _measured_lora_step(rank: int, world: int, sharded: bool) -> tuple[int, int]
     ids = torch.randint(0, shape.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
     batch = shard_batch({"input_ids": ids}, world, rank, chunk)
 
-    def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=sharded):
-            loss, _ = token_weighted_loss(*module.loss_terms(batch))
-        loss.backward()
-        for p in module.parameters():
-            if p.grad is not None and not sharded:
-                dist.all_reduce(p.grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # creates the optimizer state
-    measured = peak_step_bytes(step, module, optimizer, resizable=sharded)
+    measured = training_step_peak(module, batch, optimizer, reduce_gradients=not sharded, bf16=sharded,
+                                  resizable=sharded)
     options = EstimateOptions(sequence_parallel_size=world, chunk_size=chunk, activation_checkpointing=True,
                               shard_parameters=sharded, precision=precision, **tiling)
     return measured, estimate(shape, seq, options).device_peak

@@ -24,14 +24,14 @@ from lightning_fpdt.loss import cross_entropy_sum, token_weighted_loss
 from lightning_fpdt.memory import EstimateOptions, ModelShape, auto_chunk_size, estimate
 from lightning_fpdt.memory.__main__ import main, shape_from_config
 from lightning_fpdt.memory.estimate_options import PRECISION_BYTES
-from lightning_fpdt.memtrack import TensorMemoryTracker, peak_step_bytes
+from lightning_fpdt.memtrack import TensorMemoryTracker
 from lightning_fpdt.models import GPT, GPTConfig, HFCausalLM, Llama, LlamaConfig, LlamaLM
 from lightning_fpdt.models.init import init_weights
 from lightning_fpdt.rope import RotaryEmbedding
 from lightning_fpdt.sharding import shard_module
 from lightning_fpdt.testing import run_on_ranks
 from lightning_fpdt.tiling import TiledMLP, largest_tile, mlp_tile_tokens
-from tests.helpers import TokenDataset, dataloader
+from tests.helpers import TokenDataset, dataloader, training_step_peak
 
 SHAPE = shape_from_config(LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                                            num_attention_heads=8, num_key_value_heads=4, vocab_size=32000))
@@ -281,16 +281,7 @@ def _measured_step(module: Any, shape: ModelShape, tiling: dict[str, bool], rank
     ids = torch.randint(0, shape.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
     batch = shard_batch({"input_ids": ids}, world, rank, chunk)
 
-    def step() -> None:
-        loss, _ = token_weighted_loss(*module.loss_terms(batch))
-        loss.backward()
-        for p in module.parameters():
-            dist.all_reduce(p.grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # creates the optimizer state
-    measured = peak_step_bytes(step, module, optimizer)
+    measured = training_step_peak(module, batch, optimizer)
     estimated = estimate(shape, seq, EstimateOptions(sequence_parallel_size=world, chunk_size=chunk,
                                                      activation_checkpointing=full, **tiling)).device_peak
     return measured, estimated
@@ -325,20 +316,8 @@ def _measured_with_gradients(rank: int, world: int, variant: str) -> tuple[int, 
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     ids = torch.randint(0, shape.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
     batch = shard_batch({"input_ids": ids}, world, rank, chunk)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
-
-    def step() -> None:
-        with autocast:
-            loss, _ = token_weighted_loss(*module.loss_terms(batch))
-        loss.backward()
-        if not sharded:
-            for p in module.parameters():
-                dist.all_reduce(p.grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # creates the optimizer state
-    measured = peak_step_bytes(step, module, optimizer, resizable=sharded)
+    measured = training_step_peak(module, batch, optimizer, reduce_gradients=not sharded,
+                                  bf16=precision == "bf16-mixed", resizable=sharded)
     options = EstimateOptions(sequence_parallel_size=world, chunk_size=chunk, activation_checkpointing=True,
                               shard_parameters=sharded, precision=precision, **tiling)
     return measured, estimate(shape, seq, options).device_peak

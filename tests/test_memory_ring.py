@@ -13,14 +13,13 @@ from lightning_fpdt import FPDTStrategy, memory
 from lightning_fpdt.batches import shard_batch
 from lightning_fpdt.binding import SequenceParallelContext, bind
 from lightning_fpdt.layout import layout_multiple, validate_chunk_size
-from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.memory import EstimateOptions, ModelShape, auto_chunk_size, communication_bytes, estimate
 from lightning_fpdt.memory.__main__ import main, shape_from_config
-from lightning_fpdt.memtrack import peak_step_bytes
 from lightning_fpdt.mesh import SequenceParallelGroups
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from lightning_fpdt.options import FPDTOptions
 from lightning_fpdt.testing import run_on_ranks
+from tests.helpers import training_step_peak
 
 # 8 query heads of width 128 (k and v: 256 values per head and token), 4 layers
 MHA = shape_from_config(LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
@@ -200,17 +199,7 @@ def _ring_step(rank: int, world: int, ring: int, seq: int) -> tuple[int, int]:
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     ids = torch.randint(0, shape.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
     batch = shard_batch({"input_ids": ids}, world, rank, chunk, ring_size=ring)
-
-    def step() -> None:
-        loss, _ = token_weighted_loss(*module.loss_terms(batch))
-        loss.backward()
-        for p in module.parameters():
-            dist.all_reduce(p.grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # creates the optimizer state
-    measured = peak_step_bytes(step, module, optimizer)
+    measured = training_step_peak(module, batch, optimizer)
     options = EstimateOptions(sequence_parallel_size=world, ring_size=ring, chunk_size=chunk, **tiling)
     return measured, estimate(shape, seq, options).device_peak
 

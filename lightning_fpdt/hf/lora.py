@@ -43,10 +43,10 @@ from transformers import PreTrainedModel
 
 from lightning_fpdt.hf.experts import ExpertsForward
 from lightning_fpdt.hf.layers import decoder_modules
-from lightning_fpdt.hf.weights import compute_buffers, materialize
+from lightning_fpdt.hf.weights import PretrainedWeights, compute_buffers, named_tensor
 from lightning_fpdt.optional import require
 from lightning_fpdt.tiling import TiledForward
-from lightning_fpdt.weight_files import SafetensorsFiles, fill_shard, tensor_names
+from lightning_fpdt.weight_files import fill_shard, tensor_names
 
 ADAPTER = "default"  # peft's adapter name: one adapter per model
 # the LoraConfig fields HFCausalLM takes; the others change what a layer computes or trains in ways not tested here
@@ -277,26 +277,20 @@ def stored_name(name: str) -> str:
 
 
 @dataclass(frozen=True, eq=False)
-class AdaptedWeights:
+class AdaptedWeights(PretrainedWeights):
     """The weights a meta-device ``model`` with adapters still has to read (``HFCausalLM``'s
     :class:`~lightning_fpdt.models.pending_weights.PendingWeights`): its base tensors from ``files`` under
     transformers' names (:func:`stored_name`), its adapters drawn (:func:`init_adapters`)."""
 
-    model: PreTrainedModel
-    files: SafetensorsFiles
-
-    def tensor_names(self) -> list[str]:
-        return list(tensor_names(self.model))
-
     def materialize(self, device: torch.device | str) -> None:
-        materialize(self.model, device)
+        super().materialize(device)
         init_adapters(self.model)
 
     def load_whole(self, device: torch.device | str) -> None:
         self.materialize(device)
         with torch.no_grad():
             for name, key in self._base_tensors():
-                _tensor(self.model, name).copy_(self.files.read(key))
+                named_tensor(self.model, name).copy_(self.files.read(key))
 
     def load_shards(self, root: nn.Module, device: torch.device | str) -> None:
         root.to_empty(device=device)
@@ -304,7 +298,7 @@ class AdaptedWeights:
         init_adapters(self.model)
         with torch.no_grad():
             for name, key in self._base_tensors():
-                fill_shard(_tensor(self.model, name), name, lambda rows, key=key: self.files.read(key, rows),
+                fill_shard(named_tensor(self.model, name), name, lambda rows, key=key: self.files.read(key, rows),
                            "HFCausalLM")
 
     def _base_tensors(self) -> list[tuple[str, str]]:
@@ -314,12 +308,6 @@ class AdaptedWeights:
             if not is_adapter_name(name):
                 found.append((name, next(stored_name(a) for a in aliases if stored_name(a) in self.files.files)))
         return found
-
-
-def _tensor(model: nn.Module, name: str) -> Tensor:
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    return module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
 
 
 # ---- exports: merged, or the adapter in peft's format ----------------------------------------------------------

@@ -56,7 +56,7 @@ def unmatched(model: nn.Module, files: SafetensorsFiles) -> list[str]:
     problems = []
     for name, aliases in tensor_names(model).items():
         key = next((alias for alias in aliases if alias in shapes), None)
-        expected = tuple(_target(model, name).shape)
+        expected = tuple(named_tensor(model, name).shape)
         if key is None:
             problems.append(f"{name} (not in the files)")
         elif shapes[key] != expected:
@@ -95,7 +95,7 @@ def load_whole(model: PreTrainedModel, files: SafetensorsFiles, device: torch.de
     with torch.no_grad():
         for name, aliases in tensor_names(model).items():
             key = next(alias for alias in aliases if alias in files.files)
-            _target(model, name).copy_(files.read(key))
+            named_tensor(model, name).copy_(files.read(key))
 
 
 def load_shards(module: nn.Module, model: PreTrainedModel, files: SafetensorsFiles,
@@ -111,7 +111,7 @@ def load_shards(module: nn.Module, model: PreTrainedModel, files: SafetensorsFil
     with torch.no_grad():
         for name, aliases in tensor_names(model).items():
             key = next(alias for alias in aliases if alias in files.files)
-            fill_shard(_target(model, name), name, lambda rows, key=key: files.read(key, rows), "HFCausalLM")
+            fill_shard(named_tensor(model, name), name, lambda rows, key=key: files.read(key, rows), "HFCausalLM")
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,7 +135,8 @@ class PretrainedWeights:
         load_shards(root, self.model, self.files, device)
 
 
-def _target(model: nn.Module, name: str) -> Tensor:
+def named_tensor(model: nn.Module, name: str) -> Tensor:
+    """The parameter or buffer of ``model`` called ``name`` itself (not a copy: it is filled in place)."""
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
     return module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
