@@ -129,6 +129,21 @@ def fpdt_permutation(seq_len: int, sp_size: int, chunk_size: int | None = None, 
     return torch.cat([idx for rank in per_rank for idx in rank])
 
 
+def gathered_order(seq_len: int, sp_size: int, chunk_size: int | None, ring_size: int, start: int,
+                   length: int) -> Tensor | None:
+    """The order that sorts chunk ``start .. start + length`` as an all-to-all over all ``sp_size`` ranks gathers it
+    (every rank's sub-chunk, in rank order) into sequence order; ``None`` when it is in order already (no ring).
+
+    Returns:
+        ``[length]`` int64 indices into the gathered chunk.
+    """
+    if ring_size == 1:
+        return None
+    first, sub = start // sp_size, length // sp_size  # the chunk's sub-chunk: the same local offset on every rank
+    held = fpdt_permutation(seq_len, sp_size, chunk_size, ring_size).view(sp_size, -1)
+    return torch.argsort(held[:, first:first + sub].reshape(-1))
+
+
 def inverse_permutation(perm: Tensor) -> Tensor:
     """The permutation ``inv`` with ``x[:, perm][:, inv] == x``."""
     inv = torch.empty_like(perm)

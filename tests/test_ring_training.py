@@ -8,22 +8,28 @@ relative 1e-10).
 - a 6-head model at sp=4, which plain Ulysses refuses: ``ring_size="auto"`` makes it Ulysses 2 x ring 2 (the own
   Llama, packed documents, chunks, offload emulated, activation checkpointing);
 - data parallel 2 x (Ulysses 2 x ring 2) on 8 processes (the own Llama, packed documents, chunks, offload emulated);
-- the hybrid layers, whose sequence-parallel forms follow the Ulysses layout only, are refused by name under a ring.
+- the hybrid layers (Qwen3.5's gated delta-nets and convolutions, Nemotron-H's Mamba-2 scans, LFM2's short
+  convolutions) under a ring, on packed documents.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 
-from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.models import LlamaConfig, LlamaLM
-from tests.helpers import TokenDataset, assert_same_step, dataloader
+from tests.helpers import assert_same_step
+from tests.test_hf_causal_lm import Case as HFCase
+from tests.test_hf_causal_lm import Packed as HFPacked
+from tests.test_hf_causal_lm import _fit
 from tests.test_hf_families import FamilyCase, _module, assert_fit_step_equals_plain
 from tests.test_packed_training import PACKING, VOCAB, Case, Packed, each_document_alone, fit_one_step
+from tests.test_recurrent import _hybrid, _oracle, kernels_in_float64  # noqa: F401 (an autouse fixture: float64 kernels)
+from tests.test_short_conv import _lfm2
 
 RING_CASES = [  # packed, sp=4, chunks of 8, offload emulated, one KV head
     FamilyCase("mistral", packed=True, sp=4, ring_size=2),  # every layer windowed
@@ -68,19 +74,34 @@ def test_six_heads_at_sp4_train_as_ulysses2_x_ring2(tmp_path, fresh_seed: int) -
     assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"6 heads at sp=4 seed={fresh_seed}")
 
 
-@pytest.mark.distributed
-def test_a_hybrid_is_refused_under_a_ring_by_name(tmp_path) -> None:
-    """Qwen3.5's gated delta-nets pass their state from rank to rank in the Ulysses layout's order: under a ring
-    (zigzag layout) they are refused in setup, before any step, naming the layers and the fix."""
-    from tests.test_recurrent import _hybrid  # the hybrid builders (importing it at the top would load its fixtures)
+@dataclass(frozen=True)
+class HybridCase(HFCase):
+    ring_size: int = 2
 
-    module = _hybrid("qwen3_5_text", 0)
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, precision="64-true",
-                        strategy=FPDTStrategy(sequence_parallel_size=2, ring_size=2, chunk_size=8, start_method="fork"))
-    with pytest.raises(Exception, match=r"HFCausalLM: ring_size=2, but model\.model\.layers\.0\.linear_attn"
-                                                  r".*not supported yet\)\. Use ring_size=1"):
-        trainer.fit(module, dataloader(TokenDataset(2, 16, 64, 0), 2))  # raised on each rank, wrapped by the launcher
+    @property
+    def name(self) -> str:
+        return f"{super().name}-ring{self.ring_size}"
+
+
+HYBRID_CASES = [  # sp=4, packed documents across chunk, piece and rank boundaries, offload emulated
+    HybridCase("qwen3_5_text", sp=4, chunk_size=8, offload="emulate", ring_size=2),  # gated delta-nets, convolutions
+    HybridCase("nemotron_h", sp=4, chunk_size=16, offload="emulate", ring_size=4),  # Mamba-2 scans
+    HybridCase("lfm2", sp=4, chunk_size=16, kv_heads=2, offload="emulate", ring_size=4),  # short convolutions
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", HYBRID_CASES, ids=lambda c: c.name)
+def test_hybrid_layers_under_a_ring_equal_each_document_alone(case: HybridCase, tmp_path, fresh_seed: int) -> None:
+    """The recurrences' all-to-all over the whole group gathers a chunk in the zigzag's order, sorted for the kernel
+    and back; a convolution's taps read the tokens before them from whichever rank holds them."""
+    torch.manual_seed(fresh_seed)
+    module = _lfm2(fresh_seed) if case.family == "lfm2" else _hybrid(case.family, fresh_seed)
+    assert module.recurrences or module.short_convs
+    data = HFPacked(fresh_seed)
+    ref_loss, ref_grads = _oracle(module, data.documents())
+    results = _fit(module, data, case, tmp_path)
+    assert_same_step(results, ref_loss, ref_grads, tol=1e-10, label=f"{case.name} seed={fresh_seed}")
 
 
 @pytest.mark.distributed

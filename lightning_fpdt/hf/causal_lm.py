@@ -167,7 +167,6 @@ class HFCausalLM(CausalLM):
         self._call_with_whole_weights("_probe_with_weights")
         if self._bound:
             self.refuse_token_mixers(self.context.size)
-            self._refuse_ring_mixers(self.context.ring_size)
 
     def _probe_with_weights(self) -> None:
         if not self._masks_probed:
@@ -203,7 +202,6 @@ class HFCausalLM(CausalLM):
         if context.size > 1:  # every rank binds the same config: every rank raises together
             check_static_rope(self.model.config)
             self.refuse_token_mixers(context.size)
-            self._refuse_ring_mixers(context.ring_size)
             for m in self.model.modules():  # head counts the group cannot split (hf/recurrent.py)
                 if isinstance(forward := m.__dict__.get("forward"), SequenceParallelRecurrence):
                     forward.check_heads(context.size)
@@ -211,19 +209,6 @@ class HFCausalLM(CausalLM):
             check_adapter_dropout(self.model, checkpointing=True)  # first: its message names the adapter
             check_recomputable(self.model, mlp_tiled=self.mlp_tiles != 1, checkpointing=True)
         self.context, self._bound = context, True
-
-    def _refuse_ring_mixers(self, ring_size: int) -> None:
-        """Refuse a ring with the sequence-parallel gated delta-nets, Mamba-2 mixers and short convolutions: they
-        pass their state from rank to rank in the order of the Ulysses layout, not of the ring's zigzag."""
-        mixers = [f"model.{name}" for name in (*self.recurrences, *self.short_convs)]
-        if ring_size > 1 and mixers:
-            shown = ", ".join(mixers[:4]) + (f" and {len(mixers) - 4} more" if len(mixers) > 4 else "")
-            raise NotImplementedError(
-                f"HFCausalLM: ring_size={ring_size}, but {shown} mix tokens outside attention, and their"
-                " sequence-parallel forms pass state between ranks in the order of the Ulysses layout, not of a"
-                " ring's zigzag layout (not supported yet). Use ring_size=1, with a sequence_parallel_size whose"
-                " Ulysses degree divides the heads of every attention and recurrent layer."
-            )
 
     def attention_heads(self) -> list[tuple[str, int, int]]:
         """``(layer name, n_heads, n_kv_heads)`` of every attention layer, from the model's config."""

@@ -23,11 +23,13 @@ Why the all-to-all and not the state handed from rank to rank: a delta rule's tr
 another; with the all-to-all every rank works on its heads at once, at the communication cost attention already
 pays. Head counts the group does not divide: a delta rule's key heads are replicated where each rank's value heads
 read one key head (as attention's KV heads), Mamba-2's ``B``/``C`` groups likewise (each chunk's ``B`` and ``C`` are
-gathered whole, and each rank keeps the groups its heads read); anything else is refused with the numbers.
+gathered whole, and each rank keeps the groups its heads read); anything else is refused with the numbers. Under a
+ring (its zigzag layout) the all-to-all runs over the whole group and the gathered chunk is sorted into sequence
+order for the kernel (:func:`lightning_fpdt.layout.gathered_order`), its output put back after.
 
-On CUDA the family's kernels are whatever transformers bound (flash-linear-attention, mamba-ssm, causal-conv1d when
-installed); the fused Mamba-2 training kernel (``mamba2_split_conv1d_scan_combined``), which would convolve and scan
-this rank's tokens alone, is kept out, so the family takes its unfused path through the two kernels above.
+On CUDA the family's kernels are whatever transformers bound (flash-linear-attention, mamba-ssm, causal-conv1d); the
+fused Mamba-2 training kernel (``mamba2_split_conv1d_scan_combined``), which would convolve and scan this rank's
+tokens alone, is kept out, so the family takes its unfused path through the two kernels above.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.comm import HeadToSeq, SeqToHead, expand_kv_heads, group_rank
 from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
 from lightning_fpdt.hf.short_conv import causal_conv
-from lightning_fpdt.layout import chunk_lengths
+from lightning_fpdt.layout import chunk_lengths, gathered_order
 from lightning_fpdt.packed_documents import PackedDocuments
 from lightning_fpdt.recompute import INPUT_KIND, recomputed_call
 
@@ -199,24 +201,23 @@ class SequenceParallelRecurrence:
 
     def _chunk_by_chunk(self, run: Kernel, by_head: list[Tensor], whole: list[Tensor], params: list[Tensor]) -> Tensor:
         """``run`` over the sequence chunk by chunk: ``by_head`` tensors ``[b, s_local, heads, ...]`` all-to-all'd
-        to the whole chunk of this rank's heads, ``whole`` ones ``[b, s_local, ...]`` gathered whole (every rank the
-        chunk's tokens in order), ``params`` given to every chunk, the outputs all-to-all'd back:
-        ``[b, s_local, heads, ...]``. Each chunk is a :func:`~lightning_fpdt.recompute.recomputed_call`: only its
-        inputs and the states it starts from are kept for backward, where it runs again, so a layer keeps its chunks'
-        inputs, not its kernel's intermediates (the ``c x c`` matrices of every head), and a checkpointed layer's
-        recomputation holds one chunk's at a time."""
-        group, p = self._context.group, self._context.size
-        s = by_head[0].shape[1] * p
+        to the whole chunk of this rank's heads, ``whole`` ones ``[b, s_local, ...]`` gathered whole, both in sequence
+        order, ``params`` given to every chunk, the outputs all-to-all'd back: ``[b, s_local, heads, ...]``. Each chunk
+        is a :func:`~lightning_fpdt.recompute.recomputed_call` keeping only its inputs and starting states (not the
+        kernel's ``c x c`` matrices of every head): a checkpointed layer's recomputation holds one chunk's at a time."""
+        ctx = self._context
+        group, p, s = ctx.group, ctx.size, by_head[0].shape[1] * ctx.size
         states: list[Tensor] = []  # per group of samples (PackedDocuments.pieces), after the chunk before
         # with offload, each chunk's inputs wait for backward in host memory (as attention's chunks do)
-        store = ChunkStore(by_head[0].device, offload=True, groups={INPUT_KIND: "recurrence"}) \
-            if self._context.offload else None
+        store = ChunkStore(by_head[0].device, offload=True, groups={INPUT_KIND: "recurrence"}) if ctx.offload else None
         outputs, lo = [], 0
-        for length in chunk_lengths(s, self._context.chunk_size):
+        for length in chunk_lengths(s, ctx.chunk_size):
             part = slice(lo // p, (lo + length) // p)  # this rank's sub-chunk of the chunk
             inputs = [SeqToHead.apply(t[:, part].contiguous(), group) for t in by_head]
             inputs += [t[:, part] if p == 1 else funcol.all_gather_tensor_autograd(
                 t[:, part].contiguous(), gather_dim=1, group=group) for t in whole]
+            order = gathered_order(s, p, ctx.chunk_size, ctx.ring_size, lo, length)  # a ring's zigzag: sort it
+            inputs = inputs if order is None else [t[:, order.to(t.device)] for t in inputs]
             if store is None:
                 compute = partial(_chunk, run, lo, lo + length, self._documents, params, len(inputs))
                 out, *states = recomputed_call(compute, *inputs, *states, params=params, name="recurrence")
@@ -226,6 +227,7 @@ class SequenceParallelRecurrence:
                 compute = partial(_chunk, run, lo, lo + length, self._documents, params, shapes)
                 out, *states = recomputed_call(compute, packed, *states, params=params, store=store,
                                                name="recurrence")
+            out = out if order is None else out[:, torch.argsort(order).to(out.device)]  # back in gathered order
             outputs.append(HeadToSeq.apply(out.contiguous(), group))
             lo += length
         return torch.cat(outputs, dim=1)
@@ -299,10 +301,11 @@ def _split(outer: int, outer_name: str, inner: int, inner_name: str, kept: str, 
     ``outer`` divisible by ``p``, ``inner`` divisible by it or dividing it."""
     if outer % p == 0 and (inner % p == 0 or p % inner == 0):
         return None
+    sizes = [q for q in range(1, outer + 1) if outer % q == 0 and (inner % q == 0 or q % inner == 0)]
     return (f"{inner} {inner_name} and {outer} {outer_name}, which sequence_parallel_size={p} cannot split: each rank"
             f" takes {outer_name} / {p}, with their {inner_name} split too ({inner_name} divisible by {p}) or {kept}"
             f" (sequence_parallel_size a multiple of the {inner_name}). Use a sequence_parallel_size in"
-            f" {_divisors_or_multiples(inner, outer)}")
+            f" {sizes}")
 
 
 def _refuse_split(where: str, why: str | None) -> None:
@@ -350,11 +353,6 @@ def _no_fused_kernel(*args: Any, **kwargs: Any) -> None:
 def _each_position(*tensors: Tensor) -> tuple[Tensor, ...]:
     """``[b, s, ...] -> [b * s, 1, ...]``: every position its own sequence."""
     return tuple(t.reshape(t.shape[0] * t.shape[1], 1, *t.shape[2:]) for t in tensors)
-
-
-def _divisors_or_multiples(small: int, large: int) -> list[int]:
-    """Sizes ``P <= large`` that divide ``large`` and either divide ``small`` or are a multiple of it."""
-    return [p for p in range(1, large + 1) if large % p == 0 and (small % p == 0 or p % small == 0)]
 
 
 def install_recurrences(model: nn.Module) -> list[str]:

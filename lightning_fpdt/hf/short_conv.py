@@ -8,7 +8,9 @@ tail of sub-chunk ``(i, r - 1)`` on rank ``r - 1``, or for ``r = 0`` the tail of
 rank (and the sub-chunks before that too where sub-chunks are shorter than ``K - 1`` tokens: a short last chunk).
 The convolution's tail is carried that way: one all-gather of every sub-chunk's last ``K - 1`` inputs of the
 convolution (``[P, batch, chunks, K - 1, width]``, autograd-aware), then each sub-chunk convolved with its tail in
-front, sub-chunk by sub-chunk. No whole-sequence tensor exists. A lag reaching into an earlier document
+front, sub-chunk by sub-chunk. No whole-sequence tensor exists. Under a ring's zigzag layout a rank's tokens may
+follow tokens of any rank: there each rank sends the rows other ranks' taps read, found from the layout once per
+shape (:func:`_zigzag_causal_conv`). A lag reaching into an earlier document
 (packed documents, padding) contributes nothing: the history restarts at every document start, as each document
 alone computes it.
 
@@ -19,6 +21,7 @@ it is, and the token-mixing guard refuses it beyond one rank.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -28,7 +31,7 @@ from torch import Tensor, nn
 
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.comm import group_rank, group_size
-from lightning_fpdt.layout import chunk_lengths, shard_indices
+from lightning_fpdt.layout import chunk_lengths, fpdt_permutation, shard_indices
 from lightning_fpdt.packed_documents import PackedDocuments
 
 
@@ -86,6 +89,8 @@ def causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, documen
     b, s_local, width = u.shape
     k1 = weight.shape[1] - 1  # the taps before the token itself
     p, rank = group_size(ctx.group), group_rank(ctx.group)
+    if ctx.ring_size > 1:
+        return _zigzag_causal_conv(u, weight, ctx, documents)
     lengths = [n // p for n in chunk_lengths(s_local * p, ctx.chunk_size)]  # every rank's sub-chunks, in order
     parts = u.split(lengths, dim=1)
     # each sub-chunk's tail, left-padded to K - 1 tokens: [b, chunks, K - 1, width]
@@ -115,10 +120,50 @@ def causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, documen
     return torch.einsum("bswk,wk->bsw", torch.cat(windows, dim=1) * valid.unsqueeze(2).to(u.dtype), weight)
 
 
+@functools.lru_cache(maxsize=16)
+def _halo_plan(seq_len: int, p: int, chunk_size: int | None, ring: int, rank: int, k1: int) -> tuple[Tensor, ...]:
+    """For the zigzag layout of a ring: the local rows every rank sends (``[P, M]``, padded with row 0), and where each
+    of this rank's ``(token, tap)`` reads from (``[s_local, K]`` rows of ``cat(u, zero row, the P x M sent rows)``)."""
+    held = fpdt_permutation(seq_len, p, chunk_size, ring).view(p, -1)  # [P, s_local] global index of each row
+    s_local = held.shape[1]
+    owner, row = torch.empty(seq_len, dtype=torch.long), torch.empty(seq_len, dtype=torch.long)
+    owner[held.reshape(-1)] = torch.arange(p).repeat_interleave(s_local)
+    row[held.reshape(-1)] = torch.arange(s_local).repeat(p)
+    lags = torch.arange(k1, -1, -1)  # tap j reads lag K - 1 - j
+    wanted = held.unsqueeze(-1) - lags  # [P, s_local, K] global positions each rank's taps read
+    remote = (wanted >= 0) & (owner[wanted.clamp(min=0)] != torch.arange(p)[:, None, None])
+    sent = [torch.unique(wanted[remote & (owner[wanted.clamp(min=0)] == q)]) for q in range(p)]  # what q sends
+    most = max(1, max(len(x) for x in sent))
+    rows = torch.zeros(p, most, dtype=torch.long)
+    slot = torch.zeros(seq_len, dtype=torch.long)  # a sent position's row in the gathered block
+    for q, positions in enumerate(sent):
+        rows[q, :len(positions)] = row[positions]
+        slot[positions] = s_local + 1 + q * most + torch.arange(len(positions))
+    mine = wanted[rank]
+    source = torch.where(mine < 0, s_local, torch.where(remote[rank], slot[mine.clamp(min=0)], row[mine.clamp(min=0)]))
+    return rows, source
+
+
+def _zigzag_causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext,
+                        documents: PackedDocuments | None) -> Tensor:
+    """:func:`causal_conv` under a ring's zigzag layout, where a rank's tokens may follow tokens of any rank: every
+    rank sends the rows other ranks' taps read (one all-gather, autograd-aware), and each tap reads its row of this
+    rank's tokens, a zero row (before the sequence) or the gathered ones."""
+    b, s_local, width = u.shape
+    k1, p, rank = weight.shape[1] - 1, group_size(ctx.group), group_rank(ctx.group)
+    rows, source = (t.to(u.device) for t in _halo_plan(s_local * p, p, ctx.chunk_size, ctx.ring_size, rank, k1))
+    sent = u[:, rows[rank]]  # [b, M, width]
+    gathered = funcol.all_gather_tensor_autograd(sent.contiguous(), gather_dim=1, group=ctx.group)  # [b, P x M, w]
+    table = torch.cat([u, u.new_zeros(b, 1, width), gathered], dim=1)
+    windows = table[:, source]  # [b, s_local, K, width]
+    valid = _history(b, s_local, p, rank, ctx.chunk_size, documents, k1 + 1, u.device, ctx.ring_size)
+    return torch.einsum("bskw,wk->bsw", windows * valid.unsqueeze(-1).to(u.dtype), weight)
+
+
 def _history(b: int, s_local: int, p: int, rank: int, chunk_size: int | None, documents: PackedDocuments | None,
-             k: int, device: torch.device) -> Tensor:
+             k: int, device: torch.device, ring_size: int = 1) -> Tensor:
     """``[b, s_local, K]`` bool: whether tap ``j`` (lag ``K - 1 - j``) of each local token is in its document."""
-    index = shard_indices(s_local * p, p, rank, chunk_size).to(device)  # global index of each local token
+    index = shard_indices(s_local * p, p, rank, chunk_size, ring_size).to(device)  # global index of each local token
     if documents is None:
         position = index.expand(b, -1)
     else:
