@@ -30,6 +30,21 @@ def test_a_transformers_llama_counts_as_llama_lm(seq_len: int, kv_heads: int) ->
     assert theirs == pytest.approx(ours, rel=1e-15)
 
 
+def test_lora_counts_its_frozen_base_without_weight_gradients() -> None:
+    """Under LoRA the base weights run forward and pass gradients back (4 FLOPs per weight and token), but get no
+    weight gradient; the adapters (and nothing else) count 6 per weight."""
+    shape = dict(vocab_size=V, hidden_size=H, intermediate_size=88, num_hidden_layers=L, num_attention_heads=HEADS,
+                 num_key_value_heads=KV)
+    seq = 256
+    full = HFCausalLM(transformers.LlamaConfig(**shape))
+    adapted = HFCausalLM(transformers.LlamaConfig(**shape), lora=dict(r=4, target_modules=["q_proj", "v_proj"]))
+    frozen = sum(p.numel() for n, p in full.model.named_parameters() if "embed_tokens" not in n)
+    adapters = sum(p.numel() for p in adapted.model.parameters() if p.requires_grad)
+    assert adapters == L * 4 * (H + HEADS * (H // HEADS)) + L * 4 * (H + KV * (H // HEADS))
+    expected = full.flops_per_token(seq) - 6 * frozen + 4 * frozen + 6 * adapters
+    assert adapted.flops_per_token(seq) == pytest.approx(expected, rel=1e-12)
+
+
 def _attention_projections(head_dim: int, biases: bool = False) -> int:
     """q, k, v and o of one layer (GQA: k and v have ``KV`` heads), with their biases."""
     weights = H * HEADS * head_dim + 2 * H * KV * head_dim + HEADS * head_dim * H
