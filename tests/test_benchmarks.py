@@ -88,10 +88,12 @@ def test_window_benchmark_smoke() -> None:
 
 
 def test_checkpoint_io_benchmark_smoke() -> None:
-    # a tiny run's checkpoints (a replicated file and a sharded directory), each exported in both dtypes
-    out = _run("checkpoint_io.py", "--layers", "1", "--hidden", "128", "--vocab", "256", "--repeats", "1")
+    # a tiny run's replicated checkpoint exported in both dtypes (the sharded directory's export is the same call,
+    # exact in tests/test_export.py; its training run and exports here would double this test's time)
+    out = _run("checkpoint_io.py", "--layers", "1", "--hidden", "128", "--vocab", "256", "--repeats", "1",
+               "--shardings", "replicated")
     rows = {(r[0], r[1], r[2]): r for r in _table_rows(out)}
-    for sharding in ("replicated", "sharded"):
+    for sharding in ("replicated",):
         full, half = rows[("export", sharding, "float32")], rows[("export", sharding, "bfloat16")]
         assert float(full[3]) > 0 and float(full[6]) > 0 and int(full[8]) >= int(full[7]), full  # seconds, s/GB, RSS
         # the written directory: the float32 weights, or half of them (config and generation files are small)

@@ -21,14 +21,23 @@ import lightning as L
 import pytest
 import torch
 
+# the autouse fixtures imported below run the families' own float32 steps (norms, rotary, router sigmoids, kernels)
+# in float64 on both sides, as in the families' own tests: a float32 rounding moved by a sum in another order is
+# not an error of the pipeline's
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from tests.helpers import assert_same_step
 from tests.test_hf_causal_lm import Case as HFCase
 from tests.test_hf_causal_lm import Packed as HFPacked
-from tests.test_hf_causal_lm import _fit
-from tests.test_hf_families import FamilyCase, _module, assert_fit_step_equals_plain
+from tests.test_hf_causal_lm import _fit, gemma_norms_in_float64  # noqa: F401
+from tests.test_hf_families import (
+    FamilyCase,
+    _module,
+    assert_fit_step_equals_plain,
+    cohere_norm_in_float64,  # noqa: F401
+    llama4_in_float64,  # noqa: F401
+)
 from tests.test_packed_training import PACKING, VOCAB, Case, Packed, each_document_alone, fit_one_step
-from tests.test_recurrent import _hybrid, _oracle, kernels_in_float64  # noqa: F401 (an autouse fixture: float64 kernels)
+from tests.test_recurrent import _hybrid, _oracle, kernels_in_float64  # noqa: F401
 from tests.test_short_conv import _lfm2
 
 RING_CASES = [  # packed, sp=4, chunks of 8, offload emulated, one KV head
