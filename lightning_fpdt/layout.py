@@ -21,6 +21,7 @@ is the layout above. Every chunk then divides by ``lcm(P, 2R)`` (:func:`layout_m
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -76,16 +77,15 @@ def validate_chunk_size(chunk_size: int | None, sp_size: int, ring_size: int = 1
     multiple = layout_multiple(sp_size, ring_size)
     if chunk_size % multiple != 0:
         lower = max(multiple, chunk_size // multiple * multiple)
-        why = (f"each chunk is split into {sp_size} equal sub-chunks, one per rank" if ring_size == 1 else
-               f"each chunk is split into {sp_size} equal sub-chunks, one per rank, and {2 * ring_size} equal pieces,"
-               f" two per ring rank")
-        raise ValueError(
-            f"chunk_size={chunk_size} is not divisible by {multiple} (sequence_parallel_size={sp_size},"
-            f" ring_size={ring_size}): {why}. Use a multiple of {multiple}, e.g. {lower} or {lower + multiple}."
-            if ring_size > 1 else
-            f"chunk_size={chunk_size} is not divisible by sequence_parallel_size={sp_size}: {why}. Use a multiple"
-            f" of {sp_size}, e.g. {lower} or {lower + sp_size}."
-        )
+        if ring_size == 1:
+            divisor = f"sequence_parallel_size={sp_size}"
+            why = f"each chunk is split into {sp_size} equal sub-chunks, one per rank"
+        else:
+            divisor = f"{multiple} (sequence_parallel_size={sp_size}, ring_size={ring_size})"
+            why = (f"each chunk is split into {sp_size} equal sub-chunks, one per rank, and {2 * ring_size} equal"
+                   " pieces, two per ring rank")
+        raise ValueError(f"chunk_size={chunk_size} is not divisible by {divisor}: {why}. Use a multiple of {multiple},"
+                         f" e.g. {lower} or {lower + multiple}.")
 
 
 def ring_pieces(start: int, length: int, ring_size: int, ring_rank: int) -> tuple[tuple[int, int], ...]:
@@ -129,6 +129,7 @@ def fpdt_permutation(seq_len: int, sp_size: int, chunk_size: int | None = None, 
     return torch.cat([idx for rank in per_rank for idx in rank])
 
 
+@functools.lru_cache(maxsize=256)  # every layer of a step asks the same: the same tensor, read only
 def gathered_order(seq_len: int, sp_size: int, chunk_size: int | None, ring_size: int, start: int,
                    length: int) -> Tensor | None:
     """The order that sorts chunk ``start .. start + length`` as an all-to-all over all ``sp_size`` ranks gathers it
@@ -140,8 +141,13 @@ def gathered_order(seq_len: int, sp_size: int, chunk_size: int | None, ring_size
     if ring_size == 1:
         return None
     first, sub = start // sp_size, length // sp_size  # the chunk's sub-chunk: the same local offset on every rank
-    held = fpdt_permutation(seq_len, sp_size, chunk_size, ring_size).view(sp_size, -1)
-    return torch.argsort(held[:, first:first + sub].reshape(-1))
+    return torch.argsort(_held(seq_len, sp_size, chunk_size, ring_size)[:, first:first + sub].reshape(-1))
+
+
+@functools.lru_cache(maxsize=8)
+def _held(seq_len: int, sp_size: int, chunk_size: int | None, ring_size: int) -> Tensor:
+    """``[P, seq_len / P]``: the global index of each rank's tokens (read only: cached for every chunk)."""
+    return fpdt_permutation(seq_len, sp_size, chunk_size, ring_size).view(sp_size, -1)
 
 
 def inverse_permutation(perm: Tensor) -> Tensor:

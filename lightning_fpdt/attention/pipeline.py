@@ -144,7 +144,7 @@ def pipeline_forward(
             ahead = issue_chunk(i + 1)  # runs during this chunk's attention
         out_i = lse_i = None
         for m in orders[i]:
-            if m // plan.size == i and m != plan.own(i):  # a peer's part of this chunk: it moved meanwhile
+            if i in moving and m // plan.size == i and m != plan.own(i):  # a peer's part of this chunk, first read
                 land(i, {x for x in orders[i] if x // plan.size == i})
             nxt = next_key[block]
             # issue the next block's copy before computing this one (a causal diagonal comes by all-to-all)

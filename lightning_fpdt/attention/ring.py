@@ -45,10 +45,12 @@ class RingPlan:
             ``i`` against key part ``m``; skipped blocks are absent.
         sends: ``sends[j]``, the peers that need this rank's part of chunk ``j``.
         receives: ``receives[j]``, the peers whose part of chunk ``j`` this rank needs.
+        causal: whether the rules are causal (the candidates counted).
     """
 
     size: int
     rank: int
+    causal: bool
     parts: tuple[tuple[Part, ...], ...]
     blocks: dict[tuple[int, int], list[Rect] | None]
     sends: tuple[tuple[int, ...], ...]
@@ -82,8 +84,6 @@ class RingPlan:
         n = self.chunks
         return self.size * n * (n + 1) // 2 if self.causal else self.size * n * n
 
-    causal: bool = True
-
 
 @functools.lru_cache(maxsize=64)
 def ring_plan(rules: BlockRules, ranges: tuple[Range, ...], size: int, rank: int) -> RingPlan:
@@ -110,7 +110,7 @@ def ring_plan(rules: BlockRules, ranges: tuple[Range, ...], size: int, rank: int
     needed = [{m for _, m in blocks} for blocks in everyone]  # the key parts each ring rank reads
     sends = tuple(tuple(c for c in range(size) if c != rank and j * size + rank in needed[c]) for j in range(n))
     receives = tuple(tuple(b for b in range(size) if b != rank and j * size + b in needed[rank]) for j in range(n))
-    return RingPlan(size, rank, parts, everyone[rank], sends, receives, rules.causal)
+    return RingPlan(size, rank, rules.causal, parts, everyone[rank], sends, receives)
 
 
 class PendingParts:

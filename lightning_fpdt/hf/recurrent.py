@@ -51,7 +51,7 @@ from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.comm import HeadToSeq, SeqToHead, expand_kv_heads, group_rank
 from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
 from lightning_fpdt.hf.short_conv import causal_conv
-from lightning_fpdt.layout import chunk_lengths, gathered_order
+from lightning_fpdt.layout import chunk_lengths, gathered_order, inverse_permutation
 from lightning_fpdt.packed_documents import PackedDocuments
 from lightning_fpdt.recompute import INPUT_KIND, recomputed_call
 
@@ -227,7 +227,7 @@ class SequenceParallelRecurrence:
                 compute = partial(_chunk, run, lo, lo + length, self._documents, params, shapes)
                 out, *states = recomputed_call(compute, packed, *states, params=params, store=store,
                                                name="recurrence")
-            out = out if order is None else out[:, torch.argsort(order).to(out.device)]  # back in gathered order
+            out = out if order is None else out[:, inverse_permutation(order).to(out.device)]  # back in gathered order
             outputs.append(HeadToSeq.apply(out.contiguous(), group))
             lo += length
         return torch.cat(outputs, dim=1)
