@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.packed_documents import PackedDocuments
-from lightning_fpdt.recompute import INPUT_KIND, recomputed_call
+from lightning_fpdt.recompute import INPUT_CHUNK_KIND, INPUT_KIND, recomputed_call
 
 
 class RecomputedBlock(Protocol):
@@ -40,8 +40,8 @@ class RecomputedBlock(Protocol):
 
 def new_layer_input_store(device: torch.device) -> ChunkStore:
     """A store that keeps the inputs of recomputed layers in host memory (their residency counted as the
-    group ``"layer_input"``), on the compute ``device``."""
-    return ChunkStore(device, offload=True, groups={INPUT_KIND: "layer_input"})
+    group ``"layer_input"``, whole or chunk by chunk: :mod:`lightning_fpdt.streaming`), on the compute ``device``."""
+    return ChunkStore(device, offload=True, groups={INPUT_KIND: "layer_input", INPUT_CHUNK_KIND: "layer_input"})
 
 
 def recomputed_block_forward(

@@ -48,6 +48,9 @@ class SequenceParallelContext:
             all-to-alls run in (``lightning_fpdt.mesh``).
         ring_group: the ring (``R`` ranks, one per Ulysses group, ``P = U x R``) key/value parts move between;
             ``None``: no ring, the all-to-alls run over ``group``.
+        streaming: decoder layers that can stream do, chunk by chunk, when checkpointed or without a backward
+            (:mod:`lightning_fpdt.streaming`); ``False`` recomputes them whole, as before streaming existed (for
+            comparisons: ``benchmarks/memory_floor.py``).
     """
 
     group: ProcessGroup | None = None
@@ -58,6 +61,7 @@ class SequenceParallelContext:
     layer_input_store: ChunkStore | None = None
     ulysses_group: ProcessGroup | None = None
     ring_group: ProcessGroup | None = None
+    streaming: bool = True
 
     @property
     def size(self) -> int:

@@ -25,6 +25,7 @@ from lightning_fpdt.comm import check_heads
 from lightning_fpdt.packed_documents import PackedDocuments
 from lightning_fpdt.recompute import needs_backward
 from lightning_fpdt.rope import RotaryEmbedding
+from lightning_fpdt.streaming import LayerStream, local_chunks, streamed_layer_call
 from lightning_fpdt.tiling import TiledMLP
 
 
@@ -166,10 +167,42 @@ class FPDTBlock(nn.Module):
 
     def forward(self, x: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None) -> Tensor:
         """``x`` ``[batch, s_local, hidden]`` (this rank's shard), ``position_ids`` ``[batch, s_local]``,
-        ``documents`` the batch's packed documents (``None``: one per sample)."""
-        if self.context.activation_checkpointing and needs_backward(x, self):
+        ``documents`` the batch's packed documents (``None``: one per sample).
+
+        Chunked causal attention with activation checkpointing, or without a backward to follow: the block streams
+        chunk by chunk (:mod:`lightning_fpdt.streaming`). Otherwise checkpointed whole, or as written."""
+        context = self.context
+        recompute = context.activation_checkpointing and needs_backward(x, self)
+        chunk = local_chunks(x.shape[1], context.chunk_size, context.size) if context.streaming else None
+        if chunk is not None and self.attention.causal and (recompute or not needs_backward(x, self)):
+            def run_chunk(x_c: Tensor, lo: int, hi: int, stream: LayerStream) -> Tensor:
+                return self.chunk_forward(x_c, position_ids[:, lo:hi], stream, documents)
+
+            return streamed_layer_call(run_chunk, self, x, chunk, context.offload, context.layer_input_store)
+        if recompute:
             return recomputed_block_forward(self, x, position_ids, documents)
         return self.block_forward(x, position_ids, documents)
+
+    def _stream_options(self, q: Tensor, s_local: int, documents: PackedDocuments | None) -> PipelineOptions:
+        """A streamed call's pipeline options, and a fresh record for its statistics (as each attention call has)."""
+        self.attention.record = AttentionRecord.for_call(s_local, self.context)
+        return pipeline_options(self.attention, q, documents)
+
+    def chunk_forward(self, x: Tensor, position_ids: Tensor, stream: LayerStream,
+                      documents: PackedDocuments | None = None) -> Tensor:
+        """One chunk of the block, ``[batch, n, hidden] -> [batch, n, hidden]`` (``position_ids`` ``[batch, n]``, the
+        chunk's), its attention answering from ``stream`` (:mod:`lightning_fpdt.streaming`)."""
+        attn = self.attention
+        h = self.attention_norm(x)
+        b, n, _ = h.shape
+        q = attn.q_proj(h).view(b, n, attn.n_heads, attn.head_dim)
+        k = attn.k_proj(h).view(b, n, attn.n_kv_heads, attn.head_dim)
+        v = attn.v_proj(h).view(b, n, attn.n_kv_heads, attn.head_dim)
+        if attn.rope is not None:
+            q, k = attn.rope(q, position_ids), attn.rope(k, position_ids)
+        out = stream.attend(q, k, v, lambda: self._stream_options(q, stream.s_local, documents))
+        x = x + attn.o_proj(out.reshape(b, n, attn.n_heads * attn.head_dim))
+        return x + self.mlp(self.mlp_norm(x))
 
 
 def projected_fpdt_attention(
@@ -180,17 +213,23 @@ def projected_fpdt_attention(
 
     Returns the attention output ``[batch, s_local, n_heads, head_dim]`` (before ``o_proj``).
     """
-    context = attn.context
-    kernel = get_kernel(context.attention_backend, x.device, _compute_dtype(attn, x))
-    opt = PipelineOptions.for_chunk_size(
-        context.attention_group, context.chunk_size, causal=attn.causal, scale=1.0 / math.sqrt(attn.head_dim),
-        kernel=kernel, offload=context.offload, stats_sink=attn.record.sink, documents=documents,
-        ring_group=context.ring_group,
-    )
+    opt = pipeline_options(attn, x, documents)
     params = [param for _, param in projection_params(attn)]
     ends = ProjectionEnds(attn, AutocastState.capture(x.device.type))
     out, _ = run_pipeline(ends, opt, x, position_ids, *params)
     return out
+
+
+def pipeline_options(attn: FPDTAttention, x: Tensor, documents: PackedDocuments | None = None) -> PipelineOptions:
+    """How ``attn``'s attention runs under its bound context (``x``: a tensor of its compute dtype's inputs); its
+    offload statistics go to its current record."""
+    context = attn.context
+    kernel = get_kernel(context.attention_backend, x.device, _compute_dtype(attn, x))
+    return PipelineOptions.for_chunk_size(
+        context.attention_group, context.chunk_size, causal=attn.causal, scale=1.0 / math.sqrt(attn.head_dim),
+        kernel=kernel, offload=context.offload, stats_sink=attn.record.sink, documents=documents,
+        ring_group=context.ring_group,
+    )
 
 
 def _compute_dtype(attn: FPDTAttention, x: Tensor) -> torch.dtype:

@@ -250,3 +250,12 @@ def expand_kv_heads(x: Tensor, sp_size: int) -> Tensor:
     if g >= sp_size:
         return x
     return x.repeat_interleave(sp_size // g, dim=2)
+
+
+def sum_kv_replicas(dx: Tensor, kv_heads: int) -> Tensor:
+    """The adjoint of :func:`expand_kv_heads`: ``[b, s, P, d] -> [b, s, g, d]``, each KV head's replicas summed
+    (unchanged when nothing was replicated)."""
+    if dx.shape[2] == kv_heads:
+        return dx
+    b, s, p, d = dx.shape
+    return dx.view(b, s, kv_heads, p // kv_heads, d).sum(3)

@@ -41,6 +41,7 @@ from lightning_fpdt.chunk_store import ChunkStore, Key
 from lightning_fpdt.profiling import named_range
 
 INPUT_KIND = "input"  # the key kind of recomputed inputs in a store
+INPUT_CHUNK_KIND = "input_chunk"  # a streamed layer's input chunks (lightning_fpdt.streaming): chunk 0 numbered last
 
 Params = nn.Module | Sequence[Tensor]
 """What ``fn`` differentiates besides its inputs: a module (its parameters, read again in backward, where
@@ -104,9 +105,10 @@ def _grad_params(params: Params) -> list[Tensor]:
     return [p for p in found if p.requires_grad]
 
 
-def _previous_input(store: ChunkStore, key: Key) -> Key | None:
-    """The live input put most recently before ``key``: its backward runs next (module docstring)."""
-    earlier = [k for k in store if k[0] == INPUT_KIND and k[1] < key[1]]
+def previous_input(store: ChunkStore, key: Key) -> Key | None:
+    """The live input numbered most recently before ``key``: its backward runs next (module docstring); for a
+    streamed layer, its first chunk (numbered last of its chunks)."""
+    earlier = [k for k in store if k[0] in (INPUT_KIND, INPUT_CHUNK_KIND) and k[1] < key[1]]
     return max(earlier, key=lambda k: k[1], default=None)
 
 
@@ -221,7 +223,7 @@ class _Recomputed(torch.autograd.Function):
         call, store = ctx.call, ctx.call.store
         if store is not None:
             inputs = [store.get(ctx.key), *ctx.saved_tensors]
-            previous = _previous_input(store, ctx.key)
+            previous = previous_input(store, ctx.key)
             if previous is not None:  # its backward runs next: fetch its input while this call recomputes
                 store.prefetch(previous)
         else:

@@ -29,19 +29,24 @@ QUERY_SET = ("q", "o", "lse", "do", "dq")
 
 
 def pipeline_backward(
-    dout: Tensor, q_dtype: torch.dtype, opt: PipelineOptions, store: ChunkStore, sink: ChunkSink,
-    sinks: Tensor | None = None,
+    dout: Tensor | None, q_dtype: torch.dtype, opt: PipelineOptions, store: ChunkStore, sink: ChunkSink,
+    sinks: Tensor | None = None, s_local: int | None = None,
 ) -> Tensor | None:
     """Gradients of q, k, v from ``dout`` ``[b, s_local, h, d]`` and the chunks :func:`pipeline_forward`
     left in ``store``, handed to ``sink`` chunk by chunk as they become final. Returns the gradient of this
     rank's ``sinks`` ``[h/U]`` (accumulation dtype) when the forward had them, else ``None``.
+
+    ``dout=None``: each chunk's ``dout`` is in ``store`` already, head-sharded under ``("do", i)`` (a streamed
+    decoder layer puts it there as its per-token backward makes it: :mod:`lightning_fpdt.streaming`), and
+    ``s_local`` gives the local length.
 
     The steps ``(m, i)`` (outer key part, inner query chunk) run as one sequence; before each step's
     compute the next step's chunks are prefetched (its query set, and its k/v when the outer step
     changes), and ``dout``'s next all-to-all is issued. Final gradient chunks go home by all-to-alls
     that are waited for after the next step's compute.
     """
-    s_local = dout.shape[1]
+    s_local = dout.shape[1] if dout is not None else s_local
+    assert s_local is not None, "pipeline_backward: without dout, s_local is needed"
     bounds, plan = opt.plan(s_local)
     n = len(bounds)
     acc = accumulate_dtype(q_dtype)
@@ -70,7 +75,9 @@ def pipeline_backward(
             if (kind, i) in store:
                 store.prefetch((kind, i))
 
-    def issue_dout(i: int) -> PendingAllToAll:
+    def issue_dout(i: int | None) -> PendingAllToAll | None:
+        if dout is None or i is None:  # no dout, or no chunk left: in the store already, or none to come
+            return None
         lo, hi = bounds[i]
         return exchange.seq_to_head(dout[:, lo:hi], f"dout{i}")
 
@@ -94,12 +101,11 @@ def pipeline_backward(
                     returning = exchange_parts(opt.ring_group, partials, dict.fromkeys(
                         plan.sends[j], torch.Size([k_m.numel() + v_m.numel()])), acc, k_m.device)
                 partials = {}
-        if first_visit[i] == t:  # first visit of query chunk i: its dout arrives, the next one's all-to-all starts
+        if first_visit[i] == t and dout is not None:  # query chunk i's dout arrives, the next one's starts
             assert dout_ahead is not None
             with named_range("fpdt/all_to_all"):
                 store.put(("do", i), dout_ahead.wait(), keep_on_device=True)
-            following = next(douts, None)
-            dout_ahead = issue_dout(following) if following is not None else None
+            dout_ahead = issue_dout(next(douts, None))
         if nxt is not None:
             prefetch(t + 1)
         q_i, o_i, lse_i, do_i = (store.get((kind, i)) for kind in ("q", "o", "lse", "do"))

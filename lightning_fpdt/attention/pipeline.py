@@ -57,6 +57,117 @@ KV_KINDS = {"k": "kv", "v": "kv"}
 QUERY_KINDS = {"q": "query", "o": "query", "lse": "query", "do": "query", "dq": "query"}
 
 
+class ForwardPass:
+    """One forward pass of the pipeline over ``s_local`` local tokens, one query chunk at a time: what both of
+    its drivers share (:func:`pipeline_forward`, which looks one chunk ahead, and a streamed decoder layer's
+    attention, which is handed each chunk's q/k/v as its layer computes them: :mod:`lightning_fpdt.streaming`).
+
+    For query chunk ``i``: :meth:`issue` its all-to-alls, :meth:`receive` them (its k/v join ``store``),
+    :meth:`attend` (the blocks ``(i, m)`` in order, merged, sinks joined), :meth:`send` the output chunk back.
+    Every rank issues the same collectives in the same order. ``save_for_backward``: the query side (q, out, lse)
+    stays in ``store`` for :func:`pipeline_backward`.
+    """
+
+    def __init__(self, opt: PipelineOptions, store: ChunkStore, s_local: int, save_for_backward: bool = True,
+                 sinks: Tensor | None = None, keep_lse: bool = True) -> None:
+        self.opt, self.store, self.save, self.sinks, self.keep_lse = opt, store, save_for_backward, sinks, keep_lse
+        self.bounds, self.plan = opt.plan(s_local)
+        self.exchange = Exchange(opt.group, overlap=opt.overlap_comm)
+        # skipped blocks are dropped here: no prefetch, copy, move or kernel for them (the diagonal always stays)
+        self.orders = [self.plan.key_parts(i, opt.causal) for i in range(len(self.bounds))]
+        self.next_key = [m for order in self.orders for m in order][1:] + [None]  # the key part after each block
+        store.stats.count_blocks(len(self.next_key), self.plan.candidates)
+        self.lses: list[Tensor] = []
+        self.moving: dict[int, tuple[PendingParts, tuple[torch.Size, ...]]] = {}  # chunk -> peers' parts coming
+        self.block = 0  # index of the current block in the sequence of all blocks
+
+    def issue(self, i: int, q: Tensor | None, k: Tensor | None = None, v: Tensor | None = None
+              ) -> tuple[PendingAllToAll, ...]:
+        """Start the all-to-alls of local chunk ``i``'s q (when given) and k/v (when given, KV heads replicated)."""
+        sent = () if q is None else (self.exchange.seq_to_head(q, f"q{i}"),)
+        if k is not None and v is not None:
+            sent += (self.exchange.seq_to_head(k, f"k{i}"), self.exchange.seq_to_head(v, f"v{i}"))
+        return sent
+
+    def store_kv(self, j: int, pending: tuple[PendingAllToAll, ...], keep: bool) -> None:
+        """Chunk ``j``'s k/v part into the store, and on its way to the ring peers whose queries see it."""
+        store, plan = self.store, self.plan
+        with named_range("fpdt/all_to_all"):
+            k_j, v_j = (p.wait() for p in pending)  # [b, C_j / R, h_kv/U, d]: this ring rank's part
+        store.put(("k", plan.own(j)), k_j, keep_on_device=keep)
+        store.put(("v", plan.own(j)), v_j, keep_on_device=keep)
+        sends = dict.fromkeys(plan.sends[j], pack(k_j, v_j)) if plan.sends[j] else {}
+        flat = torch.Size([k_j.numel() + v_j.numel()])  # a peer's part has this rank's shapes
+        self.moving[j] = exchange_parts(self.opt.ring_group, sends, dict.fromkeys(plan.receives[j], flat), k_j.dtype,
+                                        k_j.device), (k_j.shape, v_j.shape)
+
+    def land(self, j: int, now: set[int]) -> None:
+        """The peers' parts of chunk ``j`` into the store (``now``: the ones the next blocks read)."""
+        if j not in self.moving:
+            return
+        pending, shapes = self.moving.pop(j)
+        with named_range("fpdt/ring"):
+            received = pending.wait()
+        for peer, flat in received.items():
+            m = j * self.plan.size + peer
+            k_m, v_m = unpack(flat, *shapes)
+            self.store.put(("k", m), k_m, keep_on_device=m in now)
+            self.store.put(("v", m), v_m, keep_on_device=m in now)
+
+    def receive(self, i: int, pending: tuple[PendingAllToAll, ...]) -> Tensor:
+        """Query chunk ``i``'s q part ``[b, C_i / R, h/U, d]`` (causal: its k/v part goes into the store)."""
+        with named_range("fpdt/all_to_all"):
+            q_i = pending[0].wait()
+        if self.opt.causal:
+            self.store_kv(i, pending[1:], keep=True)
+        return q_i
+
+    def attend(self, i: int, q_i: Tensor, dtype: torch.dtype) -> Tensor:
+        """Query chunk ``i``'s output ``[b, C_i / R, h/U, d_v]`` in ``dtype``, over every key block it sees."""
+        store, plan, opt = self.store, self.plan, self.opt
+        out_i = lse_i = None
+        for m in self.orders[i]:
+            if i in self.moving and m // plan.size == i and m != plan.own(i):  # a peer's part of this chunk, first read
+                self.land(i, {x for x in self.orders[i] if x // plan.size == i})
+            nxt = self.next_key[self.block]
+            # issue the next block's copy before computing this one (a causal diagonal comes by all-to-all)
+            if nxt is not None and nxt != m and ("k", nxt) in store:
+                store.prefetch(("k", nxt))
+                store.prefetch(("v", nxt))
+            k_m, v_m = store.get(("k", m)), store.get(("v", m))
+            with named_range("fpdt/attention_chunk"):
+                block_out, block_lse = block_forward(opt.kernel, q_i, k_m, v_m, plan.blocks[(i, m)], opt.scale,
+                                                     opt.softcap)
+                out_i, lse_i = update_out_and_lse(out_i, lse_i, block_out, block_lse)
+            if nxt != m:  # full attention's block (n-2, n-1) is followed by (n-1, n-1): keep it
+                store.evict(("k", m))
+                store.evict(("v", m))
+            self.block += 1
+        self.land(i, set())  # parts only later chunks read
+        assert out_i is not None and lse_i is not None
+        if self.sinks is not None:  # once per row, after every key block
+            out_i, lse_i = merge_sink(out_i, lse_i, self.sinks)
+        out_i = out_i.to(dtype)
+        if self.keep_lse:
+            self.lses.append(lse_i)
+        if self.save:
+            store.put(("q", i), q_i)
+            store.put(("o", i), out_i)
+            store.put(("lse", i), lse_i)
+        return out_i
+
+    def send(self, i: int, out_i: Tensor) -> PendingAllToAll:
+        """Start sending query chunk ``i``'s output back: ``[b, C_i / P, h, d_v]`` once waited for."""
+        return self.exchange.head_to_seq(out_i, f"out{i}")
+
+    def close(self) -> Tensor | None:
+        """End the pass; the lse ``[b, h/U, S/R]`` of every chunk (head-sharded, layout order), if kept."""
+        self.exchange.close()
+        if not self.keep_lse:
+            return None
+        return self.lses[0] if len(self.lses) == 1 else torch.cat(self.lses, dim=2)
+
+
 def pipeline_forward(
     source: ChunkSource, opt: PipelineOptions, store: ChunkStore, save_for_backward: bool = True,
     sinks: Tensor | None = None,
@@ -73,48 +184,13 @@ def pipeline_forward(
     while the current one computes, also across query chunks.
     """
     b, s_local, h, d = source.q_shape  # s_local = S // P; h = all query heads
-    bounds, plan = opt.plan(s_local)
-    n = len(bounds)
-    exchange = Exchange(opt.group, overlap=opt.overlap_comm)
-    # skipped blocks are dropped here: no prefetch, copy, move or kernel for them (the diagonal always stays)
-    orders = [plan.key_parts(i, opt.causal) for i in range(n)]
-    next_key = [m for order in orders for m in order][1:] + [None]  # the key part of the block after each block
-    store.stats.count_blocks(len(next_key), plan.candidates)
+    fp = ForwardPass(opt, store, s_local, save_for_backward, sinks)
+    bounds, n = fp.bounds, len(fp.bounds)
     out: Tensor | None = None  # [b, s_local, h, d]: chunks are written in as they arrive
-    lses: list[Tensor] = []
-    moving: dict[int, tuple[PendingParts, tuple[torch.Size, ...]]] = {}  # chunk -> peers' parts on their way here
-
-    def issue_kv(j: int) -> tuple[PendingAllToAll, ...]:
-        k_c, v_c = source.kv(*bounds[j])
-        return exchange.seq_to_head(k_c, f"k{j}"), exchange.seq_to_head(v_c, f"v{j}")
 
     def issue_chunk(i: int) -> tuple[PendingAllToAll, ...]:
         # causal attention gathers each chunk's k/v with its q; full attention gathered them all first
-        q = exchange.seq_to_head(source.q(*bounds[i]), f"q{i}")
-        return (q, *issue_kv(i)) if opt.causal else (q,)
-
-    def store_kv(j: int, pending: tuple[PendingAllToAll, ...], keep: bool) -> None:
-        with named_range("fpdt/all_to_all"):
-            k_j, v_j = (p.wait() for p in pending)  # [b, C_j / R, h_kv/U, d]: this ring rank's part
-        store.put(("k", plan.own(j)), k_j, keep_on_device=keep)
-        store.put(("v", plan.own(j)), v_j, keep_on_device=keep)
-        sends = dict.fromkeys(plan.sends[j], pack(k_j, v_j)) if plan.sends[j] else {}
-        flat = torch.Size([k_j.numel() + v_j.numel()])  # a peer's part has this rank's shapes
-        moving[j] = exchange_parts(opt.ring_group, sends, dict.fromkeys(plan.receives[j], flat), k_j.dtype,
-                                   k_j.device), (k_j.shape, v_j.shape)
-
-    def land(j: int, now: set[int]) -> None:
-        """The peers' parts of chunk ``j`` into the store (``now``: the ones the next blocks read)."""
-        if j not in moving:
-            return
-        pending, shapes = moving.pop(j)
-        with named_range("fpdt/ring"):
-            received = pending.wait()
-        for peer, flat in received.items():
-            m = j * plan.size + peer
-            k_m, v_m = unpack(flat, *shapes)
-            store.put(("k", m), k_m, keep_on_device=m in now)
-            store.put(("v", m), v_m, keep_on_device=m in now)
+        return fp.issue(i, source.q(*bounds[i]), *(source.kv(*bounds[i]) if opt.causal else ()))
 
     def place(sent: tuple[PendingAllToAll, int, int]) -> None:
         nonlocal out
@@ -126,58 +202,27 @@ def pipeline_forward(
         out[:, lo:hi] = out_c
 
     if not opt.causal:  # every query chunk needs every key chunk: gather them all first
-        ahead = issue_kv(0)
+        ahead = fp.issue(0, None, *source.kv(*bounds[0]))
         for j in range(n):
-            current, ahead = ahead, issue_kv(j + 1) if j + 1 < n else ()
-            store_kv(j, current, keep=j == 0)
-            land(j, set())
+            current, ahead = ahead, fp.issue(j + 1, None, *source.kv(*bounds[j + 1])) if j + 1 < n else ()
+            fp.store_kv(j, current, keep=j == 0)
+            fp.land(j, set())
     ahead = issue_chunk(0)
-    block = 0  # index of the current block in the sequence of all blocks
     sent: tuple[PendingAllToAll, int, int] | None = None  # the previous output chunk, on its way back
     for i, (lo, hi) in enumerate(bounds):
         current, ahead = ahead, ()
-        with named_range("fpdt/all_to_all"):
-            q_i = current[0].wait()  # [b, C_i / R, h/U, d], this ring rank's part of global chunk i
-        if opt.causal:
-            store_kv(i, current[1:], keep=True)
+        q_i = fp.receive(i, current)
         if i + 1 < n:
             ahead = issue_chunk(i + 1)  # runs during this chunk's attention
-        out_i = lse_i = None
-        for m in orders[i]:
-            if i in moving and m // plan.size == i and m != plan.own(i):  # a peer's part of this chunk, first read
-                land(i, {x for x in orders[i] if x // plan.size == i})
-            nxt = next_key[block]
-            # issue the next block's copy before computing this one (a causal diagonal comes by all-to-all)
-            if nxt is not None and nxt != m and ("k", nxt) in store:
-                store.prefetch(("k", nxt))
-                store.prefetch(("v", nxt))
-            k_m, v_m = store.get(("k", m)), store.get(("v", m))
-            with named_range("fpdt/attention_chunk"):
-                block_out, block_lse = block_forward(opt.kernel, q_i, k_m, v_m, plan.blocks[(i, m)], opt.scale,
-                                                     opt.softcap)
-                out_i, lse_i = update_out_and_lse(out_i, lse_i, block_out, block_lse)
-            if nxt != m:  # full attention's block (n-2, n-1) is followed by (n-1, n-1): keep it
-                store.evict(("k", m))
-                store.evict(("v", m))
-            block += 1
-        land(i, set())  # parts only later chunks read
-        assert out_i is not None and lse_i is not None
-        if sinks is not None:  # once per row, after every key block
-            out_i, lse_i = merge_sink(out_i, lse_i, sinks)
+        out_i = fp.attend(i, q_i, source.dtype)
         if sent is not None:
             place(sent)
-        out_i = out_i.to(source.dtype)
-        sent = exchange.head_to_seq(out_i, f"out{i}"), lo, hi
-        lses.append(lse_i)
-        if save_for_backward:
-            store.put(("q", i), q_i)
-            store.put(("o", i), out_i)
-            store.put(("lse", i), lse_i)
+        sent = fp.send(i, out_i), lo, hi
     assert sent is not None
     place(sent)
-    exchange.close()
-    assert out is not None
-    return out, lses[0] if n == 1 else torch.cat(lses, dim=2)  # lse [b, h/U, S/R]
+    lse = fp.close()
+    assert out is not None and lse is not None
+    return out, lse  # lse [b, h/U, S/R]
 
 
 class PipelineFunction(torch.autograd.Function):
@@ -197,7 +242,7 @@ class PipelineFunction(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         store = new_store(inputs[0].device, opt)
         source = ends.source(*inputs)
-        heads = None if sinks is None else _rank_heads(sinks.shape[0], opt.group)
+        heads = None if sinks is None else rank_heads(sinks.shape[0], opt.group)
         local_sinks = None if heads is None or sinks is None else sinks.detach()[heads]
         out, lse = pipeline_forward(source, opt, store, save_for_backward=needs_backward, sinks=local_sinks)
         if not needs_backward:  # inference: nothing to keep
@@ -225,7 +270,7 @@ class PipelineFunction(torch.autograd.Function):
         return None, None, None, grad_sinks, *sink.result()
 
 
-def _rank_heads(n_heads: int, group: ProcessGroup | None) -> slice:
+def rank_heads(n_heads: int, group: ProcessGroup | None) -> slice:
     """This rank's heads after the all-to-all: rank ``r`` of ``P`` holds heads ``r * H/P`` up to
     ``(r + 1) * H/P`` (``lightning_fpdt.comm``)."""
     per_rank = n_heads // group_size(group)

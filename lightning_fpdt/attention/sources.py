@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from lightning_fpdt.autocast_state import AutocastState
 from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.comm import expand_kv_heads
+from lightning_fpdt.comm import expand_kv_heads, sum_kv_replicas
 
 
 class Rotary(Protocol):
@@ -189,10 +189,8 @@ class ProjectionChunkSink:
         self._linear_backward("q_proj", self.attn.q_proj, self._rope_t(dq, lo, hi), lo, hi)
 
     def kv(self, lo: int, hi: int, dk: Tensor, dv: Tensor) -> None:
-        g = self.attn.n_kv_heads
-        if dk.shape[2] != g:  # KV heads were replicated for the all-to-all: sum the replicas
-            b, n, p, d = dk.shape
-            dk, dv = dk.view(b, n, g, p // g, d).sum(3), dv.view(b, n, g, p // g, d).sum(3)
+        g = self.attn.n_kv_heads  # KV heads were replicated for the all-to-all: sum the replicas
+        dk, dv = sum_kv_replicas(dk, g), sum_kv_replicas(dv, g)
         self._linear_backward("k_proj", self.attn.k_proj, self._rope_t(dk, lo, hi), lo, hi)
         self._linear_backward("v_proj", self.attn.v_proj, dv, lo, hi)
 

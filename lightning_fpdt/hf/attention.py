@@ -26,6 +26,7 @@ rescales it to the tokens' own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,10 +35,13 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.attention import fpdt_attention
+from lightning_fpdt.attention.kernels import get_kernel
+from lightning_fpdt.attention.pipeline_options import PipelineOptions
 from lightning_fpdt.binding import AttentionRecord, SequenceParallelContext
 from lightning_fpdt.hf.masks import attention_chunk_size, check_mask_windows
 from lightning_fpdt.hf.temperature import tuned_queries, tunes_temperature
 from lightning_fpdt.packed_documents import PackedDocuments
+from lightning_fpdt.streaming import active_stream
 
 ATTN_IMPLEMENTATION = "lightning_fpdt"
 
@@ -192,6 +196,22 @@ def fpdt_attention_forward(
     if tunes_temperature(module):  # Llama-4's NoPE layers scaled q at local positions: at the tokens' own instead
         query = tuned_queries(module, query, ctx, documents)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    stream = active_stream(module)
+    if stream is not None:  # its decoder layer streams (lightning_fpdt.hf.streamed): this chunk, from the stream
+        def options() -> PipelineOptions:
+            record = AttentionRecord.for_call(stream.s_local, ctx)
+            if fpdt_records is not None:
+                fpdt_records.leave(module, record)
+            return PipelineOptions.for_chunk_size(
+                ctx.attention_group, ctx.chunk_size, causal=True, kernel=get_kernel(ctx.attention_backend, q.device,
+                                                                                    q.dtype),
+                scale=1.0 / math.sqrt(q.shape[-1]) if scaling is None else scaling, offload=ctx.offload,
+                stats_sink=record.sink, documents=documents, window=kwargs.get("sliding_window"),
+                softcap=kwargs.get("softcap"), attention_chunk_size=attention_chunk_size(module),
+                ring_group=ctx.ring_group,
+            )
+
+        return stream.attend(q, k, v, options, sinks=_sinks(module, kwargs)), None
     record = AttentionRecord.for_call(q.shape[1], ctx)
     if fpdt_records is not None:
         fpdt_records.leave(module, record)

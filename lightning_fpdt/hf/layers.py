@@ -39,7 +39,9 @@ from lightning_fpdt.hf.attention import attention_layers, delivering
 from lightning_fpdt.hf.experts import install_experts, routers_of
 from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.router_loss import RouterLoss, split_captured
+from lightning_fpdt.hf.streamed import chunked_layer, stream_refusal
 from lightning_fpdt.recompute import needs_backward
+from lightning_fpdt.streaming import local_chunks, streamed_layer_call
 from lightning_fpdt.tiling import TiledForward
 
 
@@ -116,15 +118,23 @@ class CheckpointedForward:
         # forward and in the recomputation, which calls run with the same keywords (hf_attention.delivering)
         run = delivering(self.layer, partial(type(self.layer).forward, self.layer))
         context: SequenceParallelContext | None = kwargs.get("fpdt_context")
-        if context is None or not context.activation_checkpointing:
+        if context is None:
             return run(*args, **kwargs)
         hidden = args[0] if args else kwargs.pop("hidden_states")
         args = args[1:]
-        if not needs_backward(hidden, self.layer):
+        backward = needs_backward(hidden, self.layer)
+        if backward and not context.activation_checkpointing:
             return run(hidden, *args, **kwargs)
         # a tensor argument with a gradient (Gemma-4's per-layer input) is an input of the recomputed call too
         with_grad = [key for key, value in [*enumerate(args), *kwargs.items()]
                      if isinstance(value, Tensor) and value.requires_grad]
+        chunk = local_chunks(hidden.shape[1], context.chunk_size, context.size) if context.streaming else None
+        if chunk is not None and stream_refusal(self.layer, hidden, args, kwargs, bool(with_grad),
+                                                self.router_loss is not None) is None:
+            return streamed_layer_call(chunked_layer(self.layer, run, hidden, args, kwargs), self.layer, hidden, chunk,
+                                       context.offload, context.layer_input_store if backward else None)
+        if not backward:
+            return run(hidden, *args, **kwargs)
         for key, value in [*enumerate(args), *kwargs.items()]:
             self._refuse_hidden_state(key, value)
         kwargs = {key: RecomputedWrites(value, self.name) if isinstance(value, MutableMapping) else value

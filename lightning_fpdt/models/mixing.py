@@ -4,12 +4,13 @@ sequence-parallel attention (:mod:`lightning_fpdt.token_mixing`), with that atte
 Stood in: every :class:`~lightning_fpdt.block.FPDTAttention` by its self-only form (each query sees its own key,
 so its output is ``o_proj(v_proj(x))``, key/value heads repeated: the projections still run, no pipeline does),
 and any other :class:`~lightning_fpdt.binding.SequenceParallelAttention` that is not an ``FPDTBlock`` by its own
-forward on each position alone. The rest of the model (embeddings, norms, MLPs, whatever the user wrote) runs as
+forward on each position alone (blocks run whole for it, not streamed). The rest of the model (embeddings, norms, MLPs, whatever the user wrote) runs as
 it is. ``CausalLM`` refuses such a model when trained on more than one rank of a sequence-parallel group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -62,4 +63,8 @@ def _stood_in(model: nn.Module) -> Iterator[None]:
         for module, forward in replaced:
             module.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
             stack.callback(module.__dict__.pop, "forward", None)
+        for block in (m for m in model.modules() if isinstance(m, FPDTBlock)):
+            # a streamed block computes its attention itself (lightning_fpdt.streaming): run it whole, stood in
+            stack.callback(setattr, block, "context", block.context)
+            block.context = dataclasses.replace(block.context, streaming=False)
         yield

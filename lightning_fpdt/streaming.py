@@ -1,0 +1,388 @@
+"""Decoder layers that stream: a layer's forward, its recomputation and its backward run chunk by chunk in
+sequence order, so the device memory of a layer's work is one chunk's, not the local sequence's.
+
+A *chunked layer* is a function ``run_chunk(x_c, lo, hi, stream)`` computing one chunk ``x[:, lo:hi]`` of a
+decoder layer's input ``x`` ``[batch, s_local, hidden]``: its attention layer hands the chunk's q, k, v
+(``[batch, hi - lo, heads, head_dim]``, this rank's tokens in the FPDT layout, RoPE applied) to
+:meth:`LayerStream.attend` and gets the chunk's output back, computed against the keys and values of this chunk
+and every earlier one, which the stream keeps in its pipeline store (host memory with offload). Everything
+else a layer computes must be per token (norms, projections, residual adds, MLPs, experts routed per token):
+a chunk's output then depends on other chunks only through causal attention, and the streamed layer is exact.
+Which layers qualify is the caller's decision (:func:`lightning_fpdt.block.FPDTBlock.forward`,
+:mod:`lightning_fpdt.hf.streamed`); any other layer is recomputed whole (:mod:`lightning_fpdt.recompute`).
+
+Forward (no graph): for each chunk ``y_c = run_chunk(x_c)``, written into ``y``; the attention store is freed at
+the end. The layer keeps its input, chunk by chunk, in the layer input store (host memory with
+``offload_checkpoints``), or whole in the autograd graph without one.
+
+Backward, two passes over the chunks in sequence order:
+
+1. each chunk is recomputed with grad, its attention recomputed into a fresh store that keeps what FPDT's
+   attention backward reads (q, out, lse, k, v); the attention output is a leaf, so ``dy_c`` runs back through
+   the per-token work after attention only: the residual part of ``dx_c``, the parameters' gradients, and
+   ``d out_c``, which goes head-sharded into the store (``"do"``);
+2. FPDT's attention backward (:func:`~lightning_fpdt.attention.backward.pipeline_backward`); as chunk ``c``'s dq,
+   dk and dv become final, the layer runs on ``x_c`` once more until its attention call, which stops it
+   (:class:`_Captured`), and the per-token work before attention is differentiated: the rest of ``dx_c``.
+
+What is sized by the local sequence during a layer's work: its input's gradient being made and its output's
+gradient (two hidden vectors per token; the layer's input too when no layer input store keeps it), and nothing
+else: the chunks' intermediates, q/k/v and attention outputs are one chunk's. The price: each chunk's work before
+attention (norm and q/k/v projections) runs once more in backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fpdt.attention.backward import pipeline_backward
+from lightning_fpdt.attention.blocks import chunk_bounds
+from lightning_fpdt.attention.pipeline import ForwardPass, finish, new_store, rank_heads
+from lightning_fpdt.attention.pipeline_options import PipelineOptions
+from lightning_fpdt.autocast_state import AutocastState
+from lightning_fpdt.chunk_store import ChunkStore
+from lightning_fpdt.comm import Exchange, expand_kv_heads, group_size, sum_kv_replicas
+from lightning_fpdt.profiling import named_range
+from lightning_fpdt.recompute import INPUT_CHUNK_KIND, previous_input
+
+
+_STREAM = "_fpdt_stream"  # an attention module's attribute while its decoder layer runs a streamed chunk
+
+ChunkedLayer = Callable[[Tensor, int, int, "LayerStream"], Tensor]
+"""``run_chunk(x_c, lo, hi, stream) -> y_c``: one chunk of a decoder layer (module docstring)."""
+
+
+class _Captured(Exception):  # noqa: N818 (not an error: how a capture stops the layer at its attention)
+    """Raised by :meth:`LayerStream.attend` in capture mode, carrying the chunk's q, k, v with their graph."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        super().__init__("captured")
+        self.q, self.k, self.v = q, k, v
+
+
+class LayerStream:
+    """The attention of one streamed call of a decoder layer, fed one chunk at a time.
+
+    Modes: ``"forward"`` (attend, keep nothing), ``"recompute"`` (attend, keep the query side for the
+    backward; the output is a leaf whose gradient the caller takes), ``"capture"`` (stop the layer at its
+    attention call: :class:`_Captured`).
+    """
+
+    def __init__(self, s_local: int, local_chunk_size: int, device: torch.device, offload: bool) -> None:
+        self.s_local, self.local_chunk_size, self.offload = s_local, local_chunk_size, offload
+        self.device = device
+        self.mode = "forward"
+        self.opt: PipelineOptions | None = None
+        self.store: ChunkStore | None = None
+        self.passes: ForwardPass | None = None
+        self.chunk = 0  # the next chunk attend computes
+        self.q_dtype: torch.dtype | None = None
+        self.sinks: Tensor | None = None  # the layer's sink logits [n_heads], if any
+        self.out: Tensor | None = None  # recompute: the latest chunk's output, a leaf
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, options: Callable[[], PipelineOptions],
+               sinks: Tensor | None = None) -> Tensor:
+        """This chunk's attention output ``[batch, n, heads, v_head_dim]`` from its q ``[batch, n, heads, head_dim]``,
+        k and v ``[batch, n, kv_heads, *]`` (``n`` its local length). ``options()`` is called at the first chunk
+        only: the layer's pipeline options (causal, with this stream's chunk size)."""
+        if self.mode == "capture":
+            raise _Captured(q, k, v)
+        with torch.no_grad():
+            if self.passes is None:
+                self._start(options(), sinks)
+            passes, opt = self.passes, self.opt
+            assert passes is not None and opt is not None
+            i = self.chunk
+            lo, hi = passes.bounds[i]
+            if q.shape[1] != hi - lo:
+                raise RuntimeError(f"streamed layer: chunk {i} has {q.shape[1]} tokens, its bounds {lo}:{hi} say"
+                                   f" {hi - lo}")
+            self.q_dtype = q.dtype
+            u = group_size(opt.group)
+            q_i = passes.receive(i, passes.issue(i, q, expand_kv_heads(k, u), expand_kv_heads(v, u)))
+            pending = passes.send(i, passes.attend(i, q_i, q.dtype))
+            with named_range("fpdt/all_to_all"):
+                out = pending.wait()
+            self.chunk += 1
+        if self.mode == "recompute":
+            self.out = out.requires_grad_()
+        return out
+
+    def _start(self, opt: PipelineOptions, sinks: Tensor | None) -> None:
+        if not opt.causal or opt.local_chunk_size != self.local_chunk_size:
+            raise RuntimeError(
+                f"streamed layer: its attention runs with causal={opt.causal} and local chunks of"
+                f" {opt.local_chunk_size} tokens; streaming needs causal attention in chunks of {self.local_chunk_size}"
+            )
+        if opt.documents is not None and opt.documents.length != self.s_local * opt.sp_size:
+            raise ValueError(
+                f"streamed layer: documents cover {opt.documents.length} tokens, but the shards hold"
+                f" {self.s_local} x {opt.sp_size} = {self.s_local * opt.sp_size}; build them for the padded sequence"
+                " of this batch."
+            )
+        self.opt, self.sinks = opt, sinks
+        self.store = new_store(self.device, opt)
+        local_sinks = None if sinks is None else sinks.detach()[rank_heads(sinks.shape[0], opt.group)]
+        self.passes = ForwardPass(opt, self.store, self.s_local, self.mode == "recompute", local_sinks, keep_lse=False)
+
+    def put_dout(self, i: int, dout: Tensor) -> None:
+        """Chunk ``i``'s output gradient ``[batch, n, heads, v_head_dim]``, head-sharded into the store."""
+        assert self.opt is not None and self.store is not None
+        exchange = Exchange(self.opt.group, overlap=False)
+        with named_range("fpdt/all_to_all"):
+            self.store.put(("do", i), exchange.seq_to_head(dout, f"dout{i}").wait())
+        exchange.close()
+
+    def end_forward(self) -> None:
+        """Close the forward pass (its lse is not needed)."""
+        if self.passes is not None:
+            self.passes.close()
+        if self.mode == "forward" and self.store is not None and self.opt is not None:
+            finish(self.store, self.opt)
+            self.store = None
+
+
+@dataclass
+class _Streamed:
+    """One streamed call: the layer, its chunks, where its input is kept, its parameters."""
+
+    run_chunk: ChunkedLayer
+    module: nn.Module
+    bounds: list[tuple[int, int]]
+    local_chunk_size: int
+    offload: bool
+    store: ChunkStore | None
+    name: str
+
+    def stream(self, x: Tensor) -> LayerStream:
+        return LayerStream(x.shape[1], self.local_chunk_size, x.device, self.offload)
+
+    def params(self) -> list[Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``y`` ``[batch, s_local, hidden]``, chunk by chunk, without a graph."""
+        stream = self.stream(x)
+        y: Tensor | None = None
+        with torch.no_grad():
+            for c, (lo, hi) in enumerate(self.bounds):
+                with named_range(f"fpdt/{self.name}"):
+                    y_c = self.run_chunk(x[:, lo:hi], lo, hi, stream)
+                if y is None:
+                    y = y_c.new_empty(x.shape[0], x.shape[1], *y_c.shape[2:])
+                y[:, lo:hi] = y_c
+        stream.end_forward()
+        assert y is not None
+        return y
+
+    def backward(self, dy: Tensor, chunk: Callable[[int], Tensor], x_shape: torch.Size, x_dtype: torch.dtype,
+                 want_dx: bool, autocast: AutocastState) -> list[Tensor | None]:
+        """``[dx, *parameter gradients]`` from the output gradient ``dy`` (module docstring, passes 1 and 2)."""
+        params = self.params()  # read now: FSDP2 has swapped in the unsharded ones
+        d_params: list[Tensor | None] = [None] * len(params)
+        dx = dy.new_empty(x_shape, dtype=x_dtype) if want_dx else None
+        stream = self.stream(dy)
+        stream.mode = "recompute"
+
+        def differentiate(outputs: Sequence[Tensor], grads: Sequence[Tensor], wrt: Sequence[Tensor]
+                          ) -> list[Tensor | None]:
+            """The gradients of ``wrt`` (those that need one; ``None`` for the others); the parameters' are added
+            into ``d_params``."""
+            pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+            needed = [t for t in wrt if t.requires_grad]
+            if not pairs:
+                return [None] * len(wrt)
+            found = torch.autograd.grad([o for o, _ in pairs], [*needed, *params], [g for _, g in pairs],
+                                        allow_unused=True)
+            for n, d in enumerate(found[len(needed):]):
+                if d is not None:
+                    d_params[n] = d if d_params[n] is None else d_params[n].add_(d)
+            given = iter(found[: len(needed)])
+            return [next(given) if t.requires_grad else None for t in wrt]
+
+        # pass 1: recompute each chunk; its output gradient back through the work after attention
+        for c, (lo, hi) in enumerate(self.bounds):
+            x_c = chunk(c).detach().requires_grad_(want_dx)
+            with torch.enable_grad(), autocast.restore(), named_range(f"fpdt/{self.name}_backward"):
+                y_c = self.run_chunk(x_c, lo, hi, stream)
+                out_c = stream.out
+                assert out_c is not None, "streamed layer: the chunk's attention never ran"
+                d_x, d_out = differentiate([y_c], [dy[:, lo:hi]], [x_c, out_c])
+            if dx is not None:
+                dx[:, lo:hi] = d_x if d_x is not None else 0
+            stream.out = None
+            stream.put_dout(c, d_out if d_out is not None else torch.zeros_like(out_c))
+        stream.end_forward()
+        opt, store = stream.opt, stream.store
+        assert opt is not None and store is not None and stream.q_dtype is not None
+
+        # pass 2: the attention backward; each chunk's work before attention as its dq, dk, dv become final
+        stream.mode = "capture"
+        starts = {lo: c for c, (lo, _) in enumerate(self.bounds)}
+        waiting: dict[int, dict[str, Tensor]] = {}
+
+        def arrive(lo: int, **grads: Tensor) -> None:
+            c = starts[lo]
+            got = waiting.setdefault(c, {})
+            got.update(grads)
+            if len(got) < 3:
+                return
+            del waiting[c]
+            x_c = chunk(c).detach().requires_grad_(want_dx)
+            with torch.enable_grad(), autocast.restore(), named_range(f"fpdt/{self.name}_backward"):
+                try:
+                    self.run_chunk(x_c, *self.bounds[c], stream)
+                except _Captured as captured:
+                    q, k, v = captured.q, captured.k, captured.v
+                else:
+                    raise RuntimeError("streamed layer: the layer never called its attention")
+                dk, dv = sum_kv_replicas(got["dk"], k.shape[2]), sum_kv_replicas(got["dv"], v.shape[2])
+                (d_x,) = differentiate([q, k, v], [got["dq"].to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)], [x_c])
+            if dx is not None and d_x is not None:
+                dx[:, self.bounds[c][0]:self.bounds[c][1]] += d_x
+
+        sink = _Arrivals(arrive)
+        try:
+            local_sinks = None if stream.sinks is None else stream.sinks.detach()[rank_heads(stream.sinks.shape[0],
+                                                                                               opt.group)]
+            dsinks = pipeline_backward(None, stream.q_dtype, opt, store, sink, local_sinks, s_local=dy.shape[1])
+        finally:
+            finish(store, opt)
+        if dsinks is not None and stream.sinks is not None:  # the sinks' gradient: this rank's heads
+            index = next((n for n, p in enumerate(params) if p is stream.sinks), None)
+            if index is None:
+                raise RuntimeError(f"streamed layer {self.name}: its attention sinks are not one of its parameters, so"
+                                   " their gradient has nowhere to go")
+            whole = dsinks.new_zeros(stream.sinks.shape)
+            whole[rank_heads(stream.sinks.shape[0], opt.group)] = dsinks
+            d_params[index] = whole if d_params[index] is None else d_params[index].add_(whole.to(d_params[index].dtype))
+        return [dx, *(None if d is None else d.to(p.dtype) for d, p in zip(d_params, params))]
+
+
+class _Arrivals:
+    """The pipeline backward's sink of a streamed layer: each final gradient chunk to ``arrive``."""
+
+    def __init__(self, arrive: Callable[..., None]) -> None:
+        self.arrive = arrive
+
+    def q(self, lo: int, hi: int, dq: Tensor) -> None:
+        self.arrive(lo, dq=dq)
+
+    def kv(self, lo: int, hi: int, dk: Tensor, dv: Tensor) -> None:
+        self.arrive(lo, dk=dk, dv=dv)
+
+    def result(self) -> tuple[Tensor | None, ...]:
+        return ()
+
+
+class _StreamedLayer(torch.autograd.Function):
+    """``x -> y`` of a :class:`_Streamed` call, keeping only ``x`` (chunk by chunk in its store, when it has one)."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _Streamed, x: Tensor, *params: Tensor) -> Tensor:
+        y = call.forward(x)
+        ctx.call, ctx.x_shape, ctx.x_dtype = call, x.shape, x.dtype
+        ctx.autocast = AutocastState.capture(x.device.type)
+        store = call.store
+        if store is None:
+            ctx.save_for_backward(x)
+            ctx.keys = None
+        else:
+            # chunk 0 numbered last: the backward before this one prefetches it (recompute.previous_input)
+            ctx.keys = [store.new_key(INPUT_CHUNK_KIND) for _ in call.bounds][::-1]
+            for key, (lo, hi) in zip(ctx.keys, call.bounds):
+                store.put(key, x[:, lo:hi].detach())
+            # no backward will come if the graph is dropped: give the chunks back then
+            ctx.release = weakref.finalize(ctx, _delete_later, store, list(ctx.keys))
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        call: _Streamed = ctx.call
+        store, keys = call.store, ctx.keys
+        if keys is None:
+            (x,) = ctx.saved_tensors
+
+            def chunk(c: int) -> Tensor:
+                lo, hi = call.bounds[c]
+                return x[:, lo:hi]
+        else:
+            assert store is not None
+            uses = {c: 2 for c in range(len(keys))}  # each chunk is read in both passes
+
+            def chunk(c: int) -> Tensor:
+                # the next chunk's copy runs during this one's work; after pass 1's last, pass 2 starts at chunk 0;
+                # after pass 2's last, the backward that runs next starts with its first input
+                following = keys[c + 1] if c + 1 < len(keys) else keys[0] if uses[c] == 2 else previous_input(
+                    store, keys[-1])
+                if following is not None and following in store:
+                    store.prefetch(following)
+                x_c = store.get(keys[c])
+                uses[c] -= 1
+                if uses[c] == 0:
+                    store.delete(keys[c])
+                else:
+                    store.evict(keys[c])
+                return x_c
+
+        grads = call.backward(dy, chunk, ctx.x_shape, ctx.x_dtype, ctx.needs_input_grad[1], ctx.autocast)
+        if keys is not None:
+            ctx.release.detach()
+        return (None, *grads)
+
+
+def _delete_later(store: ChunkStore, keys: list[tuple[str, int]]) -> None:
+    for key in keys:
+        store.delete_later(key)
+
+
+def streamed_layer_call(run_chunk: ChunkedLayer, module: nn.Module, x: Tensor, local_chunk_size: int, offload: bool,
+                        store: ChunkStore | None = None, name: str = "decoder_layer") -> Tensor:
+    """``y`` ``[batch, s_local, hidden]`` of the layer ``run_chunk`` computes chunk by chunk (module docstring) on
+    ``x`` ``[batch, s_local, hidden]``, in local chunks of ``local_chunk_size`` tokens (the strategy's chunk size
+    over the sequence-parallel degree). ``module`` owns every parameter ``run_chunk`` uses (their gradients come
+    back once per backward, summed over chunks); ``offload``: the attention's chunks in host memory; ``store``:
+    where the input's chunks wait for backward (``None``: the autograd graph). Without a backward to follow, the
+    layer streams and keeps nothing."""
+    call = _Streamed(run_chunk, module, chunk_bounds(x.shape[1], local_chunk_size), local_chunk_size, offload, store,
+                     name)
+    params = call.params()
+    if not torch.is_grad_enabled() or not (x.requires_grad or params):
+        return call.forward(x)
+    return _StreamedLayer.apply(call, x, *params)
+
+
+def active_stream(module: nn.Module) -> LayerStream | None:
+    """The stream attention module ``module`` answers from while its decoder layer streams (:func:`streaming_into`),
+    else ``None``."""
+    return module.__dict__.get(_STREAM)
+
+
+@contextmanager
+def streaming_into(modules: Sequence[nn.Module], stream: LayerStream) -> Iterator[None]:
+    """Let each attention module of ``modules`` answer from ``stream`` (:func:`active_stream`) until the block ends."""
+    for m in modules:
+        m.__dict__[_STREAM] = stream
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.__dict__.pop(_STREAM, None)
+
+
+def local_chunks(s_local: int, chunk_size: int | None, sp_size: int) -> int | None:
+    """The local chunk size of a layer that would stream, or ``None`` where streaming gains nothing (no chunking, or
+    one chunk: the layer's work is then its whole local sequence anyway)."""
+    if chunk_size is None or chunk_size // sp_size >= s_local:
+        return None
+    return chunk_size // sp_size
+
+
+__all__ = ["ChunkedLayer", "LayerStream", "active_stream", "local_chunks", "streamed_layer_call", "streaming_into"]
