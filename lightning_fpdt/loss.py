@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_fpdt.layout import IGNORE_INDEX
 from lightning_fpdt.tiling import tiled_call
@@ -93,7 +93,8 @@ def _cross_entropy_sum_in_place(logits: Tensor, targets: Tensor, ignore_index: i
 
 
 def tiled_cross_entropy_sum(
-    hidden: Tensor, weight: Tensor, shift_labels: Tensor, num_tiles: int | None = None, ignore_index: int = IGNORE_INDEX
+    hidden: Tensor, weight: Tensor, shift_labels: Tensor, num_tiles: int | None = None, ignore_index: int = IGNORE_INDEX,
+    norm: nn.Module | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Summed cross-entropy of the output projection, without a full ``[tokens, vocab]`` logits tensor.
 
@@ -107,6 +108,8 @@ def tiled_cross_entropy_sum(
         shift_labels: pre-shifted targets ``[batch, seq]``.
         num_tiles: token tiles over ``batch x seq``, read as :func:`~lightning_fpdt.tiling.tiled_call` reads
             it (``None``: tiles of 1024 tokens; ``1``: off, full logits kept for backward).
+        norm: the model's final norm, applied here tile by tile to ``hidden`` (then the states before it): no
+            normed ``[batch, seq, hidden]`` tensor nor its gradient exists beside ``hidden`` and its gradient.
 
     Returns:
         ``(loss_sum, num_tokens)`` like :func:`cross_entropy_sum`; logits are float32 (float64 for
@@ -120,14 +123,36 @@ def tiled_cross_entropy_sum(
     b, s, h = hidden.shape  # s = this rank's tokens
     acc = torch.promote_types(hidden.dtype, torch.float32)
 
+    norm_params = [] if norm is None else [p for p in norm.parameters() if p.requires_grad]
+
     def tile_loss(h_tile: Tensor, t_tile: Tensor) -> Tensor:  # [1, tile, hidden], [1, tile] -> a scalar
+        if norm is not None:
+            h_tile = norm(h_tile)
         logits = F.linear(h_tile[0], weight).to(acc)  # [tile, vocab]: never all tokens at once
         if torch.is_grad_enabled() and logits.requires_grad:  # one tile (num_tiles=1): autograd keeps what it needs
             return F.cross_entropy(logits, t_tile[0], ignore_index=ignore_index, reduction="sum")
         return _cross_entropy_sum_in_place(logits, t_tile[0], ignore_index)
 
     def tile_grad(grad: Tensor, tile: Sequence[Tensor], d_params: list[Tensor | None]) -> list[Tensor | None]:
-        h_tile, t = tile[0][0], tile[1][0]
+        if norm is None:
+            return head_grad(grad, tile[0], tile[1][0], d_params)
+        x = tile[0]
+        with torch.enable_grad():  # the norm by autograd, the head in closed form (no graph)
+            normed = norm(x)
+        d_normed = head_grad(grad, normed.detach().requires_grad_(normed.requires_grad), tile[1][0], d_params)
+        wanted = [t for t in (x, *norm_params) if t.requires_grad]
+        found = torch.autograd.grad(normed, wanted, d_normed) if wanted and d_normed is not None else ()
+        found_iter = iter(found)
+        d_x = next(found_iter) if x.requires_grad else None
+        first = 1 if weight.requires_grad else 0  # d_params: the parameters that need a gradient, head first
+        for n, d in enumerate(found_iter, start=first):
+            d_params[n] = d if d_params[n] is None else d_params[n].add_(d)
+        return [d_x, None]
+
+    def head_grad(grad: Tensor, h: Tensor, t: Tensor, d_params: list[Tensor | None]) -> Tensor | None:
+        """The tile's ``d hidden`` ``[1, tile, hidden]`` (``None`` unless ``h`` needs one); the head weight's
+        gradient added into ``d_params[0]``."""
+        h_tile = h[0]
         # d(sum of -log softmax[target]) / d logits = softmax - onehot(target), 0 on ignored rows; the softmax
         # overwrites the logits, so one [tile, vocab] tensor is alive (not the logits beside their softmax)
         d_logits = _softmax_in_place(F.linear(h_tile, weight).to(acc))
@@ -135,14 +160,14 @@ def tiled_cross_entropy_sum(
         d_logits[valid, t[valid]] -= 1
         d_logits[~valid] = 0
         d_logits *= grad
-        d_hidden = (d_logits.to(weight.dtype) @ weight).unsqueeze(0) if tile[0].requires_grad else None
-        if weight.requires_grad:  # the one parameter: in place, no [vocab, hidden] temporary per tile
+        d_hidden = (d_logits.to(weight.dtype) @ weight).unsqueeze(0) if h.requires_grad else None
+        if weight.requires_grad:  # in place, no [vocab, hidden] temporary per tile
             if d_params[0] is None:
                 d_params[0] = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-            d_params[0].addmm_(d_logits.T, h_tile.to(acc))
-        return [d_hidden, None]
+            d_params[0].addmm_(d_logits.T, h_tile.detach().to(acc))
+        return d_hidden
 
     # every token is one position of one long sequence: the tiles run over batch x seq
     loss_sum = tiled_call(tile_loss, hidden.reshape(1, b * s, h), shift_labels.reshape(1, b * s),
-                          num_tiles=num_tiles, params=[weight], tile_grad=tile_grad, name="loss_tile")
+                          num_tiles=num_tiles, params=[weight, *norm_params], tile_grad=tile_grad, name="loss_tile")
     return loss_sum, (shift_labels != ignore_index).sum()

@@ -51,6 +51,7 @@ from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, install_recu
 from lightning_fpdt.hf.recurrent_memory import mixer_memory
 from lightning_fpdt.hf.router_loss import TOP_K_FIELDS, config_number, router_loss_for
 from lightning_fpdt.hf.short_conv import install_short_convs
+from lightning_fpdt.hf.streamed import final_norm, norm_skipped
 from lightning_fpdt.hf.weights import PretrainedWeights
 from lightning_fpdt.layout import IGNORE_INDEX
 from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum
@@ -142,6 +143,7 @@ class HFCausalLM(CausalLM):
         self.adapter_calls = AdapterCalls(self.model)  # every adapted layer must run at the first forward
         self.mlp_tiles = mlp_tiles
         self.context = SequenceParallelContext()
+        self._defer_norm = True  # the loss applies the final norm (_hidden_before_norm)
         self._bound = False  # whether a strategy bound self.context (hf_guards.check_context_arrived)
         self.records = LayerRecords()  # each attention layer's latest call
         saved = model if isinstance(model, str) else self.model.config.to_dict()  # a module is not a hyper-parameter
@@ -318,23 +320,40 @@ class HFCausalLM(CausalLM):
     def _token_loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The token-weighted cross-entropy's ``(loss_sum, num_tokens)``."""
         batch = self.prepared(batch)  # once: hidden_states and targets then find it prepared
-        hidden = self.hidden_states(batch) if hidden is None else hidden
         targets = self.targets(batch)
         if self.loss_tiles == 1:  # no tiling: full logits, kept for backward by autograd
-            return cross_entropy_sum(self.logits(hidden), targets)
+            return cross_entropy_sum(self.logits(self.hidden_states(batch) if hidden is None else hidden), targets)
+        norm = None
+        if hidden is None:  # the final norm is applied by the loss's tiles
+            hidden, norm = self._hidden_before_norm(batch)
         head = self.model.get_output_embeddings()
         if isinstance(head, nn.Linear) and head.bias is None and self.head_transform.is_identity:
-            return tiled_cross_entropy_sum(hidden, head.weight, targets, self.loss_tiles)
+            return tiled_cross_entropy_sum(hidden, head.weight, targets, self.loss_tiles, norm=norm)
         # a head with a bias or a logit transform: token tiles over batch x seq, each recomputed in backward, so only
         # one tile's logits exist at a time
         b, s, h = hidden.shape  # s = this rank's tokens
-        total = tiled_call(self._tile_loss_sum, hidden.reshape(1, b * s, h), targets.reshape(1, b * s),
-                           num_tiles=self.loss_tiles, params=head, name="loss_tile")
+        total = tiled_call(lambda x, t: self._tile_loss_sum(x, t, norm), hidden.reshape(1, b * s, h),
+                           targets.reshape(1, b * s), num_tiles=self.loss_tiles,
+                           params=nn.ModuleList([head] if norm is None else [head, norm]), name="loss_tile")
         return total, (targets != IGNORE_INDEX).sum()
 
-    def _tile_loss_sum(self, hidden: Tensor, targets: Tensor) -> Tensor:
-        """Summed cross-entropy of one tile: ``hidden`` ``[1, tile, hidden]``, ``targets`` ``[1, tile]``."""
-        return cross_entropy_sum(self.logits(hidden), targets)[0]
+    def _hidden_before_norm(self, batch: dict[str, Any]) -> tuple[Tensor, nn.Module | None]:
+        """The hidden states before the base model's final norm and that norm, or, for a family where something
+        follows the norm (the model's output is not the norm's input), the normed states and ``None``."""
+        norm = final_norm(self.model) if self._defer_norm and self.context.streaming else None
+        if norm is None:
+            return self.hidden_states(batch), None
+        with norm_skipped(norm) as seen:
+            hidden = self.hidden_states(batch)
+        if len(seen) == 1 and hidden is seen[0]:
+            return hidden, norm
+        self._defer_norm = False  # not this family: run it again as written, and never try again
+        return self.hidden_states(batch), None
+
+    def _tile_loss_sum(self, hidden: Tensor, targets: Tensor, norm: nn.Module | None = None) -> Tensor:
+        """Summed cross-entropy of one tile: ``hidden`` ``[1, tile, hidden]`` (before ``norm``, when given), ``targets``
+        ``[1, tile]``."""
+        return cross_entropy_sum(self.logits(hidden if norm is None else norm(hidden)), targets)[0]
 
     def answer_predictions(self, batch: dict[str, Any], hidden: Tensor) -> tuple[Tensor, Tensor]:
         mask = batch["answer_mask"].bool()

@@ -19,10 +19,11 @@ from torch import Tensor, nn
 
 from lightning_fpdt.accumulation import TokenWindow, scale_window_gradients
 from lightning_fpdt.batches import shard_batch
+from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.class_paths import class_path_of
 from lightning_fpdt.layout import default_position_ids
 from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
-from lightning_fpdt.models.contract import OWN_MODEL_DOC, CountsFlops, DecoderModel, check_decoder_model
+from lightning_fpdt.models.contract import OWN_MODEL_DOC, CountsFlops, DecoderModel, check_decoder_model, output_norm
 from lightning_fpdt.models.metrics import AnswerAccuracy
 from lightning_fpdt.models.mixing import own_token_mixers
 from lightning_fpdt.models.pending_weights import PendingWeightsModule
@@ -157,8 +158,9 @@ class CausalLM(PendingWeightsModule):
         """Pre-shifted targets of a batch (``shift_labels``; see :meth:`prepared`)."""
         return self.prepared(batch)["shift_labels"]
 
-    def hidden_states(self, batch: dict[str, Any]) -> Tensor:
-        """Final hidden states ``[batch, s_local, hidden]`` of this rank's part of a dict batch.
+    def hidden_states(self, batch: dict[str, Any], normed: bool = True) -> Tensor:
+        """Final hidden states ``[batch, s_local, hidden]`` of this rank's part of a dict batch (``normed=False``:
+        before the final norm, for a model with :func:`output_norm`).
 
         Raises:
             ValueError: on every rank, when a batch of any rank holds packed documents (or right padding,
@@ -168,10 +170,11 @@ class CausalLM(PendingWeightsModule):
         batch = self.prepared(batch)
         ids, positions, documents = batch["input_ids"], batch["position_ids"], batch["documents"]
         self.load_weights(ids.device)  # used without a Trainer: the weights at the first forward
+        unnormed = {} if normed else {"normed": False}
         if self.model_takes_documents:
-            return self.model.hidden_states(ids, positions, documents=documents)
+            return self.model.hidden_states(ids, positions, documents=documents, **unnormed)
         self._refuse_documents(documents is not None)
-        return self.model.hidden_states(ids, positions)
+        return self.model.hidden_states(ids, positions, **unnormed)
 
     def _refuse_documents(self, packed: bool) -> None:
         trainer = self._trainer
@@ -192,10 +195,20 @@ class CausalLM(PendingWeightsModule):
     def loss_terms(self, batch: dict[str, Any], hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(loss_sum, num_tokens)`` of this rank's part of the batch."""
         batch = self.prepared(batch)  # once: hidden_states and targets then find it prepared
-        hidden = self.hidden_states(batch) if hidden is None else hidden
         if self.loss_tiles == 1:  # no tiling: full logits, kept for backward by autograd
+            hidden = self.hidden_states(batch) if hidden is None else hidden
             return cross_entropy_sum(self.model.lm_head(hidden), self.targets(batch))
-        return tiled_cross_entropy_sum(hidden, self.model.lm_head.weight, self.targets(batch), self.loss_tiles)
+        norm = None
+        if hidden is None:  # a model that can leave its final norm to the loss's tiles does, when layers stream
+            norm = output_norm(self.model) if self._streams() else None
+            hidden = self.hidden_states(batch, normed=norm is None)
+        return tiled_cross_entropy_sum(hidden, self.model.lm_head.weight, self.targets(batch), self.loss_tiles,
+                                       norm=norm)
+
+    def _streams(self) -> bool:
+        """Whether the bound context lets layers stream (``SequenceParallelContext.streaming``; unbound: yes)."""
+        contexts = (getattr(m, "context", None) for m in self.model.modules())
+        return next((c.streaming for c in contexts if isinstance(c, SequenceParallelContext)), True)
 
     def answer_predictions(self, batch: dict[str, Any], hidden: Tensor) -> tuple[Tensor, Tensor]:
         """Greedy predictions and targets where ``answer_mask`` is set (the next token is an answer)."""

@@ -45,6 +45,29 @@ class DecoderModel(Protocol):
 
 
 @runtime_checkable
+class DefersFinalNorm(Protocol):
+    """Optional for a :class:`DecoderModel`: its final norm can be left to the tiled loss, which applies it tile by
+    tile, so no normed ``[batch, s_local, hidden]`` tensor nor its gradient exists (docs/how-fpdt-works.md, "Every
+    layer streams"). ``hidden_states(..., normed=False)`` returns the states before ``final_norm``."""
+
+    final_norm: nn.Module
+
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor, documents: PackedDocuments | None = None,
+                      normed: bool = True) -> Tensor:
+        ...
+
+
+def output_norm(model: nn.Module) -> nn.Module | None:
+    """``model``'s final norm when the loss may apply it (:class:`DefersFinalNorm`: a ``final_norm`` module and a
+    ``normed`` parameter of ``hidden_states``), else ``None``."""
+    norm = getattr(model, "final_norm", None)
+    method = getattr(model, "hidden_states", None)
+    if not isinstance(norm, nn.Module) or not callable(method):
+        return None
+    return norm if "normed" in inspect.signature(method).parameters else None
+
+
+@runtime_checkable
 class CountsFlops(Protocol):
     """Optional for a :class:`DecoderModel`: training FLOPs per token, read by Lightning's throughput
     monitors for FLOP/s and MFU."""

@@ -128,7 +128,8 @@ class GPT(nn.Module):
                         rope.inv_freq.copy_(RotaryEmbedding(c.n_embd // c.n_head, c.rope_theta).inv_freq)
 
     def hidden_states(
-        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: PackedDocuments | None = None
+        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: PackedDocuments | None = None,
+        normed: bool = True,
     ) -> Tensor:
         """Final normed hidden states ``[batch, seq, n_embd]`` (``seq`` is this rank's shard under SP)."""
         if position_ids is None:
@@ -145,12 +146,17 @@ class GPT(nn.Module):
             x = x + self.wpe(position_ids)
         for layer in self.layers:
             x = layer(x, position_ids, documents)
-        return self.ln_f(x)
+        return self.ln_f(x) if normed else x  # normed=False: the tiled loss applies final_norm
 
     def forward(
         self, input_ids: Tensor, position_ids: Tensor | None = None, documents: PackedDocuments | None = None
     ) -> Tensor:
         return self.lm_head(self.hidden_states(input_ids, position_ids, documents))
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The norm ``hidden_states`` ends with (``normed=False`` leaves it to the tiled loss)."""
+        return self.ln_f
 
     def flops_per_token(self, seq_len: int) -> float:
         c = self.config

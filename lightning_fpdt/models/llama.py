@@ -180,7 +180,8 @@ class Llama(nn.Module):
                 layer.attention.rope.inv_freq.copy_(inv_freq)
 
     def hidden_states(
-        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: PackedDocuments | None = None
+        self, input_ids: Tensor, position_ids: Tensor | None = None, documents: PackedDocuments | None = None,
+        normed: bool = True,
     ) -> Tensor:
         """Final normed hidden states ``[batch, seq, hidden]`` (``seq`` is this rank's shard under SP)."""
         if position_ids is None:
@@ -188,12 +189,17 @@ class Llama(nn.Module):
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, position_ids, documents)
-        return self.norm(x)
+        return self.norm(x) if normed else x  # normed=False: the tiled loss applies final_norm
 
     def forward(
         self, input_ids: Tensor, position_ids: Tensor | None = None, documents: PackedDocuments | None = None
     ) -> Tensor:
         return self.lm_head(self.hidden_states(input_ids, position_ids, documents))
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The norm ``hidden_states`` ends with (``normed=False`` leaves it to the tiled loss)."""
+        return self.norm
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at global length ``seq_len`` (6 x matmul parameters, plus attention
