@@ -50,6 +50,7 @@ import itertools
 import time
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -251,7 +252,10 @@ class ChunkStore:
             entry.last_read = ready
         else:
             fut = engine.submit(engine.to_device, [entry.to_host], self._copy_delay, host.clone)
-            entry.to_device = entry.last_read = fut
+            # the buffer's fence must not hold the copy's result: the device tensor would live as long as the fence
+            read = Future()
+            fut.add_done_callback(lambda _: read.set_result(None))
+            entry.to_device, entry.last_read = fut, read
 
     def get(self, key: Key) -> Tensor:
         """The chunk on the device, waiting for its prefetch if one is in flight."""

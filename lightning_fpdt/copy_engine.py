@@ -40,6 +40,7 @@ class HostPool:
         self._lock = threading.Lock()
         self.allocations = 0  # buffers ever allocated (a reused one is not counted again)
         self.allocated_bytes = 0
+        self.pointers: set[int] = set()  # the buffers' storage addresses (host_buffer)
 
     def acquire(self, nbytes: int) -> tuple[Tensor, list[Any]]:
         """A buffer of ``nbytes`` and the fences its next write must wait for."""
@@ -49,7 +50,14 @@ class HostPool:
                 return free.pop()
             self.allocations += 1
             self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self._pin), []
+        _ALLOCATING.active = True
+        try:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self._pin)
+        finally:
+            _ALLOCATING.active = False
+        with self._lock:
+            self.pointers.add(buf.untyped_storage().data_ptr())
+        return buf, []
 
     def release(self, buf: Tensor, fences: Sequence[Any]) -> None:
         with self._lock:
@@ -61,7 +69,20 @@ class HostPool:
 
     def clear(self) -> None:
         with self._lock:
+            for bufs in self._free.values():
+                self.pointers.difference_update(buf.untyped_storage().data_ptr() for buf, _ in bufs)
             self._free.clear()
+
+
+_ALLOCATING = threading.local()  # set while a pool allocates a buffer on this thread
+
+
+def host_buffer(data_ptr: int) -> bool:
+    """Whether a storage at ``data_ptr`` is a host buffer of the offload (or one is being allocated on this thread):
+    for :class:`~lightning_fpdt.memtrack.TensorMemoryTracker`, which counts device memory only."""
+    if getattr(_ALLOCATING, "active", False):
+        return True
+    return any(data_ptr in engine.pool.pointers for engine in list(_ENGINES.by_device.values()))
 
 
 def _run_after(waits: Sequence[Future], delay: float, fn: Callable[..., Any], *args: Any) -> Any:

@@ -2,7 +2,9 @@
 
 CPU has no ``torch.cuda.max_memory_allocated``. :class:`TensorMemoryTracker` is a dispatch mode that
 sees every tensor an operator produces or consumes, counts each storage once while it is alive (weak
-references, polled after every op) and keeps the peak. On CUDA, prefer the allocator's own figures.
+references, polled after every op) and keeps the peak. The offload's host buffers
+(:func:`lightning_fpdt.copy_engine.host_buffer`) are not counted: on CPU under ``offload="emulate"`` the figure is
+then what a GPU would hold on the device. On CUDA, prefer the allocator's own figures.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from lightning_fpdt.copy_engine import host_buffer
 
 
 class TensorMemoryTracker(TorchDispatchMode):
@@ -62,8 +66,10 @@ class TensorMemoryTracker(TorchDispatchMode):
         try:
             storage = (local if isinstance(local, torch.Tensor) else t).untyped_storage()
             nbytes = storage.nbytes()
-            storage.data_ptr()
+            pointer = storage.data_ptr()
         except RuntimeError:  # a wrapper without a storage of its own (a functional collective's pending result)
+            return
+        if host_buffer(pointer):  # the offload's host memory (on CPU, "emulate" offload's buffers): not the device's
             return
         if self._resizable:  # by identity: the size may change (to 0 and back) while the storage lives
             ref = StorageWeakRef(storage)
