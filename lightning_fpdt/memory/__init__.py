@@ -18,7 +18,8 @@ The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-w
   states as its :class:`~lightning_fpdt.binding.SequenceMixerMemory` says); with activation checkpointing only the
   block input (on the host with ``offload_checkpoints``);
 - the largest transient: the loss (full logits unless tiled) or the backward of one block (recomputed
-  with activation checkpointing), plus the attention working set of one chunk (a mixer's: one chunk's kernel
+  with activation checkpointing; a streamed one, :mod:`lightning_fpdt.streaming`, holds its output's and input's
+  gradients and one chunk's work: ``EstimateOptions.streaming``), plus the attention working set of one chunk (a mixer's: one chunk's kernel
   intermediates and their gradients; with a ring, its point-to-point buffers: the backward's packed key/value
   gradient sums in the accumulation dtype);
 - the gradients made so far during backward: a block's backward is the peak when it runs late in the
@@ -179,7 +180,14 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # the loss: full float32 logits unless tiled (then one tile of the rank's tokens at a time)
     tile_tokens = largest_tile(t, shape.loss_tiles) if options.loss_tiled else t
     logits = tile_tokens * shape.vocab_size * 4
-    final = 3 * t * h * e  # final norm input, normalized, output
+    # streamed layers (lightning_fpdt.streaming): checkpointed, in two or more chunks, attention and per-token work only
+    streams = options.streaming and options.activation_checkpointing and chunk_tokens_rank < t
+
+    def streamed(kind: LayerKind) -> bool:
+        return streams and kind.attention and not kind.mixers
+
+    # the final norm's input, its output and the norm's own; the loss's input alone when the loss applies the norm
+    final = (1 if streams and options.loss_tiled else 3) * t * h * e
     loss_saved = 0 if options.loss_tiled else logits  # the log-softmax output, kept for backward
     loss_transient = 2 * logits  # gradients of the log-softmax output and of the logits
     if options.loss_tiled:  # a tile's logits, overwritten by their softmax; the output-embedding gradient, d(hidden)
@@ -194,6 +202,11 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
         mlp_work = (shape.mlp_intermediates * e + intermediate_grads) * tile_tokens
     else:
         mlp_work = intermediate_grads * t
+    # a streamed layer's MLP runs on one chunk at a time: its tiles cut the chunk (untiled: the chunk is the tile)
+    chunk_local = s_local if chunk_size is None else min(chunk_size // p, s_local)
+    stream_tile = batch_size * largest_tile(chunk_local, shape.mlp_tiles if options.mlp_tiled else 1,
+                                            mlp_tile_tokens(h))
+    streamed_mlp_work = (shape.mlp_intermediates * e + intermediate_grads) * stream_tile
 
     # attention working set, forward: the current and the prefetched chunk's query side (one chunk: the whole local
     # q/k/v and their head-sharded copies), the current chunk's k/v parts of every ring rank and the next one prefetched
@@ -227,7 +240,17 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # local q/k/v of a Hugging Face layer), the MLP's backward and a mixer's chunk; recomputed, on top of the
     # block's own saved activations (the largest layer of a hybrid may not be the one with the largest backward)
     block_backward = t * h * e + max(layer_work(k) for k in kinds)
-    recomputed_block = max(layer_saved(k, True) + t * h * e + layer_work(k) for k in kinds)
+    # a streamed layer's backward: its output's and its input's gradients, one chunk's recomputed graph and work (no
+    # whole-sequence q/k/v), and, without offload, its attention store (the pipeline's chunks and each chunk's dout)
+    c = min(chunk_tokens_rank, t)
+
+    def streamed_backward(kind: LayerKind) -> float:
+        store = 0 if options.offload else pipeline_saved + t * e * od
+        chunk_graph = c * e * ((4 + shape.norm_extras) * h + od)
+        return 2 * t * h * e + chunk_graph + max(attention_work, streamed_mlp_work if kind.mlp else 0) + store
+
+    recomputed_block = max(streamed_backward(k) if streamed(k) else layer_saved(k, True) + t * h * e + layer_work(k)
+                           for k in kinds)
     if options.activation_checkpointing:
         stored = 0 if options.offload_checkpoints else layer_input  # one block's input on the device
         all_stored = shape.num_layers * stored
@@ -260,7 +283,8 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # block's activations). The input embedding's gradient comes after the first block's backward (under FSDP2
     # the root's sharded gradients too: it reduce-scatters the root's at the very end).
     layer_grads = 0 if grads == 0 else shape.num_layers * layer_trained * pe // shards
-    backward_phase = unsharded_grads + final + recompute + out_proj_grad + max(all_stored, layer_grads + stored)
+    kept_final = 0 if streams and options.loss_tiled else final  # the loss's input dies in its backward
+    backward_phase = unsharded_grads + kept_final + recompute + out_proj_grad + max(all_stored, layer_grads + stored)
     # gradients are created during backward; AdamW's update adds about half a parameter set
     device_peak = gathered + buckets + max(params + grads + opt + trained * pe // 2 // shards,
                                            params + opt + max(loss_phase, backward_phase))

@@ -74,6 +74,10 @@ class EstimateOptions:
     gradient_as_bucket_view: bool = True
     """Without ``shard_parameters``: DDP's gradients are views into its buckets; ``False``: the buckets are a
     second copy of the gradients, kept between steps."""
+    streaming: bool = True
+    """Checkpointed decoder layers with chunked attention and no other token mixer stream chunk by chunk
+    (:mod:`lightning_fpdt.streaming`) and the tiled loss applies the final norm; ``False``: layers recomputed whole
+    (``SequenceParallelContext.streaming``, for comparisons)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISION_BYTES:

@@ -62,6 +62,8 @@ class ModelShape:
             of ``num_params``. Gradients and optimizer state are counted for these only.
         block_trainable: the trainable parameters of one block; ``None``: ``block_params`` when everything trains.
         head_trainable: the output projection gets a gradient (``False``: frozen, as under LoRA).
+        mlp_adapter_values: intermediate-wide values per token LoRA's adapters on the MLP's projections into the
+            intermediate add to a tile's backward (one for gate and up both adapted).
     """
 
     hidden_size: int
@@ -85,6 +87,7 @@ class ModelShape:
     trainable_params: int | None = None
     block_trainable: int | None = None
     head_trainable: bool = True
+    mlp_adapter_values: int = 0
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -100,7 +103,7 @@ class ModelShape:
     def mlp_intermediates(self) -> int:
         """Values an untiled MLP keeps per token for backward: two intermediate-wide tensors per projection
         (SwiGLU: gate, up, silu(gate) and the product; GELU: fc's output and the activation's)."""
-        return 2 * self.mlp_projections * self.intermediate_size * self.experts_per_token
+        return (2 * self.mlp_projections + self.mlp_adapter_values) * self.intermediate_size * self.experts_per_token
 
     @classmethod
     def from_module(cls, module: nn.Module) -> tuple[ModelShape, dict[str, bool]]:
@@ -183,13 +186,18 @@ class ModelShape:
             raise ValueError(f"{name}: its decoder layers' MLPs run in different tile counts ({mlp_tiles}); the"
                              f" memory model assumes one: {_EXPLICIT}.")
         mlp_count, loss_count = mlp_tiles.pop(), _loss_tiles(module)
+        # LoRA's B on projections into the intermediate: a tile's backward holds one more intermediate-wide value per
+        # token for every two of them (measured: tests/test_lora.py)
+        adapted = [m for layer in layers if layer.mlp is not None for name, m in layer.mlp.named_modules()
+                   if isinstance(m, nn.Linear) and ".lora_B." in f".{name}." and inter and m.out_features % inter == 0]
+        adapter_values = sum(m.out_features // inter for m in adapted) // len(layers) // 2 if adapted else 0
         shape = cls(hidden, len(layers), heads, kv_heads, inter, vocab, num_params, tied, head_dim, projections,
                     block_params, norm_extras, all(layer.chunked_projections for layer in layers),
                     mlp_tiles=None if mlp_count == 1 else mlp_count, loss_tiles=None if loss_count == 1 else loss_count,
                     experts_per_token=top_k, layers=None if all(k == LayerKind() for k in kinds) else kinds,
                     v_head_dim=v_head_dim, trainable_params=None if trainable == num_params else trainable,
                     block_trainable=None if trainable == num_params else block_trainable,
-                    head_trainable=head_trainable)
+                    head_trainable=head_trainable, mlp_adapter_values=adapter_values)
         return shape, {"mlp_tiled": all(tiled for _, mlp, _, tiled in read if mlp is not None),
                        "loss_tiled": loss_count != 1}
 
