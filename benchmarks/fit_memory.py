@@ -5,12 +5,14 @@
     python benchmarks/fit_memory.py --tensors              # + the peak of live tensors in the last step
     python benchmarks/fit_memory.py --mmap-threshold 131072  # glibc: large blocks mmapped, returned when freed
     python benchmarks/fit_memory.py --steps 3 --release-gradients  # gradients freed between steps
+    python benchmarks/fit_memory.py --hidden 64 --layers 1 --vocab 256 --seq 256  # a tiny model (a smoke run)
 
 The model of ``benchmarks/training.py`` (Llama-style, hidden 512, 8 heads, 4 KV heads, 4 layers,
-intermediate 1408, vocabulary 32000, float32, batch 1) trained by ``Trainer.fit`` on 2 CPU (gloo)
-processes with ``FPDTStrategy(sequence_parallel_size=2, chunk_size=2048, activation_checkpointing=True)``
-(tiled MLP and loss: the full memory stack) for ``--steps`` optimizer steps. Each rank is its own
-process (Lightning's default launcher), as in any real run.
+intermediate 1408, vocabulary 32000, float32, batch 1; ``--hidden``, ``--layers``, ``--vocab`` change it) trained
+by ``Trainer.fit`` on 2 CPU (gloo) processes with
+``FPDTStrategy(sequence_parallel_size=2, chunk_size=2048, activation_checkpointing=True)`` (tiled MLP and loss: the
+full memory stack) for ``--steps`` optimizer steps. Each rank is its own process (Lightning's default launcher), as
+in any real run.
 
 Printed per rank, at each phase (the script's start, after the imports, the model built, DDP or FSDP2
 set up, and in every step after the forward, the backward, the optimizer step):
@@ -179,6 +181,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=512, help="model width (intermediate: 11/4 of it)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--shard-parameters", action="store_true", help="FSDP2 instead of DDP")
     parser.add_argument("--no-bucket-view", action="store_true", help="gradient_as_bucket_view=False (DDP)")
     parser.add_argument("--tensors", action="store_true", help="track live tensors in the last step (slow)")
@@ -191,8 +196,9 @@ def main() -> None:
     if args.mmap_threshold is not None:
         fix_mmap_threshold(args.mmap_threshold)
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, rope_theta=10000.0, mlp_tiles=None)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                         rope_theta=10000.0, mlp_tiles=None)
     torch.manual_seed(0)
     module = LlamaLM(config, loss_tiles=None)  # tiled MLP (mlp_tiles=None) and tiled loss
     _ROWS.append(sample("model created"))

@@ -35,7 +35,7 @@ an AdamW update. A (variant, length) listed in ``--skip`` is not run (its row sa
 about 24 GiB at 32K). Before the table, one ``sp2_stack`` step of a small hybrid is checked against the unbound
 model in one process (loss and every gradient, float32). The whole default run takes about 20 minutes on 2 cores.
 ``--quick`` replaces the sizes and lengths by tiny ones (``sp1`` and ``sp2_stack``, or the ``--variants`` given, at 256
-tokens; the layer table at 128 and 256).
+tokens, or the ``--seq`` given; the layer table at 128 and 256, or the ``--layer-seq`` given).
 
 Layer table (``--layer-seq``): one process (all cores), the plain transformers model of the same config with
 ``attn_implementation="sdpa"``: forward and backward of ``model.layers[0].linear_attn`` (a
@@ -263,11 +263,14 @@ def main() -> None:
     parser.add_argument("--layer-repeats", type=int, default=1)
     parser.add_argument("--layer-chunk", type=int, default=4096, help="chunk of the chunked delta-net column")
     args = parser.parse_args()
-    if args.quick:
-        args.seq, args.skip = [256], []
+    if args.quick:  # the lengths and variants given on the command line are kept
+        args.seq = args.seq if "--seq" in sys.argv else [256]
+        args.skip = []
         args.variants = args.variants if "--variants" in sys.argv else ["sp1", "sp2_stack"]
         args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate, args.vocab = 64, 4, 2, 16, 176, 512
-        args.layer_seq, args.layer_chunk, args.repeats, args.layer_repeats = [128, 256], 128, 1, 1
+        args.layer_seq = args.layer_seq if "--layer-seq" in sys.argv else [128, 256]
+        args.layer_chunk = min(args.layer_seq, default=128)  # the longer lengths in chunks of the shortest
+        args.repeats, args.layer_repeats = 1, 1
     config = hybrid_config(args)
     print(f"Qwen3.5-shaped hybrid ({config.model_type}): hidden {args.hidden}, layers {config.layer_types}, delta-net"
           f" {config.linear_num_key_heads} key / {config.linear_num_value_heads} value heads of {args.head_dim},"

@@ -2,6 +2,7 @@
 
     python benchmarks/support_matrix.py --json /tmp/support_matrix.json --md /tmp/support_matrix.md  # all (15 min)
     python benchmarks/support_matrix.py --families llama,bert,mixtral         # some of them
+    python benchmarks/support_matrix.py --families llama,bert --jobs 2        # two families at a time
     python benchmarks/support_matrix.py --families llama --build-only         # configs and construction only
     python benchmarks/support_matrix.py --aux-loss --json /tmp/aux.json       # MoE families, router loss on
     python benchmarks/support_matrix.py --resume --json /tmp/support_matrix.json   # finish an interrupted run
@@ -59,6 +60,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -838,6 +840,8 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="keep the rows --json already holds; run the rest")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per family")
     parser.add_argument("--memory-gb", type=float, default=6.0, help="address-space limit of a family's processes")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="families measured at once, each in its own subprocess (rows still in order)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -861,14 +865,18 @@ def main() -> None:
     if args.resume and args.json and Path(args.json).exists():  # rows of an interrupted run of these settings
         done = {r["family"]: r for r in json.loads(Path(args.json).read_text())}
     rows = []
+    pool = ThreadPoolExecutor(max_workers=args.jobs) if args.jobs > 1 else None  # a thread waits on each subprocess
+    pending = {f: pool.submit(run_one_subprocess, f, args) for f in families if f not in done} if pool else {}
     for i, family in enumerate(families):
-        row = done[family] if family in done else run_one_subprocess(family, args)
+        row = done[family] if family in done else pending[family].result() if pool else run_one_subprocess(family, args)
         row["test"] = covering_tests(CONFIG_MAPPING_NAMES.get(family, ""), family)
         rows.append(row)
         print(f"[{i + 1}/{len(families)}] {family}: {row['status']} ({row['seconds']} s) {row['detail'][:120]}",
               file=sys.stderr, flush=True)
         if args.json:  # after every family: a long run can be read while it runs
             Path(args.json).write_text(json.dumps(rows, indent=1))
+    if pool:
+        pool.shutdown()
     table = print_table(["family", "class", "status", "detail", "test"],
                         [[r["family"], r["class"], r["status"], _cell(r["detail"]), r["test"]] for r in rows])
     counts: dict[str, int] = {}

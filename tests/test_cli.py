@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_fpdt.cli import main as cli_main
 from lightning_fpdt.cli import own_message
-from lightning_fpdt.testing import run_in_fork
+from lightning_fpdt.testing import free_port, run_in_fork
 
 pytestmark = pytest.mark.distributed  # every test here starts several processes
 
@@ -26,11 +27,28 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "configs" / "tiny_cpu.yaml"
 
 
-def fpdt_train(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``fpdt-train ARGS`` as a fresh interpreter (the console entry point, popen launcher and all)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+def fpdt_train(*args: str, cwd: Path, timeout: float = 240,
+               variables: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``fpdt-train ARGS`` as a fresh interpreter (the console entry point, popen launcher and all), with this
+    process's environment and ``variables``."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(variables or {})}
     return subprocess.run([sys.executable, "-m", "lightning_fpdt.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def fpdt_train_side_by_side(runs: dict[str, tuple[list[str], Path]]) -> dict[str, subprocess.CompletedProcess]:
+    """:func:`fpdt_train` runs started together (``runs``: each one's arguments and directory), each waited for by a
+    thread of its own: runs that mostly import (one core each) go side by side. Each has a ``MASTER_PORT`` of its own
+    (an earlier test's Trainer may have left one in this process's environment, 309573f)."""
+    ports: list[int] = []
+    while len(ports) < len(runs):
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        futures = {key: pool.submit(fpdt_train, *args, cwd=cwd, variables={"MASTER_PORT": str(port)})
+                   for (key, (args, cwd)), port in zip(runs.items(), ports)}
+        return {key: future.result() for key, future in futures.items()}
 
 
 def fpdt_train_forked(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -8,6 +8,7 @@ with (YaRN, its factor and original context) and the new ``max_position_embeddin
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_fpdt.export import main as export_main  # noqa: E402
 from lightning_fpdt.models.from_config import module_from_hyperparameters  # noqa: E402
-from lightning_fpdt.testing import free_port  # noqa: E402
 from tests.reference import rel_error  # noqa: E402
-from tests.test_cli import ROOT, fpdt_train  # noqa: E402
+from tests.test_cli import ROOT, fpdt_train_side_by_side  # noqa: E402
 
 pytestmark = pytest.mark.distributed  # the fine-tune forks 2 ranks
 
@@ -60,7 +60,8 @@ def _run_yaml(tmp_path: Path, kind: str, checkpoint: Path) -> Path:
                              "init_args": {"hf_checkpoint": str(checkpoint), "config_overrides": OVERRIDES["llama"],
                                            "learning_rate": 3e-3, "warmup_steps": 1}}
     trainer = document["trainer"]
-    # spawned from a fresh interpreter (tests/test_examples.py says why)
+    # spawned from a fresh interpreter: no rank forked from a process with threads (tests/test_examples.py says what
+    # hung when one was)
     trainer["strategy"]["init_args"].update(chunk_size=32, start_method="spawn")
     trainer.update(max_steps=3, limit_val_batches=0, default_root_dir=str(tmp_path / "run"),
                    enable_checkpointing=True)
@@ -72,13 +73,25 @@ def _run_yaml(tmp_path: Path, kind: str, checkpoint: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def fine_tunes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, subprocess.CompletedProcess]]:
+    """Per LightningModule: its directory, the local checkpoint and the ``fpdt-train`` run fine-tuning it; both runs
+    started together (a run mostly imports, on one core)."""
+    jobs, made = {}, {}
+    for kind in OVERRIDES:
+        tmp_path = tmp_path_factory.mktemp(f"context_extension_{kind}")
+        made[kind] = (tmp_path, _checkpoint(tmp_path / "tiny-llama"))
+        jobs[kind] = (["fit", "--config", str(_run_yaml(tmp_path, kind, made[kind][1]))], tmp_path)
+    runs = fpdt_train_side_by_side(jobs)
+    return {kind: (*made[kind], runs[kind]) for kind in OVERRIDES}
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["hf", "llama"])
-def test_a_context_extended_fine_tune_exports_with_its_schedule(tmp_path: Path, kind: str, fresh_seed: int,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    checkpoint = _checkpoint(tmp_path / "tiny-llama")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    proc = fpdt_train("fit", "--config", str(_run_yaml(tmp_path, kind, checkpoint)), cwd=tmp_path)
+def test_a_context_extended_fine_tune_exports_with_its_schedule(
+    kind: str, fresh_seed: int, fine_tunes: dict[str, tuple[Path, Path, subprocess.CompletedProcess]],
+) -> None:
+    tmp_path, checkpoint, proc = fine_tunes[kind]
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     saved_yaml, last = tmp_path / "run" / "config.yaml", tmp_path / "ckpt" / "last.ckpt"
     assert saved_yaml.is_file() and last.is_file()
