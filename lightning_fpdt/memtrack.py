@@ -38,11 +38,16 @@ class TensorMemoryTracker(TorchDispatchMode):
         super().__init__()
         self._resizable = resizable
         self._live: dict[Any, tuple[StorageWeakRef, int]] = {}
-        self.current_bytes = 0
+        self._counted = 0  # bytes of the storages in _live, some of which may have died since the last collection
         self.peak_bytes = 0
 
-    def reset_peak(self) -> None:
+    @property
+    def current_bytes(self) -> int:
+        """Bytes of the live tensors counted now."""
         self._collect()
+        return self._counted
+
+    def reset_peak(self) -> None:
         self.peak_bytes = self.current_bytes
 
     def track(self, *tensors: torch.Tensor) -> None:
@@ -50,16 +55,24 @@ class TensorMemoryTracker(TorchDispatchMode):
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._track(t)
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        self._new_peak()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        self._collect()
+        if self._resizable:  # sizes change in place: read them after every op
+            self._collect()
         for t in tree_flatten((args, kwargs, out))[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._track(t)
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        self._new_peak()
         return out
+
+    def _new_peak(self) -> None:
+        # the count is never below the live bytes, so a new peak can only be where the count passes the old one:
+        # only there are the dead storages collected (the same peak as collecting after every op, far cheaper)
+        if self._counted > self.peak_bytes:
+            self._collect()
+            self.peak_bytes = max(self.peak_bytes, self._counted)
 
     def _track(self, t: torch.Tensor) -> None:
         local = getattr(t, "_local_tensor", None)  # a DTensor: the wrapper has no storage, its shard has
@@ -75,26 +88,30 @@ class TensorMemoryTracker(TorchDispatchMode):
             ref = StorageWeakRef(storage)
             if ref.cdata not in self._live:
                 self._live[ref.cdata] = (ref, nbytes)
-                self.current_bytes += nbytes
+                self._counted += nbytes
             return
         if nbytes == 0:
             return
         key = (storage.data_ptr(), nbytes)
-        if key in self._live:
+        known = self._live.get(key)
+        if known is not None and not known[0].expired():
+            return
+        if known is not None:  # a dead storage not collected yet, its memory reused by this one: same bytes, new owner
+            self._live[key] = (StorageWeakRef(storage), nbytes)
             return
         self._live[key] = (StorageWeakRef(storage), nbytes)
-        self.current_bytes += nbytes
+        self._counted += nbytes
 
     def _collect(self) -> None:
         dead = [key for key, (ref, _) in self._live.items() if ref.expired()]
         for key in dead:
-            self.current_bytes -= self._live.pop(key)[1]
+            self._counted -= self._live.pop(key)[1]
         if self._resizable:
             for key, (ref, nbytes) in self._live.items():
                 now = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
                 if now != nbytes:
                     self._live[key] = (ref, now)
-                    self.current_bytes += now - nbytes
+                    self._counted += now - nbytes
 
 
 def peak_step_bytes(
