@@ -153,3 +153,15 @@ def test_ring_benchmark_smoke() -> None:
     for name, row in rows.items():
         assert float(row[2]) > 0 and float(row[10]) > 0 and row[9] == "exact", row  # s/step, peak, bytes vs model
         assert (float(row[5]) > 0) == (name != "ring 4") and (float(row[7]) > 0) == (name != "ulysses 4"), row
+
+
+def test_memory_floor_benchmark_smoke() -> None:
+    # the own Llama at tiny sizes, layers recomputed whole and streamed, then the memory model's longest Llama-3-8B
+    out = _run("memory_floor.py", "--seq", "1024", "2048", "--chunk-size", "256", "--hidden", "64", "--layers", "1",
+               "--vocab", "128", "--models", "llama")
+    rows = {(r[0], r[1]): r for r in _table_rows(out) if len(r) in (11, 5)}
+    whole, streamed = rows[("llama", "whole")], rows[("llama", "streamed")]
+    for column in (2, 3):  # the peaks at both lengths: streaming holds less
+        assert float(streamed[column]) < float(whole[column]), (whole, streamed)
+    assert float(rows[("1", "streamed")][2].split("M")[0]) >= 3.0, out  # one H200: at least 3M tokens
+    assert float(rows[("1", "streamed")][3]) <= 141e9 / 2**30 and float(rows[("1", "streamed")][4]) > 0, out
