@@ -93,8 +93,8 @@ def _cross_entropy_sum_in_place(logits: Tensor, targets: Tensor, ignore_index: i
 
 
 def tiled_cross_entropy_sum(
-    hidden: Tensor, weight: Tensor, shift_labels: Tensor, num_tiles: int | None = None, ignore_index: int = IGNORE_INDEX,
-    norm: nn.Module | None = None,
+    hidden: Tensor, weight: Tensor, shift_labels: Tensor, num_tiles: int | None = None,
+    ignore_index: int = IGNORE_INDEX, norm: nn.Module | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Summed cross-entropy of the output projection, without a full ``[tokens, vocab]`` logits tensor.
 
@@ -139,7 +139,8 @@ def tiled_cross_entropy_sum(
         x = tile[0]
         with torch.enable_grad():  # the norm by autograd, the head in closed form (no graph)
             normed = norm(x)
-        d_normed = head_grad(grad, normed.detach().requires_grad_(normed.requires_grad), tile[1][0], d_params)
+        d_normed = head_grad(grad, normed.detach().requires_grad_(normed.requires_grad), tile[1][0],
+                             d_params)
         wanted = [t for t in (x, *norm_params) if t.requires_grad]
         found = torch.autograd.grad(normed, wanted, d_normed) if wanted and d_normed is not None else ()
         found_iter = iter(found)

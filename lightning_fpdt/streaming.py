@@ -52,14 +52,13 @@ from lightning_fpdt.comm import Exchange, expand_kv_heads, group_size, sum_kv_re
 from lightning_fpdt.profiling import named_range
 from lightning_fpdt.recompute import INPUT_CHUNK_KIND, previous_input
 
-
 _STREAM = "_fpdt_stream"  # an attention module's attribute while its decoder layer runs a streamed chunk
 
 ChunkedLayer = Callable[[Tensor, int, int, "LayerStream"], Tensor]
 """``run_chunk(x_c, lo, hi, stream) -> y_c``: one chunk of a decoder layer (module docstring)."""
 
 
-class _Captured(Exception):  # noqa: N818 (not an error: how a capture stops the layer at its attention)
+class _Captured(Exception):
     """Raised by :meth:`LayerStream.attend` in capture mode, carrying the chunk's q, k, v with their graph."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -172,7 +171,7 @@ class _Streamed:
         stream = self.stream(x)
         y: Tensor | None = None
         with torch.no_grad():
-            for c, (lo, hi) in enumerate(self.bounds):
+            for lo, hi in self.bounds:
                 with named_range(f"fpdt/{self.name}"):
                     y_c = self.run_chunk(x[:, lo:hi], lo, hi, stream)
                 if y is None:
@@ -262,7 +261,8 @@ class _Streamed:
                                    " their gradient has nowhere to go")
             whole = dsinks.new_zeros(stream.sinks.shape)
             whole[rank_heads(stream.sinks.shape[0], opt.group)] = dsinks
-            d_params[index] = whole if d_params[index] is None else d_params[index].add_(whole.to(d_params[index].dtype))
+            before = d_params[index]
+            d_params[index] = whole if before is None else before.add_(whole.to(before.dtype))
         return [dx, *(None if d is None else d.to(p.dtype) for d, p in zip(d_params, params))]
 
 

@@ -18,10 +18,10 @@ The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-w
   states as its :class:`~lightning_fpdt.binding.SequenceMixerMemory` says); with activation checkpointing only the
   block input (on the host with ``offload_checkpoints``);
 - the largest transient: the loss (full logits unless tiled) or the backward of one block (recomputed
-  with activation checkpointing; a streamed one, :mod:`lightning_fpdt.streaming`, holds its output's and input's
-  gradients and one chunk's work: ``EstimateOptions.streaming``), plus the attention working set of one chunk (a mixer's: one chunk's kernel
-  intermediates and their gradients; with a ring, its point-to-point buffers: the backward's packed key/value
-  gradient sums in the accumulation dtype);
+  with activation checkpointing; a streamed one, :mod:`lightning_fpdt.streaming`, holds its output's and
+  input's gradients and one chunk's work: ``EstimateOptions.streaming``), plus the attention working set of one
+  chunk (a mixer's: one chunk's kernel intermediates and their gradients; with a ring, its point-to-point buffers:
+  the backward's packed key/value gradient sums in the accumulation dtype);
 - the gradients made so far during backward: a block's backward is the peak when it runs late in the
   backward, with the gradients of every later block (and, under ``shard_parameters``, the unsharded
   gradients of the root's parameters and of one block, and a block's float32 reduce-scatter input) alive;
@@ -182,12 +182,10 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     logits = tile_tokens * shape.vocab_size * 4
     # streamed layers (lightning_fpdt.streaming): checkpointed, in two or more chunks, attention and per-token work only
     streams = options.streaming and options.activation_checkpointing and chunk_tokens_rank < t
-
     def streamed(kind: LayerKind) -> bool:
         return streams and kind.attention and not kind.mixers
 
-    # the final norm's input, its output and the norm's own; the loss's input alone when the loss applies the norm
-    final = (1 if streams and options.loss_tiled else 3) * t * h * e
+    final = (1 if streams and options.loss_tiled else 3) * t * h * e  # norm input, output, its own; or the input
     loss_saved = 0 if options.loss_tiled else logits  # the log-softmax output, kept for backward
     loss_transient = 2 * logits  # gradients of the log-softmax output and of the logits
     if options.loss_tiled:  # a tile's logits, overwritten by their softmax; the output-embedding gradient, d(hidden)
@@ -240,13 +238,15 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # local q/k/v of a Hugging Face layer), the MLP's backward and a mixer's chunk; recomputed, on top of the
     # block's own saved activations (the largest layer of a hybrid may not be the one with the largest backward)
     block_backward = t * h * e + max(layer_work(k) for k in kinds)
-    # a streamed layer's backward: its output's and its input's gradients, one chunk's recomputed graph and work (no
-    # whole-sequence q/k/v), and, without offload, its attention store (the pipeline's chunks and each chunk's dout)
+    # a streamed layer's backward: its output's and its input's gradients, one chunk's recomputed graph (with its q/k/v
+    # and attention output's gradient) and work, a Hugging Face model's rotary cos/sin of every local token; without
+    # offload its attention store (the pipeline's chunks and each chunk's dout)
     c = min(chunk_tokens_rank, t)
 
     def streamed_backward(kind: LayerKind) -> float:
-        store = 0 if options.offload else pipeline_saved + t * e * od
-        chunk_graph = c * e * ((4 + shape.norm_extras) * h + od)
+        store = (0 if options.offload else pipeline_saved + t * e * od) + (0 if shape.chunked_projections else
+                                                                          2 * t * hd * e)
+        chunk_graph = c * e * ((4 + shape.norm_extras) * h + 2 * od + qd + 2 * shape.num_kv_heads * hd)
         return 2 * t * h * e + chunk_graph + max(attention_work, streamed_mlp_work if kind.mlp else 0) + store
 
     recomputed_block = max(streamed_backward(k) if streamed(k) else layer_saved(k, True) + t * h * e + layer_work(k)

@@ -4,8 +4,9 @@ sequence-parallel attention (:mod:`lightning_fpdt.token_mixing`), with that atte
 Stood in: every :class:`~lightning_fpdt.block.FPDTAttention` by its self-only form (each query sees its own key,
 so its output is ``o_proj(v_proj(x))``, key/value heads repeated: the projections still run, no pipeline does),
 and any other :class:`~lightning_fpdt.binding.SequenceParallelAttention` that is not an ``FPDTBlock`` by its own
-forward on each position alone (blocks run whole for it, not streamed). The rest of the model (embeddings, norms, MLPs, whatever the user wrote) runs as
-it is. ``CausalLM`` refuses such a model when trained on more than one rank of a sequence-parallel group.
+forward on each position alone (blocks run whole for the probe, not streamed). The rest of the model (embeddings,
+norms, MLPs, whatever the user wrote) runs as it is. ``CausalLM`` refuses such a model when trained on more than one
+rank of a sequence-parallel group.
 """
 
 from __future__ import annotations
