@@ -3,7 +3,6 @@ sized by the local sequence, forward or backward, for the own Llama and a transf
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -143,7 +142,8 @@ class _WholeSequenceWork(TorchDispatchMode):
 
         handles = []
         for layer in layers:
-            handles += [layer.register_forward_pre_hook(lambda m, a: enter()), layer.register_forward_hook(after_forward)]
+            handles += [layer.register_forward_pre_hook(lambda m, a: enter()),
+                        layer.register_forward_hook(after_forward)]
         return handles
 
 
