@@ -15,10 +15,6 @@ from lightning_fpdt.rope import RotaryEmbedding
 from lightning_fpdt.testing import run_on_ranks
 
 CHUNKS = range(2, 9)  # every chunk count from 2 to 8
-# with slowed copies, the distinct cases of those counts: 2 (both chunks fit the two-chunk window: nothing is
-# evicted), 3 (odd: a shorter last chunk, evictions), 8 (the longest chain of prefetches and evictions); 4 to 7
-# repeat 8's pattern with fewer steps, and each copy sleeps (every count still runs without the delay)
-SLOW_CHUNKS = (2, 3, 8)
 
 
 def _lengths(n: int, sp: int) -> tuple[int, int]:
@@ -30,7 +26,7 @@ def _lengths(n: int, sp: int) -> tuple[int, int]:
 def _run(rank: int, world: int, seed: int, copy_delay: float) -> list[dict]:
     group = dist.group.WORLD if world > 1 else None
     out = []
-    for n in (SLOW_CHUNKS if copy_delay else CHUNKS):
+    for n in CHUNKS:
         seq, chunk = _lengths(n, world)
         for causal in (True, False):
             g = torch.Generator().manual_seed(seed + n)
