@@ -157,8 +157,8 @@ def test_ring_benchmark_smoke() -> None:
 
 def test_memory_floor_benchmark_smoke() -> None:
     # the own Llama at tiny sizes, layers recomputed whole and streamed, then the memory model's longest Llama-3-8B
-    out = _run("memory_floor.py", "--seq", "1024", "2048", "--chunk-size", "256", "--hidden", "64", "--layers", "1",
-               "--vocab", "128", "--models", "llama")
+    out = _run("memory_floor.py", "--seq", "512", "1024", "--chunk-size", "128", "--hidden", "32", "--heads", "2",
+               "--layers", "1", "--vocab", "64", "--models", "llama")
     rows = {(r[0], r[1]): r for r in _table_rows(out) if len(r) in (11, 5)}
     whole, streamed = rows[("llama", "whole")], rows[("llama", "streamed")]
     for column in (2, 3):  # the peaks at both lengths: streaming holds less

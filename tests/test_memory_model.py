@@ -481,8 +481,9 @@ def test_memory_cli_sizes_a_hugging_face_checkpoint_from_its_config(tmp_path, ca
     def peak(out: str) -> float:
         return float(next(line for line in out.splitlines() if line.startswith("device peak")).split()[2])
 
-    # the same run: both models' layers stream, q/k/v projected chunk by chunk (transformers' layers too)
-    assert peak(hf) == peak(own), (hf, own)
+    # the same run: both models' layers stream, q/k/v projected chunk by chunk (transformers' layers too); the
+    # transformers model's rotary cos/sin of every local token (128K x 2 x 128 x 2 bytes: 64 MiB) is the difference
+    assert 1.0 < peak(hf) / peak(own) < 1.01, (hf, own)
 
 
 def test_the_70b_plan_is_sized_from_its_config_json_alone(capsys) -> None:
