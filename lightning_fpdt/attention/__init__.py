@@ -19,7 +19,7 @@ from lightning_fpdt.comm import check_heads, expand_kv_heads, group_size, head_t
 from lightning_fpdt.layout import validate_chunk_size
 from lightning_fpdt.packed_documents import PackedDocuments
 
-__all__ = ["BACKENDS", "fpdt_attention", "get_kernel", "update_out_and_lse"]
+__all__ = ["BACKENDS", "attention_options", "fpdt_attention", "get_kernel", "update_out_and_lse"]
 
 
 def fpdt_attention(
@@ -101,29 +101,37 @@ def fpdt_attention(
     if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
         raise ValueError(f"fpdt_attention: sinks has shape {tuple(sinks.shape)}; it takes one logit per query head,"
                          f" [n_heads] = [{q.shape[2]}] (all heads, the same on every rank).")
-    kernel = get_kernel(backend, q.device, q.dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # KV heads fewer than ranks: replicate before the all-to-all (autograd sums the replicas' grads).
     k, v = expand_kv_heads(k, u), expand_kv_heads(v, u)
-    if documents is not None and documents.length != q.shape[1] * p:
-        raise ValueError(
-            f"fpdt_attention: documents cover {documents.length} tokens, but the shards hold"
-            f" {q.shape[1]} x {p} = {q.shape[1] * p}; build them for the padded sequence of this batch."
-        )
+    opt = attention_options(q, group=group, chunk_size=chunk_size, causal=causal, backend=backend, scale=scale,
+                            offload=offload, stats_sink=stats_sink, documents=documents, window=window,
+                            attention_chunk_size=attention_chunk_size, softcap=softcap, ring_group=ring_group)
+    opt.check_documents(q.shape[1], "fpdt_attention")
     rules = (documents, window, attention_chunk_size, sinks)  # any of them: the pipeline, which applies them
     if chunk_size is None and not offload and not return_lse and ring == 1 and all(x is None for x in rules):
-        return ulysses_attention(q, k, v, group, kernel, causal, scale, softcap)
-    opt = PipelineOptions.for_chunk_size(
-        group, chunk_size, causal=causal, scale=scale, kernel=kernel, offload=offload, stats_sink=stats_sink,
-        documents=documents, window=window, attention_chunk_size=attention_chunk_size, softcap=softcap,
-        ring_group=ring_group,
-    )
+        return ulysses_attention(q, k, v, group, opt.kernel, causal, opt.scale, softcap)
     out, lse = run_pipeline(TensorEnds(kv_heads=k.shape[2], head_dim=q.shape[3]), opt, q, k, v, sinks=sinks)
     if not return_lse:
         return out
     # lse [b, h/P, S] head-sharded -> [b, S/P, h] sequence-sharded (per chunk, in layout order)
     lse_local = _lse_to_seq(lse, q.shape[1], opt)
     return out, lse_local
+
+
+def attention_options(
+    q: Tensor, *, group: ProcessGroup | None = None, chunk_size: int | None = None, causal: bool = True,
+    backend: str = "auto", scale: float | None = None, offload: bool = False,
+    stats_sink: list[OffloadStats] | None = None, documents: PackedDocuments | None = None,
+    window: int | None = None, attention_chunk_size: int | None = None, softcap: float | None = None,
+    ring_group: ProcessGroup | None = None,
+) -> PipelineOptions:
+    """The :class:`PipelineOptions` of :func:`fpdt_attention`'s arguments (the kernel for ``q``'s device and dtype,
+    the scale ``1 / sqrt(head_dim)`` by default): for a caller that feeds the pipeline itself (a streamed layer)."""
+    return PipelineOptions.for_chunk_size(
+        group, chunk_size, causal=causal, scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
+        kernel=get_kernel(backend, q.device, q.dtype), offload=offload, stats_sink=stats_sink, documents=documents,
+        window=window, attention_chunk_size=attention_chunk_size, softcap=softcap, ring_group=ring_group,
+    )
 
 
 def _lse_to_seq(lse: Tensor, s_local: int, opt: PipelineOptions) -> Tensor:

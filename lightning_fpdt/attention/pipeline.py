@@ -242,13 +242,12 @@ class PipelineFunction(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         store = new_store(inputs[0].device, opt)
         source = ends.source(*inputs)
-        heads = None if sinks is None else rank_heads(sinks.shape[0], opt.group)
-        local_sinks = None if heads is None or sinks is None else sinks.detach()[heads]
+        local_sinks = rank_sinks(sinks, opt.group)
         out, lse = pipeline_forward(source, opt, store, save_for_backward=needs_backward, sinks=local_sinks)
         if not needs_backward:  # inference: nothing to keep
             finish(store, opt)
         ctx.ends, ctx.opt, ctx.store, ctx.q_dtype = ends, opt, store, source.dtype
-        ctx.sinks, ctx.heads = local_sinks, heads
+        ctx.sinks = local_sinks
         ctx.whole_sinks = None if sinks is None else (sinks.shape, sinks.dtype)
         ctx.save_for_backward(*ends.saved(*inputs))
         ctx.mark_non_differentiable(lse)
@@ -264,18 +263,29 @@ class PipelineFunction(torch.autograd.Function):
         grad_sinks = None
         if dsinks is not None and ctx.needs_input_grad[3]:
             shape, dtype = ctx.whole_sinks
-            grad_sinks = dsinks.new_zeros(shape)
-            grad_sinks[ctx.heads] = dsinks
-            grad_sinks = grad_sinks.to(dtype)
+            grad_sinks = whole_sinks_grad(dsinks, shape, ctx.opt.group).to(dtype)
         return None, None, None, grad_sinks, *sink.result()
 
 
-def rank_heads(n_heads: int, group: ProcessGroup | None) -> slice:
+def _rank_heads(n_heads: int, group: ProcessGroup | None) -> slice:
     """This rank's heads after the all-to-all: rank ``r`` of ``P`` holds heads ``r * H/P`` up to
     ``(r + 1) * H/P`` (``lightning_fpdt.comm``)."""
     per_rank = n_heads // group_size(group)
     rank = group_rank(group)
     return slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def rank_sinks(sinks: Tensor | None, group: ProcessGroup | None) -> Tensor | None:
+    """This rank's heads (:func:`_rank_heads`) of the sink logits ``[n_heads]``, detached; ``None`` without sinks."""
+    return None if sinks is None else sinks.detach()[_rank_heads(sinks.shape[0], group)]
+
+
+def whole_sinks_grad(dsinks: Tensor, shape: torch.Size, group: ProcessGroup | None) -> Tensor:
+    """The gradient of every head's sink logit ``shape = [n_heads]`` from this rank's ``dsinks`` ``[h/U]``: zeros on
+    the other ranks' heads (summed over the group, as every parameter's gradient is, it is the sinks' gradient)."""
+    whole = dsinks.new_zeros(shape)
+    whole[_rank_heads(shape[0], group)] = dsinks
+    return whole
 
 
 def run_pipeline(

@@ -60,6 +60,14 @@ class PipelineOptions:
         """Ranks of the sequence-parallel group: Ulysses x ring."""
         return group_size(self.group) * group_size(self.ring_group)
 
+    def check_documents(self, s_local: int, owner: str) -> None:
+        """Raises ``ValueError`` unless the documents (if any) cover the ``s_local x P`` tokens of the shards."""
+        if self.documents is not None and self.documents.length != s_local * self.sp_size:
+            raise ValueError(
+                f"{owner}: documents cover {self.documents.length} tokens, but the shards hold {s_local} x"
+                f" {self.sp_size} = {s_local * self.sp_size}; build them for the padded sequence of this batch."
+            )
+
     @classmethod
     def for_chunk_size(cls, group: ProcessGroup | None, chunk_size: int | None, **options: Any) -> PipelineOptions:
         """Options for a global ``chunk_size`` (validated against the group's size, then cut per rank)."""

@@ -26,7 +26,6 @@ rescales it to the tokens' own.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,9 +33,7 @@ from typing import Any
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
-from lightning_fpdt.attention import fpdt_attention
-from lightning_fpdt.attention.kernels import get_kernel
-from lightning_fpdt.attention.pipeline_options import PipelineOptions
+from lightning_fpdt.attention import attention_options, fpdt_attention
 from lightning_fpdt.binding import AttentionRecord, SequenceParallelContext
 from lightning_fpdt.hf.masks import attention_chunk_size, check_mask_windows
 from lightning_fpdt.hf.temperature import tuned_queries, tunes_temperature
@@ -196,32 +193,24 @@ def fpdt_attention_forward(
     if tunes_temperature(module):  # Llama-4's NoPE layers scaled q at local positions: at the tokens' own instead
         query = tuned_queries(module, query, ctx, documents)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    stream = active_stream(module)
-    if stream is not None:  # its decoder layer streams (lightning_fpdt.hf.streamed): this chunk, from the stream
-        def options() -> PipelineOptions:
-            record = AttentionRecord.for_call(stream.s_local, ctx)
-            if fpdt_records is not None:
-                fpdt_records.leave(module, record)
-            return PipelineOptions.for_chunk_size(
-                ctx.attention_group, ctx.chunk_size, causal=True, kernel=get_kernel(ctx.attention_backend, q.device,
-                                                                                    q.dtype),
-                scale=1.0 / math.sqrt(q.shape[-1]) if scaling is None else scaling, offload=ctx.offload,
-                stats_sink=record.sink, documents=documents, window=kwargs.get("sliding_window"),
-                softcap=kwargs.get("softcap"), attention_chunk_size=attention_chunk_size(module),
-                ring_group=ctx.ring_group,
-            )
-
-        return stream.attend(q, k, v, options, sinks=_sinks(module, kwargs)), None
-    record = AttentionRecord.for_call(q.shape[1], ctx)
-    if fpdt_records is not None:
-        fpdt_records.leave(module, record)
-    out = fpdt_attention(
-        q, k, v, group=ctx.attention_group, ring_group=ctx.ring_group, chunk_size=ctx.chunk_size, causal=True,
-        backend=ctx.attention_backend,
-        scale=scaling, offload=ctx.offload, documents=documents, stats_sink=record.sink,
-        window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), sinks=_sinks(module, kwargs),
+    options = dict(
+        group=ctx.attention_group, ring_group=ctx.ring_group, chunk_size=ctx.chunk_size, causal=True,
+        backend=ctx.attention_backend, scale=scaling, offload=ctx.offload, documents=documents,
+        window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
         attention_chunk_size=attention_chunk_size(module),  # chunked layers: read from their mask (hf.masks)
     )
+
+    def new_record(s_local: int) -> AttentionRecord:
+        record = AttentionRecord.for_call(s_local, ctx)
+        if fpdt_records is not None:
+            fpdt_records.leave(module, record)
+        return record
+
+    stream = active_stream(module)
+    if stream is not None:  # its decoder layer streams (lightning_fpdt.hf.streamed): this chunk, from the stream
+        return stream.attend(q, k, v, lambda: attention_options(q, stats_sink=new_record(stream.s_local).sink,
+                                                                **options), sinks=_sinks(module, kwargs)), None
+    out = fpdt_attention(q, k, v, stats_sink=new_record(q.shape[1]).sink, sinks=_sinks(module, kwargs), **options)
     return out, None  # [b, s_local, h, d], as transformers' own functions return it
 
 
