@@ -25,7 +25,7 @@ from lightning_fpdt.comm import check_heads
 from lightning_fpdt.packed_documents import PackedDocuments
 from lightning_fpdt.recompute import needs_backward
 from lightning_fpdt.rope import RotaryEmbedding
-from lightning_fpdt.streaming import LayerStream, local_chunks, streamed_layer_call
+from lightning_fpdt.streaming import LayerStream, stream_chunk_size, streamed_layer_call
 from lightning_fpdt.tiling import TiledMLP
 
 
@@ -172,13 +172,14 @@ class FPDTBlock(nn.Module):
         Chunked causal attention with activation checkpointing, or without a backward to follow: the block streams
         chunk by chunk (:mod:`lightning_fpdt.streaming`). Otherwise checkpointed whole, or as written."""
         context = self.context
-        recompute = context.activation_checkpointing and needs_backward(x, self)
-        chunk = local_chunks(x.shape[1], context.chunk_size, context.size) if context.streaming else None
-        if chunk is not None and self.attention.causal and (recompute or not needs_backward(x, self)):
+        backward = needs_backward(x, self)
+        recompute = context.activation_checkpointing and backward
+        chunk = stream_chunk_size(context, x.shape[1])
+        if chunk is not None and self.attention.causal and (recompute or not backward):
             def run_chunk(x_c: Tensor, lo: int, hi: int, stream: LayerStream) -> Tensor:
                 return self.chunk_forward(x_c, position_ids[:, lo:hi], stream, documents)
 
-            return streamed_layer_call(run_chunk, self, x, chunk, context.offload, context.layer_input_store)
+            return streamed_layer_call(run_chunk, self, x, chunk, context.layer_input_store)
         if recompute:
             return recomputed_block_forward(self, x, position_ids, documents)
         return self.block_forward(x, position_ids, documents)

@@ -44,9 +44,10 @@ from torch import Tensor, nn
 
 from lightning_fpdt.attention.backward import pipeline_backward
 from lightning_fpdt.attention.blocks import chunk_bounds
-from lightning_fpdt.attention.pipeline import ForwardPass, finish, new_store, rank_heads
+from lightning_fpdt.attention.pipeline import ForwardPass, finish, new_store, rank_sinks, whole_sinks_grad
 from lightning_fpdt.attention.pipeline_options import PipelineOptions
 from lightning_fpdt.autocast_state import AutocastState
+from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.comm import Exchange, expand_kv_heads, group_size, sum_kv_replicas
 from lightning_fpdt.profiling import named_range
@@ -74,9 +75,8 @@ class LayerStream:
     attention call: :class:`_Captured`).
     """
 
-    def __init__(self, s_local: int, local_chunk_size: int, device: torch.device, offload: bool) -> None:
-        self.s_local, self.local_chunk_size, self.offload = s_local, local_chunk_size, offload
-        self.device = device
+    def __init__(self, s_local: int, local_chunk_size: int, device: torch.device) -> None:
+        self.s_local, self.local_chunk_size, self.device = s_local, local_chunk_size, device
         self.mode = "forward"
         self.opt: PipelineOptions | None = None
         self.store: ChunkStore | None = None
@@ -84,6 +84,7 @@ class LayerStream:
         self.chunk = 0  # the next chunk attend computes
         self.q_dtype: torch.dtype | None = None
         self.sinks: Tensor | None = None  # the layer's sink logits [n_heads], if any
+        self.local_sinks: Tensor | None = None  # this rank's heads of them
         self.out: Tensor | None = None  # recompute: the latest chunk's output, a leaf
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, options: Callable[[], PipelineOptions],
@@ -120,16 +121,11 @@ class LayerStream:
                 f"streamed layer: its attention runs with causal={opt.causal} and local chunks of"
                 f" {opt.local_chunk_size} tokens; streaming needs causal attention in chunks of {self.local_chunk_size}"
             )
-        if opt.documents is not None and opt.documents.length != self.s_local * opt.sp_size:
-            raise ValueError(
-                f"streamed layer: documents cover {opt.documents.length} tokens, but the shards hold"
-                f" {self.s_local} x {opt.sp_size} = {self.s_local * opt.sp_size}; build them for the padded sequence"
-                " of this batch."
-            )
-        self.opt, self.sinks = opt, sinks
+        opt.check_documents(self.s_local, "streamed layer")
+        self.opt, self.sinks, self.local_sinks = opt, sinks, rank_sinks(sinks, opt.group)
         self.store = new_store(self.device, opt)
-        local_sinks = None if sinks is None else sinks.detach()[rank_heads(sinks.shape[0], opt.group)]
-        self.passes = ForwardPass(opt, self.store, self.s_local, self.mode == "recompute", local_sinks, keep_lse=False)
+        self.passes = ForwardPass(opt, self.store, self.s_local, self.mode == "recompute", self.local_sinks,
+                                  keep_lse=False)
 
     def put_dout(self, i: int, dout: Tensor) -> None:
         """Chunk ``i``'s output gradient ``[batch, n, heads, v_head_dim]``, head-sharded into the store."""
@@ -156,12 +152,11 @@ class _Streamed:
     module: nn.Module
     bounds: list[tuple[int, int]]
     local_chunk_size: int
-    offload: bool
     store: ChunkStore | None
     name: str
 
     def stream(self, x: Tensor) -> LayerStream:
-        return LayerStream(x.shape[1], self.local_chunk_size, x.device, self.offload)
+        return LayerStream(x.shape[1], self.local_chunk_size, x.device)
 
     def params(self) -> list[Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -249,9 +244,7 @@ class _Streamed:
 
         sink = _Arrivals(arrive)
         try:
-            local_sinks = None if stream.sinks is None else stream.sinks.detach()[rank_heads(stream.sinks.shape[0],
-                                                                                               opt.group)]
-            dsinks = pipeline_backward(None, stream.q_dtype, opt, store, sink, local_sinks, s_local=dy.shape[1])
+            dsinks = pipeline_backward(None, stream.q_dtype, opt, store, sink, stream.local_sinks, s_local=dy.shape[1])
         finally:
             finish(store, opt)
         if dsinks is not None and stream.sinks is not None:  # the sinks' gradient: this rank's heads
@@ -259,8 +252,7 @@ class _Streamed:
             if index is None:
                 raise RuntimeError(f"streamed layer {self.name}: its attention sinks are not one of its parameters, so"
                                    " their gradient has nowhere to go")
-            whole = dsinks.new_zeros(stream.sinks.shape)
-            whole[rank_heads(stream.sinks.shape[0], opt.group)] = dsinks
+            whole = whole_sinks_grad(dsinks, stream.sinks.shape, opt.group)
             before = d_params[index]
             d_params[index] = whole if before is None else before.add_(whole.to(before.dtype))
         return [dx, *(None if d is None else d.to(p.dtype) for d, p in zip(d_params, params))]
@@ -343,16 +335,15 @@ def _delete_later(store: ChunkStore, keys: list[tuple[str, int]]) -> None:
         store.delete_later(key)
 
 
-def streamed_layer_call(run_chunk: ChunkedLayer, module: nn.Module, x: Tensor, local_chunk_size: int, offload: bool,
+def streamed_layer_call(run_chunk: ChunkedLayer, module: nn.Module, x: Tensor, local_chunk_size: int,
                         store: ChunkStore | None = None, name: str = "decoder_layer") -> Tensor:
     """``y`` ``[batch, s_local, hidden]`` of the layer ``run_chunk`` computes chunk by chunk (module docstring) on
-    ``x`` ``[batch, s_local, hidden]``, in local chunks of ``local_chunk_size`` tokens (the strategy's chunk size
-    over the sequence-parallel degree). ``module`` owns every parameter ``run_chunk`` uses (their gradients come
-    back once per backward, summed over chunks); ``offload``: the attention's chunks in host memory; ``store``:
-    where the input's chunks wait for backward (``None``: the autograd graph). Without a backward to follow, the
-    layer streams and keeps nothing."""
-    call = _Streamed(run_chunk, module, chunk_bounds(x.shape[1], local_chunk_size), local_chunk_size, offload, store,
-                     name)
+    ``x`` ``[batch, s_local, hidden]``, in local chunks of ``local_chunk_size`` tokens (:func:`stream_chunk_size`).
+    ``module`` owns every parameter ``run_chunk`` uses (their gradients come back once per backward, summed over
+    chunks); ``store``: where the input's chunks wait for backward (``None``: the autograd graph). Where the attention's
+    chunks live is its pipeline options' business. Without a backward to follow, the layer streams and keeps
+    nothing."""
+    call = _Streamed(run_chunk, module, chunk_bounds(x.shape[1], local_chunk_size), local_chunk_size, store, name)
     params = call.params()
     if not torch.is_grad_enabled() or not (x.requires_grad or params):
         return call.forward(x)
@@ -377,12 +368,14 @@ def streaming_into(modules: Sequence[nn.Module], stream: LayerStream) -> Iterato
             m.__dict__.pop(_STREAM, None)
 
 
-def local_chunks(s_local: int, chunk_size: int | None, sp_size: int) -> int | None:
-    """The local chunk size of a layer that would stream, or ``None`` where streaming gains nothing (no chunking, or
-    one chunk: the layer's work is then its whole local sequence anyway)."""
-    if chunk_size is None or chunk_size // sp_size >= s_local:
+def stream_chunk_size(context: SequenceParallelContext, s_local: int) -> int | None:
+    """The local chunk size (the chunk size over the sequence-parallel degree) a layer of ``s_local`` tokens streams
+    in under ``context``, or ``None``: streaming off (``context.streaming``), or nothing to gain (no chunking, or one
+    chunk: the layer's work is then its whole local sequence anyway)."""
+    if not context.streaming or context.chunk_size is None or context.chunk_size // context.size >= s_local:
         return None
-    return chunk_size // sp_size
+    return context.chunk_size // context.size
 
 
-__all__ = ["ChunkedLayer", "LayerStream", "active_stream", "local_chunks", "streamed_layer_call", "streaming_into"]
+__all__ = ["ChunkedLayer", "LayerStream", "active_stream", "stream_chunk_size", "streamed_layer_call",
+           "streaming_into"]

@@ -41,7 +41,7 @@ from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.router_loss import RouterLoss, split_captured
 from lightning_fpdt.hf.streamed import chunked_layer, stream_refusal
 from lightning_fpdt.recompute import needs_backward
-from lightning_fpdt.streaming import local_chunks, streamed_layer_call
+from lightning_fpdt.streaming import stream_chunk_size, streamed_layer_call
 from lightning_fpdt.tiling import TiledForward
 
 
@@ -128,11 +128,11 @@ class CheckpointedForward:
         # a tensor argument with a gradient (Gemma-4's per-layer input) is an input of the recomputed call too
         with_grad = [key for key, value in [*enumerate(args), *kwargs.items()]
                      if isinstance(value, Tensor) and value.requires_grad]
-        chunk = local_chunks(hidden.shape[1], context.chunk_size, context.size) if context.streaming else None
+        chunk = stream_chunk_size(context, hidden.shape[1])
         if chunk is not None and stream_refusal(self.layer, hidden, args, kwargs, bool(with_grad),
                                                 self.router_loss is not None) is None:
             return streamed_layer_call(chunked_layer(self.layer, run, hidden, args, kwargs), self.layer, hidden, chunk,
-                                       context.offload, context.layer_input_store if backward else None)
+                                       context.layer_input_store if backward else None)
         if not backward:
             return run(hidden, *args, **kwargs)
         for key, value in [*enumerate(args), *kwargs.items()]:

@@ -56,28 +56,26 @@ def stream_refusal(layer: nn.Module, hidden: Tensor, args: tuple, kwargs: dict[s
     return None
 
 
+def _token_dim(t: Tensor, b: int, s: int) -> int | None:
+    """The dimension of a per-token tensor ``t`` that runs over the ``s`` local tokens: 1 for ``[b, s, ...]``, 0 for
+    ``[s]`` (``cache_position``); ``None`` for any other layout."""
+    if t.dim() >= 2 and tuple(t.shape[:2]) == (b, s):
+        return 1
+    return 0 if t.dim() == 1 and t.shape[0] == s else None
+
+
 def _sliceable(value: Any, b: int, s: int) -> bool:
     if isinstance(value, (tuple, list)):
         return all(_sliceable(v, b, s) for v in value)
-    if not isinstance(value, Tensor):
-        return True
-    if value.dim() >= 2 and tuple(value.shape[:2]) == (b, s):
-        return True
-    if value.dim() == 1 and value.shape[0] == s:
-        return True
-    return s not in value.shape  # a tensor sized by the local length in another layout cannot be cut
+    # a tensor sized by the local length in another layout cannot be cut
+    return not isinstance(value, Tensor) or _token_dim(value, b, s) is not None or s not in value.shape
 
 
 def _slice(value: Any, b: int, s: int, lo: int, hi: int) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_slice(v, b, s, lo, hi) for v in value)
-    if not isinstance(value, Tensor):
-        return value
-    if value.dim() >= 2 and tuple(value.shape[:2]) == (b, s):
-        return value[:, lo:hi]
-    if value.dim() == 1 and value.shape[0] == s:
-        return value[lo:hi]
-    return value
+    dim = _token_dim(value, b, s) if isinstance(value, Tensor) else None
+    return value if dim is None else value.narrow(dim, lo, hi - lo)
 
 
 def chunked_layer(layer: nn.Module, run: Callable[..., Any], hidden: Tensor, args: tuple, kwargs: dict[str, Any]
