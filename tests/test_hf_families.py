@@ -158,6 +158,8 @@ CASES = [
     FamilyCase("gemma2", stack=True),
     # attention chunks, the NoPE layer's temperature and the experts (tiled, flattened tokens) under the stack
     FamilyCase("llama4", packed=True, sp=4, stack=True),
+    # sinks under the stack: streamed layers give the sinks their gradient from the attention backward
+    FamilyCase("gpt_oss", packed=True, stack=True),
 ]
 
 
