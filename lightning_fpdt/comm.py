@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -32,6 +33,14 @@ def group_size(group: ProcessGroup | None) -> int:
 def group_rank(group: ProcessGroup | None) -> int:
     """This process's rank in ``group``; ``None`` means one process (rank 0)."""
     return 0 if group is None else dist.get_rank(group)
+
+
+def all_gather_autograd(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` (rank order), differentiable: the backward reduce-scatters the
+    gradient. torch's functional collective under its current name (``all_gather_single_autograd``), or under the
+    name older releases have (``all_gather_tensor_autograd``, deprecated since)."""
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return gather(x.contiguous(), gather_dim=dim, group=group)
 
 
 def _seq_to_head_send(x: Tensor, p: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:

@@ -25,12 +25,11 @@ import functools
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.comm import group_rank, group_size
+from lightning_fpdt.comm import all_gather_autograd, group_rank, group_size
 from lightning_fpdt.layout import chunk_lengths, fpdt_permutation, shard_indices
 from lightning_fpdt.packed_documents import PackedDocuments
 
@@ -97,7 +96,7 @@ def causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, documen
     tails = torch.stack([F.pad(part[:, max(part.shape[1] - k1, 0):], (0, 0, k1 - min(part.shape[1], k1), 0))
                          for part in parts], dim=1)
     if p > 1:  # every rank's tails, [P, b, chunks, K - 1, width]
-        gathered = funcol.all_gather_tensor_autograd(tails.contiguous(), gather_dim=0, group=ctx.group)
+        gathered = all_gather_autograd(tails, 0, ctx.group)
         gathered = gathered.view(p, *tails.shape)
     else:
         gathered = tails.unsqueeze(0)
@@ -153,7 +152,7 @@ def _zigzag_causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext,
     k1, p, rank = weight.shape[1] - 1, group_size(ctx.group), group_rank(ctx.group)
     rows, source = (t.to(u.device) for t in _halo_plan(s_local * p, p, ctx.chunk_size, ctx.ring_size, rank, k1))
     sent = u[:, rows[rank]]  # [b, M, width]
-    gathered = funcol.all_gather_tensor_autograd(sent.contiguous(), gather_dim=1, group=ctx.group)  # [b, P x M, w]
+    gathered = all_gather_autograd(sent, 1, ctx.group)  # [b, P x M, width]
     table = torch.cat([u, u.new_zeros(b, 1, width), gathered], dim=1)
     windows = table[:, source]  # [b, s_local, K, width]
     valid = _history(b, s_local, p, rank, ctx.chunk_size, documents, k1 + 1, u.device, ctx.ring_size)
