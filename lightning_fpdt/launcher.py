@@ -14,6 +14,8 @@ ranks whose processes are gone on this host, those still running, and where to l
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import re
 import signal
@@ -28,6 +30,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
@@ -78,6 +81,22 @@ def process_state(pid: int) -> str:
     if status & 0x7F:
         return f"killed by {signal.Signals(status & 0x7F).name}"
     return f"exited with status {status >> 8}"
+
+
+@functools.cache  # registered once per process
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, once registered (call it on every rank once
+    the group exists). Left to the interpreter's shutdown, gloo's connection threads are torn down in no set order
+    with the objects they use, and a process that finishes its last step while a peer is still closing its side
+    sometimes aborts at exit ("terminate called without an active exception", SIGABRT) after a correct run; torch
+    asks for the group to be destroyed before exit for the same reason. Lightning does not do it in ``teardown``
+    (a Trainer may ``fit`` and then ``test`` in the same group)."""
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def peer_failure_message(error: BaseException, peers: tuple[Peer, ...], rank: int) -> str | None:
@@ -140,10 +159,40 @@ def _sigterm_deferred() -> Iterator[None]:
             signal.raise_signal(signal.SIGTERM)  # handled now as it would have been then
 
 
+def refuse_before_launch(strategy: Any) -> None:
+    """The refusals that need the user's module and the run's sequence-parallel size but no process group, made
+    once in the launching process before any other rank starts (the ranks make them again in ``setup``, where a
+    module gets its layers in ``configure_model``): a module that mixes tokens outside attention, or whose recurrent
+    layers the installed transformers release left unrecognised (``CausalLM.refuse_token_mixers``)."""
+    refuse = getattr(strategy.lightning_module, "refuse_token_mixers", None)
+    if refuse is not None:
+        refuse(strategy.sequence_parallel_size)
+
+
+class CheckedScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's ``popen`` launcher, which first makes :func:`refuse_before_launch`'s refusals: under it the
+    launching process is rank 0 and starts the other ranks' scripts (unless a launcher such as torchrun made them)."""
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        self._strategy = strategy
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        refuse_before_launch(self._strategy)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
 class ShardAwareLauncher(_MultiProcessingLauncher):
-    """:class:`_MultiProcessingLauncher` whose result for the parent holds full, not sharded, weights after
-    ``fit`` (gathered on rank 0: with ``start_method="fork"``/``"spawn"`` only; ``"popen"`` sends nothing), and
-    whose ranks name a dead peer (:func:`explain_peer_failure`) in the error they send to the parent."""
+    """:class:`_MultiProcessingLauncher` that makes :func:`refuse_before_launch`'s refusals before it starts any
+    process, whose result for the parent holds full, not sharded, weights after ``fit`` (gathered on rank 0: with
+    ``start_method="fork"``/``"spawn"`` only; ``"popen"`` sends nothing), and whose ranks name a dead peer
+    (:func:`explain_peer_failure`) in the error they send to the parent."""
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        refuse_before_launch(self._strategy)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
     def _wrapping_function(self, process_idx: int, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:

@@ -18,6 +18,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed import ProcessGroup
@@ -32,7 +33,14 @@ from lightning_fpdt.binding import SequenceParallelContext, bind
 from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.copy_engine import release_copy_engines
 from lightning_fpdt.errors import PREFIX
-from lightning_fpdt.launcher import Peer, ShardAwareLauncher, explain_peer_failure, gather_peers
+from lightning_fpdt.launcher import (
+    CheckedScriptLauncher,
+    Peer,
+    ShardAwareLauncher,
+    destroy_process_group_at_exit,
+    explain_peer_failure,
+    gather_peers,
+)
 from lightning_fpdt.memory import EstimateOptions, ModelShape
 from lightning_fpdt.mesh import SequenceParallelGroups, build_mesh, placement
 from lightning_fpdt.nonfinite import StepGuard
@@ -207,6 +215,8 @@ class FPDTStrategy(DDPStrategy):
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = ShardAwareLauncher(self, start_method=self._start_method)
+        elif isinstance(self._launcher, _SubprocessScriptLauncher):
+            self._launcher = CheckedScriptLauncher(self)
 
     @override
     def setup_environment(self) -> None:
@@ -216,6 +226,7 @@ class FPDTStrategy(DDPStrategy):
             device_type=self.root_device.type, model=self.model,
         )
         super().setup_environment()
+        destroy_process_group_at_exit()
         self._peers = gather_peers()
         dp, sp = self.data_parallel_size, self.sequence_parallel_size
         ring = self._options.resolved_ring_size(sp, self.num_processes, self.model)
