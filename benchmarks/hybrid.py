@@ -196,7 +196,9 @@ def _time_layers(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     linear = next(layer.linear_attn for layer in inner.layers if hasattr(layer, "linear_attn"))
     attention = next(layer.self_attn for layer in inner.layers if hasattr(layer, "self_attn"))
     chunked = transformers.AutoModelForCausalLM.from_config(hybrid_config(args), attn_implementation="sdpa")
-    install_recurrences(chunked)  # its gated delta-nets' forwards as lightning_fpdt runs them
+    _, failed = install_recurrences(chunked)  # its gated delta-nets' forwards as lightning_fpdt runs them
+    if failed:  # timing the family's own forward twice would measure nothing
+        raise SystemExit(f"benchmarks/hybrid.py: {next(iter(failed.values())).why}")
     chunked_linear = next(layer.linear_attn for layer in chunked.model.layers if hasattr(layer, "linear_attn"))
     chunked_linear.load_state_dict(linear.state_dict())
 

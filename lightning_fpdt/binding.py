@@ -162,9 +162,15 @@ class SequenceMixerMemory(Protocol):
     ``chunk_size`` global tokens (``None``: one chunk)."""
 
     kind: str
+    chunked: bool  # runs chunk by chunk, each chunk recomputed in backward; False: over the whole local sequence
 
     def saved(self, sp: int, chunk_size: int | None, seq_len: int) -> float:
         """Values per rank-token kept for backward, in the activations' dtype (its chunk inputs included)."""
+        ...
+
+    def kept_float32(self) -> float:
+        """float32 values per rank-token kept for backward besides :meth:`saved` (a kernel run over the whole
+        sequence keeps its intermediates)."""
         ...
 
     def offloaded(self, sp: int) -> float:

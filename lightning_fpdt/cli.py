@@ -217,10 +217,11 @@ def own_message(err: BaseException) -> str | None:
 
 def main() -> None:
     """The ``fpdt-train`` console script: LightningCLI on ``sys.argv``, with the errors of the objects it
-    builds (strategy, model, data) printed as their own last line instead of behind a usage dump."""
+    builds (strategy, model, data) and of the refusals made before the ranks start (``NotImplementedError``)
+    printed as their own last line instead of behind a usage dump or a traceback."""
     try:
         run()
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, NotImplementedError) as err:
         message = own_message(err)
         if message is None:
             raise

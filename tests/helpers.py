@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fpdt.dtensors import full_tensor, local_tensor
+from lightning_fpdt.hf.kernel_binding import kernel_function
 from lightning_fpdt.loss import token_weighted_loss
 from lightning_fpdt.memtrack import peak_step_bytes
 from tests.reference import rel_error
@@ -116,14 +117,20 @@ def step_errors(
 
 
 def in_float64(function: Any) -> Any:
-    """A family's kernel or method (wrapped by transformers' decorators, which are applied again) compiled again
-    from its own source in the family's namespace, every float32 read as float64."""
-    lines = textwrap.dedent(inspect.getsource(function)).splitlines()
+    """A family's kernel or method (wrapped by transformers' decorators, which are applied again; a plain function
+    or, as transformers 5.25 binds kernels, a ``kernels`` ``Func`` module) compiled again from its own source in the
+    family's namespace, every float32 read as float64."""
+    plain = inspect.unwrap(kernel_function(function) or function)
+    lines = textwrap.dedent(inspect.getsource(plain)).splitlines()
     source = "\n".join(x for x in lines if not x.startswith("@auto_docstring"))  # needs the class; docs only
     source = source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
     namespace: dict[str, Any] = {}
-    exec(source, inspect.unwrap(function).__globals__, namespace)  # transformers' own source, one dtype changed
-    return namespace[function.__name__]
+    exec(source, plain.__globals__, namespace)  # transformers' own source, one dtype changed
+    return namespace[plain.__name__]
+
+
+def _casts_to_float32(function: Any) -> bool:
+    return any(f in inspect.getsource(function) for f in ("torch.float32", ".float()"))
 
 
 def float32_classes(family: Any) -> list[type]:
@@ -131,7 +138,19 @@ def float32_classes(family: Any) -> list[type]:
     layers' ``A_log.float()``): their gradients are summed over the sequence in float32."""
     return [c for c in vars(family).values() if isinstance(c, type) and issubclass(c, torch.nn.Module)
             and c.__module__ == family.__name__ and c.forward is not torch.nn.Module.forward
-            and any(f in inspect.getsource(c.forward) for f in ("torch.float32", ".float()"))]
+            and _casts_to_float32(c.forward)]
+
+
+def float32_functions(family: Any, names: Iterable[str]) -> list[str]:
+    """Of ``names``, the module-level functions of a family (plain or ``kernels`` ``Func`` modules, as releases bind
+    them) that compute in float32 whatever their input (transformers 5.25's ``mamba2_scan_forward`` reads
+    ``A_log.float()``, which 5.24's forward read itself); names the family does not have are left out."""
+    found = []
+    for name in names:
+        plain = kernel_function(getattr(family, name, None))
+        if plain is not None and inspect.unwrap(plain).__module__ == family.__name__ and _casts_to_float32(plain):
+            found.append(name)
+    return found
 
 
 def training_step_peak(module: torch.nn.Module, batch: dict[str, Any], optimizer: torch.optim.Optimizer, *,

@@ -49,7 +49,13 @@ from lightning_fpdt.hf.recurrent import (  # noqa: E402
 from lightning_fpdt.memory.shape import ModelShape  # noqa: E402
 from lightning_fpdt.models import HFCausalLM  # noqa: E402
 from lightning_fpdt.packed_documents import PackedDocuments  # noqa: E402
-from tests.helpers import TokenDataset, assert_same_step, float32_classes, in_float64  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    TokenDataset,
+    assert_same_step,
+    float32_classes,
+    float32_functions,
+    in_float64,
+)
 from tests.test_hf_causal_lm import (  # noqa: E402
     LOSS_TILES,
     MLP_TILES,
@@ -67,6 +73,7 @@ from tests.test_hf_moe import _float64_source, _router_in_input_dtype  # noqa: E
 DELTA_RULE_MODULES = [modeling_qwen3_5, modeling_qwen3_5_moe, modeling_qwen3_next, modeling_olmo_hybrid]
 SCAN_MODULES = [modeling_nemotron_h, modeling_granitemoehybrid, modeling_bamba, modeling_falcon_h1, modeling_zamba2]
 ROUTED = [modeling_qwen3_next, modeling_qwen3_5_moe]
+WRAPPERS = ("causal_conv1d_forward", "mamba2_scan_forward")  # transformers 5.25's cache-handling wrappers
 
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, num_hidden_layers=3)
@@ -103,6 +110,8 @@ def kernels_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     for module in DELTA_RULE_MODULES + SCAN_MODULES:
         kernel = DELTA_RULE if module in DELTA_RULE_MODULES else SCAN
         monkeypatch.setattr(module, kernel, in_float64(getattr(module, kernel)))
+        for wrapper in float32_functions(module, WRAPPERS):  # 5.25's per-layer wrappers around the kernels
+            monkeypatch.setattr(module, wrapper, in_float64(getattr(module, wrapper)))
         for layer in float32_classes(module):
             monkeypatch.setattr(layer, "forward", in_float64(layer.forward))
     for module in ROUTED:

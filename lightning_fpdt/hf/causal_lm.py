@@ -47,7 +47,7 @@ from lightning_fpdt.hf.layers import check_decoder_modules, check_recomputable, 
 from lightning_fpdt.hf.lora import AdaptedWeights, AdapterCalls, add_adapters, check_adapter_dropout, merged_state_dict
 from lightning_fpdt.hf.masks import check_mask_windows
 from lightning_fpdt.hf.mixing import hf_token_mixers
-from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, install_recurrences
+from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, install_recurrences, unsupported_release
 from lightning_fpdt.hf.recurrent_memory import mixer_memory
 from lightning_fpdt.hf.router_loss import TOP_K_FIELDS, config_number, router_loss_for
 from lightning_fpdt.hf.short_conv import install_short_convs
@@ -129,7 +129,7 @@ class HFCausalLM(CausalLM):
         # are in, for a meta-device model); what else mixes tokens outside attention is refused when bound to more
         # than one rank (token_mixers)
         self.short_convs = install_short_convs(self.model)
-        self.recurrences = install_recurrences(self.model)
+        self.recurrences, self.not_installed = install_recurrences(self.model)  # refused beyond one rank
         install(self.model)
         # the auxiliary loss of a mixture of experts where its forward adds one, or None
         self.router_loss = router_loss_for(self.model, routers_of(self.model),
@@ -174,7 +174,23 @@ class HFCausalLM(CausalLM):
         if not self._masks_probed:
             self._masks_probed = check_mask_windows(self.model, attention_layers(self.model))
         self.short_convs += install_short_convs(self.model)
-        self.recurrences += install_recurrences(self.model)
+        installed, failed = install_recurrences(self.model)
+        self.recurrences += installed
+        self.not_installed.update(failed)
+
+    def refuse_token_mixers(self, sequence_parallel_size: int) -> None:
+        """:meth:`CausalLM.refuse_token_mixers <lightning_fpdt.models.CausalLM.refuse_token_mixers>`, first refusing
+        the gated delta-net and Mamba-2 layers that could not be given their sequence-parallel forward
+        (:func:`~lightning_fpdt.hf.recurrent.install_recurrences`) with the reason, the installed transformers
+        release and the tested range.
+
+        Raises:
+            NotImplementedError: naming the first such layer, or each module that mixes tokens outside attention.
+        """
+        if sequence_parallel_size > 1 and self.not_installed:
+            raise NotImplementedError(unsupported_release(type(self).__name__, {
+                f"model.{name}": why for name, why in self.not_installed.items()}, sequence_parallel_size))
+        super().refuse_token_mixers(sequence_parallel_size)
 
     def _find_token_mixers(self) -> list[TokenMixer] | None:
         """What mixes tokens outside the attention layers (:func:`~lightning_fpdt.hf.mixing.hf_token_mixers`)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_fpdt.hf.recurrent import DELTA_RULE, SCAN, recurrence_core
+from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, recurrence_core
 from lightning_fpdt.hf.short_conv import is_short_conv
 
 
@@ -20,7 +20,11 @@ class RecurrenceMemory:
     convolution, chunk inputs of ``chunk_in`` values per token plus ``replicated`` ``(heads, width)`` replicated up
     to sp and ``gathered`` values gathered whole (Mamba-2's ``B`` and ``C``: sp times), ``after`` values of the
     position-wise ops after the kernel (gates, norm, output projection), ``state`` values of one chunk's state and
-    ``kernel`` float32 values per token of the kernel's intermediates when a chunk is recomputed.
+    ``kernel`` float32 values per token of the kernel's intermediates when a chunk is recomputed. ``chunked``: the
+    layer runs :class:`~lightning_fpdt.hf.recurrent.SequenceParallelRecurrence` (chunk by chunk, each chunk
+    recomputed in backward); ``False``: it runs its family's own forward over the whole local sequence (a layer
+    that could not be given the sequence-parallel forward, trained in one process), whose kernel keeps its
+    intermediates for backward for every token.
 
     The counts follow what autograd saves in transformers' layers and kernels (measured with saved-tensor hooks on
     Qwen3.5's gated delta-net and Nemotron-H's mixer, the kernels at several widths): the convolution keeps its
@@ -36,13 +40,14 @@ class RecurrenceMemory:
     after: int
     state: int
     kernel: float
+    chunked: bool = True
 
     def _chunk_in(self, sp: int) -> float:
         heads, width = self.replicated
         return self.chunk_in + max(heads, sp) * width + sp * self.gathered
 
     def saved(self, sp: int, chunk_size: int | None, seq_len: int) -> float:
-        chunk = seq_len if chunk_size is None else min(chunk_size, seq_len)
+        chunk = seq_len if chunk_size is None or not self.chunked else min(chunk_size, seq_len)
         # the convolution's windows and its activation's input; the chunk inputs; after the kernel; each chunk's
         # starting state (per rank: state / P of every chunk of chunk / P tokens)
         return (self.taps + 1) * self.conv + self._chunk_in(sp) + self.after + self.state / chunk
@@ -50,38 +55,47 @@ class RecurrenceMemory:
     def offloaded(self, sp: int) -> float:
         return self._chunk_in(sp)
 
+    def kept_float32(self) -> float:
+        return 0.0 if self.chunked else self.kernel  # the whole sequence's kernel intermediates, kept for backward
+
     def work(self) -> float:
-        return 2 * self.kernel  # the recomputed intermediates and, about as large, their gradients
+        # the recomputed intermediates and, about as large, their gradients; over the whole sequence the
+        # intermediates are kept (kept_float32) and only their gradients are made in backward
+        return (2 if self.chunked else 1) * self.kernel
 
     def released(self) -> float:
         return self.after
 
 
 def mixer_memory(module: nn.Module) -> RecurrenceMemory | None:
-    """The :class:`RecurrenceMemory` of a gated delta-net or Mamba-2 module (:func:`recurrence_core`) or of a short
-    convolution (:func:`~lightning_fpdt.hf.short_conv.is_short_conv`), installed or not (a model on the meta device
-    is sized too), from its attributes; ``None`` for another module or one without the widths transformers' layers
-    have."""
+    """The :class:`RecurrenceMemory` of a short convolution (:func:`~lightning_fpdt.hf.short_conv.is_short_conv`) or
+    of a module with the widths of a gated delta-net or a Mamba-2 mixer, from its attributes: chunked where it runs
+    (or, on the meta device, will run once its weights are in) :class:`SequenceParallelRecurrence`, else as its
+    family's own forward over the whole sequence (its kernels not recognised in this release, or a pure Mamba-2
+    model at one rank); ``None`` for another module or one without the widths transformers' layers have."""
     m = module
     if is_short_conv(m):  # B, C, x; the windows; the product and the output projection's input: no kernel, no state
         width = m.conv.in_channels
         return RecurrenceMemory(type(m).__name__, conv=width, taps=m.conv.kernel_size[0], chunk_in=0,
                                 replicated=(0, 0), gathered=0, after=4 * width, state=0, kernel=0.0)
-    core = recurrence_core(module)
     ints = lambda *names: all(isinstance(getattr(m, n, None), int) for n in names)  # noqa: E731
-    if core == DELTA_RULE and ints("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size"):
+    param = next(m.parameters(), None)
+    installed = isinstance(m.__dict__.get("forward"), SequenceParallelRecurrence)
+    pending = param is not None and param.device.type == "meta"  # installed once the weights are in, if recognised
+    chunked = installed or (pending and recurrence_core(m) is not None)
+    if ints("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size"):
         kd, vd, nv = m.num_k_heads * m.head_k_dim, m.num_v_heads * m.head_v_dim, m.num_v_heads
         # per value head, chunks of 64: 310 + 12.5 d_k + 3.5 d_v values (measured; key heads repeated per value head)
         return RecurrenceMemory(type(m).__name__, conv=2 * kd + vd, taps=m.conv_kernel_size, chunk_in=vd + 2 * nv,
                                 replicated=(m.num_k_heads, 2 * m.head_k_dim), gathered=0, after=6 * vd + 5 * nv,
                                 state=nv * m.head_k_dim * m.head_v_dim,
-                                kernel=nv * (310 + 12.5 * m.head_k_dim + 3.5 * m.head_v_dim))
-    if core == SCAN and ints("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel_size",
-                             "chunk_size"):
+                                kernel=nv * (310 + 12.5 * m.head_k_dim + 3.5 * m.head_v_dim), chunked=chunked)
+    if ints("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel_size", "chunk_size"):
         heads, inner, bc = m.num_heads, m.num_heads * m.head_dim, 2 * m.n_groups * m.ssm_state_size
         # per head: 5.5 head_dim + 6 state + 2.875 chunk values (measured)
         return RecurrenceMemory(type(m).__name__, conv=inner + bc, taps=m.conv_kernel_size, chunk_in=inner + heads,
                                 replicated=(0, 0), gathered=bc, after=6 * inner + 2 * heads,
                                 state=inner * m.ssm_state_size,
-                                kernel=heads * (5.5 * m.head_dim + 6 * m.ssm_state_size + 2.875 * m.chunk_size))
+                                kernel=heads * (5.5 * m.head_dim + 6 * m.ssm_state_size + 2.875 * m.chunk_size),
+                                chunked=chunked)
     return None

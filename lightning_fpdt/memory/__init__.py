@@ -168,7 +168,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
             saved += t * e * od + rope + (0 if device_only and options.offload else pipeline_saved)
         for m in kind.mixers:
             kept = m.saved(p, chunk_size, s_pad) - (m.offloaded(p) if device_only and options.offload else 0)
-            saved += t * e * kept
+            saved += t * e * kept + t * 4 * m.kept_float32()
         return saved
 
     layer_device = max(layer_saved(k, True) for k in kinds)  # the largest layer, recomputed or last
@@ -230,8 +230,8 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # a sequence-parallel mixer's backward recomputes one chunk at a time: its kernel's float32 intermediates and
     # their gradients for one chunk's tokens of the rank, once the ops after the kernel have given theirs back
     def layer_work(kind: LayerKind) -> float:
-        mixer = max((min(chunk_tokens_rank, t) * 4 * m.work() - t * e * m.released() for m in kind.mixers),
-                    default=0)
+        mixer = max(((min(chunk_tokens_rank, t) if m.chunked else t) * 4 * m.work() - t * e * m.released()
+                     for m in kind.mixers), default=0)
         return max(attention_work + qkv_local if kind.attention else 0, mlp_work if kind.mlp else 0, mixer)
 
     # one block's backward: the incoming gradient and the larger of the attention chunk buffers (with the whole
