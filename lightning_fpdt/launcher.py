@@ -84,7 +84,7 @@ def process_state(pid: int) -> str:
 
 
 @functools.cache  # registered once per process
-def destroy_process_group_at_exit() -> None:
+def destroy_group_at_exit() -> None:
     """Destroy the default process group when the interpreter exits, once registered (call it on every rank once
     the group exists). Left to the interpreter's shutdown, gloo's connection threads are torn down in no set order
     with the objects they use, and a process that finishes its last step while a peer is still closing its side
@@ -181,6 +181,14 @@ class CheckedScriptLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         refuse_before_launch(self._strategy)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+def fpdt_launcher(strategy: Any, start_method: str) -> CheckedScriptLauncher | ShardAwareLauncher:
+    """The launcher of ``FPDTStrategy`` for a ``start_method``, as ``DDPStrategy`` chooses Lightning's:
+    :class:`CheckedScriptLauncher` for ``"popen"``, :class:`ShardAwareLauncher` for the others."""
+    if start_method == "popen":
+        return CheckedScriptLauncher(strategy)
+    return ShardAwareLauncher(strategy, start_method=start_method)
 
 
 class ShardAwareLauncher(_MultiProcessingLauncher):

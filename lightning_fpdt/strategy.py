@@ -17,8 +17,6 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed import ProcessGroup
@@ -33,14 +31,7 @@ from lightning_fpdt.binding import SequenceParallelContext, bind
 from lightning_fpdt.chunk_store import ChunkStore
 from lightning_fpdt.copy_engine import release_copy_engines
 from lightning_fpdt.errors import PREFIX
-from lightning_fpdt.launcher import (
-    CheckedScriptLauncher,
-    Peer,
-    ShardAwareLauncher,
-    destroy_process_group_at_exit,
-    explain_peer_failure,
-    gather_peers,
-)
+from lightning_fpdt.launcher import Peer, destroy_group_at_exit, explain_peer_failure, fpdt_launcher, gather_peers
 from lightning_fpdt.memory import EstimateOptions, ModelShape
 from lightning_fpdt.mesh import SequenceParallelGroups, build_mesh, placement
 from lightning_fpdt.nonfinite import StepGuard
@@ -212,11 +203,8 @@ class FPDTStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if isinstance(self._launcher, _MultiProcessingLauncher):
-            self._launcher = ShardAwareLauncher(self, start_method=self._start_method)
-        elif isinstance(self._launcher, _SubprocessScriptLauncher):
-            self._launcher = CheckedScriptLauncher(self)
+        assert self.cluster_environment is not None
+        self._launcher = fpdt_launcher(self, self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -226,7 +214,7 @@ class FPDTStrategy(DDPStrategy):
             device_type=self.root_device.type, model=self.model,
         )
         super().setup_environment()
-        destroy_process_group_at_exit()
+        destroy_group_at_exit()
         self._peers = gather_peers()
         dp, sp = self.data_parallel_size, self.sequence_parallel_size
         ring = self._options.resolved_ring_size(sp, self.num_processes, self.model)

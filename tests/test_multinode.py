@@ -175,7 +175,7 @@ def test_slurm_tasks_on_two_nodes_equal_one_process(reference: dict, tmp_path: P
     Every task must exit 0. A task once aborted at interpreter exit after a correct step (SIGABRT, "terminate called
     without an active exception" from a gloo thread): these plain processes exit with the process group alive, and
     the interpreter's shutdown tore gloo's threads down in no set order while a peer was still closing its side.
-    The strategy now destroys the group at exit (``lightning_fpdt.launcher.destroy_process_group_at_exit``)."""
+    The strategy now destroys the group at exit (``lightning_fpdt.launcher.destroy_group_at_exit``)."""
     out = _out_dir(tmp_path, reference)
     codes, logs = slurm_tasks(out, "auto")
     assert codes == [0] * (NODES * PER_NODE), _tails(logs)

@@ -47,7 +47,8 @@ from lightning_fpdt.hf.layers import check_decoder_modules, check_recomputable, 
 from lightning_fpdt.hf.lora import AdaptedWeights, AdapterCalls, add_adapters, check_adapter_dropout, merged_state_dict
 from lightning_fpdt.hf.masks import check_mask_windows
 from lightning_fpdt.hf.mixing import hf_token_mixers
-from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, install_recurrences, unsupported_release
+from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence
+from lightning_fpdt.hf.recurrent_install import install_recurrences, unsupported_release
 from lightning_fpdt.hf.recurrent_memory import mixer_memory
 from lightning_fpdt.hf.router_loss import TOP_K_FIELDS, config_number, router_loss_for
 from lightning_fpdt.hf.short_conv import install_short_convs

@@ -5,9 +5,10 @@ call that core as module-level kernels: a causal depthwise convolution (``causal
 (``torch_chunk_gated_delta_rule``: Qwen3.5, Qwen3-Next, OLMo-hybrid) or a Mamba-2 selective scan
 (``mamba2_chunk_scan``: Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1, Zamba2), directly or through the family's
 cache-handling wrappers, as plain functions or ``kernels`` modules (:mod:`lightning_fpdt.hf.kernel_binding`: how
-each release binds them). :func:`install_recurrences` gives each such module its class's own forward with these
-kernels rebound to sequence-parallel versions (:class:`SequenceParallelRecurrence`), so the family's projections,
-gates and norms run as written and only the kernels change:
+each release binds them). :func:`~lightning_fpdt.hf.recurrent_install.install_recurrences` gives each such
+module its class's own forward with these kernels rebound to sequence-parallel versions
+(:class:`SequenceParallelRecurrence`), so the family's projections, gates and norms run as written and only the
+kernels change:
 
 - the convolution runs on this rank's tokens, each sub-chunk with the ``K - 1`` inputs before it carried from the
   rank that holds them (:func:`lightning_fpdt.hf.short_conv.causal_conv`, as for LFM2's short convolutions);
@@ -39,7 +40,7 @@ import inspect
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +52,6 @@ from lightning_fpdt.comm import HeadToSeq, SeqToHead, all_gather_autograd, expan
 from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
 from lightning_fpdt.hf.kernel_binding import reached_kernels, rebind
 from lightning_fpdt.hf.short_conv import causal_conv
-from lightning_fpdt.hf.versions import TESTED_TRANSFORMERS, installed_transformers, untested_release_fix
 from lightning_fpdt.layout import chunk_lengths, gathered_order, inverse_permutation
 from lightning_fpdt.packed_documents import PackedDocuments
 from lightning_fpdt.recompute import INPUT_KIND, recomputed_call
@@ -352,107 +352,3 @@ def _no_fused_kernel(*args: Any, **kwargs: Any) -> None:
 def _each_position(*tensors: Tensor) -> tuple[Tensor, ...]:
     """``[b, s, ...] -> [b * s, 1, ...]``: every position its own sequence."""
     return tuple(t.reshape(t.shape[0] * t.shape[1], 1, *t.shape[2:]) for t in tensors)
-
-
-SEQUENCE_PARALLEL_LAYERS = frozenset({
-    "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet",
-    "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer", "Zamba2MambaMixer",
-})
-"""The recurrent layers the suite shows exact at sp=2 against plain transformers (tests/test_recurrent.py) with the
-releases of :data:`~lightning_fpdt.hf.versions.TESTED_TRANSFORMERS`. Only the wording of a refusal reads it: a
-layer of these classes that :func:`install_recurrences` cannot install is refused naming the installed release,
-not as an unknown token mixer."""
-
-
-class NotInstalled(NamedTuple):
-    """A recurrent layer :func:`install_recurrences` did not give its sequence-parallel forward: its class, and why."""
-
-    kind: str
-    why: str
-
-
-def install_recurrences(model: nn.Module) -> tuple[list[str], dict[str, NotInstalled]]:
-    """Give every gated delta-net and Mamba-2 module of ``model`` (:func:`recurrence_core`) a
-    :class:`SequenceParallelRecurrence` forward where it computes what the module's own forward does (checked in one
-    process on random input, in chunks of 4 tokens, to the kernels' float32 rounding).
-
-    Returns:
-        The installed modules' names, and why each of the others was not installed: a module whose check failed
-        (what it raised, or how far it was from the module's own forward), or a layer of
-        :data:`SEQUENCE_PARALLEL_LAYERS` whose kernels this release binds in a way :func:`recurrence_core` does not
-        recognise. A module on the meta device is checked once its weights are in (call again). A module that is
-        not installed stays as it is: beyond one rank it is refused (:func:`unsupported_release`, or the
-        token-mixing guard).
-    """
-    installed, failed = [], {}
-    for name, module in model.named_modules():
-        if isinstance(module.__dict__.get("forward"), SequenceParallelRecurrence):
-            continue
-        core = recurrence_core(module)
-        if core is None:
-            if type(module).__name__ in SEQUENCE_PARALLEL_LAYERS:
-                failed[name] = NotInstalled(type(module).__name__, _unrecognised(module))
-            continue
-        param = next(module.parameters(), None)
-        if param is None or param.device.type == "meta":
-            continue
-        forward = SequenceParallelRecurrence(module, core)
-        why = _disagreement(module, forward)
-        if why is None:
-            module.forward = forward
-            installed.append(name)
-        else:
-            failed[name] = NotInstalled(type(module).__name__, why)
-    return installed, failed
-
-
-def _unrecognised(module: nn.Module) -> str:
-    reached = reached_kernels(type(module).forward)
-    found = [k for k in (CONV, DELTA_RULE, SCAN) if k in reached]
-    return (f"its forward does not call the kernels lightning-fpdt runs sequence-parallel ({CONV} with"
-            f" {DELTA_RULE} or {SCAN}, under any binding); it reaches {', '.join(found) or 'none of them'}")
-
-
-def unsupported_release(owner: str, failed: dict[str, NotInstalled], sequence_parallel_size: int) -> str:
-    """The one-line refusal of recurrent layers :func:`install_recurrences` could not install, naming the first
-    layer, the installed transformers release, the tested range and the fix."""
-    name, (kind, why) = next(iter(failed.items()))
-    more = f" (and {len(failed) - 1} more layer(s) alike)" if len(failed) > 1 else ""
-    tested = (f" lightning-fpdt runs these layers sequence-parallel with transformers{TESTED_TRANSFORMERS} (tested)."
-              if kind in SEQUENCE_PARALLEL_LAYERS else "")
-    return (f"{owner}: {name} ({kind}){more} cannot run sequence-parallel (sequence_parallel_size="
-            f"{sequence_parallel_size}) with the installed transformers {installed_transformers()}: {why}.{tested}"
-            f" {untested_release_fix()}.")
-
-
-def _disagreement(module: nn.Module, forward: SequenceParallelRecurrence) -> str | None:
-    """``None`` where ``forward`` computes what ``module``'s own forward does; else why not, in words."""
-    param = next(module.parameters())
-    width = getattr(module, "hidden_size", None)
-    if not isinstance(width, int):
-        return f"{type(module).__name__} has no integer hidden_size to check its sequence-parallel forward on"
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 12, width, generator=generator).to(param.device, param.dtype)
-    training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            theirs = type(module).forward(module, x)
-            ours = forward(x, fpdt_context=SequenceParallelContext(chunk_size=4))  # 3 chunks: the state carried
-    except Exception as err:  # a release's kernels with other arguments: reported by the refusal, not swallowed
-        first_line = (str(err).splitlines() or [""])[0]
-        return f"its sequence-parallel forward raised {type(err).__name__}: {first_line}"
-    finally:
-        module.train(training)
-    if not isinstance(theirs, Tensor) or not isinstance(ours, Tensor) or theirs.shape != ours.shape:
-        shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in (theirs, ours)]
-        return f"its own forward returned {shapes[0]} and the sequence-parallel one {shapes[1]}"
-    # the family's kernels may compute in float32 whatever the dtype (transformers' torch ones do): agreement to
-    # their rounding; a different computation is off by the size of the output
-    tolerance = 1e-5 if param.dtype in (torch.float64, torch.float32) else 5e-2
-    scale = theirs.abs().max().clamp_min(math.ulp(1.0))
-    error = ((ours - theirs).abs().max() / scale).item()
-    if error <= tolerance:
-        return None
-    return (f"its sequence-parallel forward differs from the module's own by {error:.2g} of the output's largest"
-            f" value (allowed: {tolerance:g}) on one process in chunks of 4 tokens")

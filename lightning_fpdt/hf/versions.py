@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+import transformers  # noqa: F401 (read through sys.modules, below)
+
 TESTED_TRANSFORMERS = ">=5.24,<5.26"
 """The transformers releases the suite passes on (5.24.0 and 5.25.0 at the time of writing)."""
 
@@ -16,8 +18,6 @@ TESTED_TRANSFORMERS = ">=5.24,<5.26"
 def installed_transformers() -> str:
     """The installed transformers release, as it reports itself (read from the module in ``sys.modules``:
     transformers replaces its module object while it imports)."""
-    import transformers  # noqa: F401 (imported before it is read)
-
     return sys.modules["transformers"].__version__
 
 
