@@ -15,7 +15,7 @@ warm-up (a shared machine's slow phases then hit every variant). "x ulysses" is 
 spent inside the attention kernel, "other ms" the rest (all-to-alls, merges, copies, waiting for the
 other rank): the pipeline's own cost.
 Memory is the peak of live tensors during the warm-up forward+backward
-(``lightning_fpdt.memtrack.TensorMemoryTracker``), per rank.
+(``lightning_fpdt.offload.memtrack.TensorMemoryTracker``), per rank.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from lightning_fpdt.attention.kernels import AttentionKernel, get_kernel
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds
 from lightning_fpdt.attention.ulysses import ulysses_attention
-from lightning_fpdt.memtrack import TensorMemoryTracker
+from lightning_fpdt.offload.memtrack import TensorMemoryTracker
 from lightning_fpdt.testing import run_on_ranks
 
 

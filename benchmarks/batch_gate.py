@@ -1,4 +1,4 @@
-"""The cost of the per-batch agreement check (``lightning_fpdt.batches.BatchGate``) against a training step.
+"""The cost of the per-batch agreement check (``lightning_fpdt.parallel.batches.BatchGate``) against a training step.
 
     python benchmarks/batch_gate.py                  # 2 gloo processes, sp=2, 8K tokens
     python benchmarks/batch_gate.py --seq 2048 8192 --repeats 5
@@ -23,10 +23,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RANKS, print_table, timed
 
-from lightning_fpdt.batches import BatchGate, shard_batch
-from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.loss import token_weighted_loss
+from lightning_fpdt.layers.loss import token_weighted_loss
 from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.parallel.batches import BatchGate, shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
 from lightning_fpdt.testing import run_on_ranks
 
 

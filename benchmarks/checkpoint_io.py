@@ -18,7 +18,7 @@ Each measurement is one function returning a :class:`Row`; its call runs in a fr
 own (``VmHWM``, which a new process image starts afresh, unlike ``ru_maxrss``): the ``start`` column is the
 resident memory just before the measured call (interpreter, torch, transformers), ``peak`` the maximum during it.
 
-- :func:`measure_export`: ``lightning_fpdt.export.export(ckpt, out, dtype=..., max_shard_size=...)``, what
+- :func:`measure_export`: ``lightning_fpdt.export.hf_directory.export(ckpt, out, dtype=..., max_shard_size=...)``, what
   ``fpdt-export CKPT OUT [--dtype bfloat16] [--max-shard-size 5GB]`` runs, into a fresh directory; ``GB written``
   is the size of that directory. It holds one safetensors file's tensors at a time (``--max-shard-size``), and
   a ``.ckpt`` file is memory-mapped: the weights' pages it reads count in its resident memory (file-backed).
@@ -151,7 +151,7 @@ def child(what: str, args: list[str]) -> None:
     if what == "export":
         import torch
 
-        from lightning_fpdt.export import export
+        from lightning_fpdt.export.hf_directory import export
 
         ckpt, out, dtype, max_shard_size = args
         start = _status_mib("VmRSS")

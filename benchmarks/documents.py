@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RANKS, print_table, timed
 
 from lightning_fpdt.attention import fpdt_attention
-from lightning_fpdt.layout import shard_sequence
-from lightning_fpdt.packed_documents import PackedDocuments
+from lightning_fpdt.parallel.layout import shard_sequence
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 from lightning_fpdt.testing import run_on_ranks
 
 HEADS, HEAD_DIM = 8, 64

@@ -24,7 +24,7 @@ set up, and in every step after the forward, the backward, the optimizer step):
 - ``tensors``: the parameters, the gradients and the optimizer state (each storage once; DDP's buckets
   are the gradients' storage with ``gradient_as_bucket_view``).
 
-With ``--tensors`` the last step runs under :class:`~lightning_fpdt.memtrack.TensorMemoryTracker` (slower):
+With ``--tensors`` the last step runs under :class:`~lightning_fpdt.offload.memtrack.TensorMemoryTracker` (slower):
 its peak of live tensors (parameters, gradients, optimizer state and activations), what was alive at that
 moment and the operator that reached it are printed, with the estimate of :mod:`lightning_fpdt.memory` for
 the run. ``--release-gradients`` frees the gradients (DDP's buckets) after each optimizer step and gives them

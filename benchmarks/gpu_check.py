@@ -16,7 +16,7 @@ Markdown tables, in this order:
    parameter's gradient. Error: ``max|a - b| / max|b|`` (a gradient's scale floored at 1e-3 of the
    largest gradient, for gradients that are zero in exact arithmetic).
 2. **Host link.** Pinned host -> device, device -> host, and both at once on the two copy streams of
-   ``lightning_fpdt.chunk_store`` (GB/s).
+   ``lightning_fpdt.offload.chunk_store`` (GB/s).
 3. **Offload.** One causal attention layer (P = 1, ``--chunk-size`` tokens per chunk), forward+backward
    with and without offload, doubling the length until it does not fit ("OOM") or the next length
    would overrun the time budget: peak memory above the inputs (``max_memory_allocated``), step
@@ -49,16 +49,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import is_oom, matmul_rate, print_table, synchronize
 
-from lightning_fpdt.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import MathKernel, get_kernel
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.chunk_store import OffloadStats
-from lightning_fpdt.copy_engine import copy_engine, release_copy_engines
-from lightning_fpdt.loss import token_weighted_loss
-from lightning_fpdt.memtrack import TensorMemoryTracker
+from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
+from lightning_fpdt.layers.loss import token_weighted_loss
 from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.offload.chunk_store import OffloadStats
+from lightning_fpdt.offload.copy_engine import copy_engine, release_copy_engines
+from lightning_fpdt.offload.memtrack import TensorMemoryTracker
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
 
 # max|a - b| / max|b| allowed per input dtype (the float64 reference is exact by comparison)
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-3}

@@ -14,8 +14,8 @@ transformers' ``torch_chunk_gated_delta_rule`` from the state the chunk before l
 across ranks), the attention layer through the FPDT pipeline (``--backend``, default ``sdpa``).
 
 Variants (``--variants``); all but ``sp1`` are bound the way the strategy binds a model
-(``lightning_fpdt.binding.bind`` with a ``SequenceParallelContext``, as ``benchmarks/training.py`` does, without a
-Trainer):
+(``lightning_fpdt.parallel.binding.bind`` with a ``SequenceParallelContext``, as ``benchmarks/training.py``
+does, without a Trainer):
 
 - ``sp1``: one process, unbound: the whole sequence in one piece, transformers' kernels called as transformers
   calls them, attention ``sdpa`` (what ``auto`` is on CPU), full logits kept for backward, no tiling, no
@@ -62,10 +62,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RANKS, print_table
 
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.loss import token_weighted_loss
-from lightning_fpdt.memtrack import peak_step_bytes
+from lightning_fpdt.layers.loss import token_weighted_loss
+from lightning_fpdt.offload.memtrack import peak_step_bytes
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
 from lightning_fpdt.testing import run_on_ranks
 
 VARIANTS = ("sp1", "sp1_stack", "sp2", "sp2_stack")

@@ -1,5 +1,5 @@
 """Toward the memory floor: the device memory per token of a training step with every decoder layer streaming
-chunk by chunk (``lightning_fpdt.streaming``), against layers recomputed whole, and the memory model's longest
+chunk by chunk (``lightning_fpdt.layers.streaming``), against layers recomputed whole, and the memory model's longest
 Llama-3-8B sequence.
 
     python benchmarks/memory_floor.py                       # CPU, 2 gloo processes, 8K and 16K tokens
@@ -33,13 +33,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table
 
-from lightning_fpdt.activation_checkpoint import new_layer_input_store
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.loss import token_weighted_loss
+from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
+from lightning_fpdt.layers.loss import token_weighted_loss
 from lightning_fpdt.memory import GIB, EstimateOptions, ModelShape, estimate
-from lightning_fpdt.memtrack import peak_step_bytes
 from lightning_fpdt.models import CausalLM, HFCausalLM, LlamaConfig, LlamaLM
+from lightning_fpdt.offload.memtrack import peak_step_bytes
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
 from lightning_fpdt.testing import run_on_ranks
 
 H200 = 141e9  # bytes of device memory

@@ -21,8 +21,8 @@ barriers; and the fastest). A step is forward, backward, the gradient all-reduce
 Measured in the measured step, per rank: the bytes this rank sends, by wrapping ``torch.distributed.all_to_all_single``
 (the part of its input that goes to other ranks: ``(U - 1) / U`` of it) and ``torch.distributed.batch_isend_irecv``
 (the tensors of its ``isend`` ops) in the rank's process, split into forward and backward; and the peak of live tensors
-(:class:`~lightning_fpdt.memtrack.TensorMemoryTracker`: parameters, gradients, AdamW state, activations; the largest
-rank). Next to them the memory model's figures: :func:`lightning_fpdt.memory.communication_bytes` and
+(:class:`~lightning_fpdt.offload.memtrack.TensorMemoryTracker`: parameters, gradients, AdamW state, activations; the
+largest rank). Next to them the memory model's figures: :func:`lightning_fpdt.memory.communication_bytes` and
 :func:`~lightning_fpdt.memory.estimate`'s device peak. The gradient all-reduce (the same in every configuration) is not
 counted. On CPU gloo moves bytes through memory copies and loopback sockets, not NVLink or InfiniBand: the times say
 nothing about a GPU cluster; the bytes and the memory do.
@@ -45,13 +45,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RANKS, print_table
 
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.loss import token_weighted_loss
+from lightning_fpdt.layers.loss import token_weighted_loss
 from lightning_fpdt.memory import EstimateOptions, ModelShape, communication_bytes, estimate
-from lightning_fpdt.memtrack import peak_step_bytes
-from lightning_fpdt.mesh import SequenceParallelGroups
 from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.offload.memtrack import peak_step_bytes
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
+from lightning_fpdt.parallel.mesh import SequenceParallelGroups
 from lightning_fpdt.testing import run_on_ranks
 
 CONFIGS = {"ulysses 4": 1, "ulysses 2 x ring 2": 2, "ring 4": 4}  # name -> ring size (at --world 4)
@@ -64,7 +64,7 @@ class Traffic:
     """Counts the bytes this process sends while active (``with Traffic() as t``), by ``t.phase`` and kind:
     ``all_to_all`` (``dist.all_to_all_single``: the blocks of its input meant for other ranks) and ``ring``
     (``dist.batch_isend_irecv``: the tensors of its ``isend`` ops). The functions are wrapped on the module, where
-    ``lightning_fpdt.comm`` and ``lightning_fpdt.attention.ring`` look them up at each call."""
+    ``lightning_fpdt.parallel.comm`` and ``lightning_fpdt.attention.ring`` look them up at each call."""
 
     def __init__(self) -> None:
         self.phase = "forward"

@@ -46,7 +46,7 @@ from common import print_table
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.hf.weights import build_on_meta, compute_buffers
 from lightning_fpdt.models import HFCausalLM
-from lightning_fpdt.weight_files import SafetensorsFiles, owned_rows
+from lightning_fpdt.models.weight_files import SafetensorsFiles, owned_rows
 
 MiB = 2**20
 

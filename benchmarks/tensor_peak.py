@@ -6,14 +6,14 @@ from typing import Any
 
 import torch
 
-from lightning_fpdt.memtrack import TensorMemoryTracker
+from lightning_fpdt.offload.memtrack import TensorMemoryTracker
 
 MIB = 2**20
 
 
 class PeakSnapshot(TensorMemoryTracker):
-    """:class:`~lightning_fpdt.memtrack.TensorMemoryTracker` that also keeps, at its peak, the operator that reached
-    it and the live storages by what they are: ``labels`` maps a storage's address to a name (parameters,
+    """:class:`~lightning_fpdt.offload.memtrack.TensorMemoryTracker` that also keeps, at its peak, the operator that
+    reached it and the live storages by what they are: ``labels`` maps a storage's address to a name (parameters,
     optimizer state...); the others are grouped by size (activations and temporaries).
 
     Args:

@@ -54,13 +54,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RANKS, is_oom, matmul_rate, print_table, synchronize
 
-from lightning_fpdt.activation_checkpoint import new_layer_input_store
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.loss import token_weighted_loss
+from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
+from lightning_fpdt.layers.loss import token_weighted_loss
 from lightning_fpdt.memory import EstimateOptions, ModelShape, estimate
-from lightning_fpdt.memtrack import peak_step_bytes
 from lightning_fpdt.models import CausalLM, Llama, LlamaConfig, LlamaLM
+from lightning_fpdt.offload.memtrack import peak_step_bytes
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
 from lightning_fpdt.testing import RankFailed, run_on_ranks
 
 VARIANTS = ("single", "ulysses", "fpdt", "fpdt_full")

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RANKS, print_table, timed
 
 from lightning_fpdt.attention import fpdt_attention
+from lightning_fpdt.attention.block_calls import kernel_calls
 from lightning_fpdt.attention.blocks import BlockRules, plan_blocks
-from lightning_fpdt.attention.documents import kernel_calls
 from lightning_fpdt.attention.kernels import get_kernel
 from lightning_fpdt.testing import run_on_ranks
 

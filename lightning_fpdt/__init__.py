@@ -6,8 +6,8 @@ Importing the package registers the strategy names ``"fpdt"``, ``"fpdt_spawn"`` 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fpdt.attention import fpdt_attention
-from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.block import FPDTAttention, FPDTBlock
+from lightning_fpdt.layers.block import FPDTAttention, FPDTBlock
+from lightning_fpdt.parallel.binding import SequenceParallelContext
 from lightning_fpdt.strategy import FPDTStrategy
 
 __version__ = "0.1.0"

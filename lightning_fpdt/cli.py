@@ -23,11 +23,11 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_fpdt  # noqa: F401  (registers the "fpdt" strategy names)
-from lightning_fpdt import FPDTStrategy, checkpoint_files
-from lightning_fpdt.class_paths import class_path_of
+from lightning_fpdt.checkpoints import files as checkpoint_files
 from lightning_fpdt.data import PasskeyDataModule
 from lightning_fpdt.memory import ModelShape, report
 from lightning_fpdt.models import CausalLM, LlamaLM
+from lightning_fpdt.models.class_paths import class_path_of
 from lightning_fpdt.models.from_config import (
     MODEL_DEFAULT,
     model_parser,
@@ -35,6 +35,7 @@ from lightning_fpdt.models.from_config import (
     module_from_yaml,
     saved_class,
 )
+from lightning_fpdt.strategy import FPDTStrategy
 
 
 class FPDTCLI(LightningCLI):
@@ -50,7 +51,7 @@ class FPDTCLI(LightningCLI):
         checkpoint's own class and hyper-parameters when the config names no model; when it names one, that model,
         after checking that it is the checkpoint's (the same class, parameter names and shapes), else the run stops
         naming both (:func:`resumed_model`). A checkpoint that cannot be read is reported by
-        :func:`lightning_fpdt.checkpoint_files.read` (the file and what is wrong), one that does not exist here,
+        :func:`lightning_fpdt.checkpoints.files.read` (the file and what is wrong), one that does not exist here,
         before any process is launched."""
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
@@ -61,7 +62,7 @@ class FPDTCLI(LightningCLI):
             raise SystemExit(
                 f"fpdt-train: --ckpt_path {ckpt_path!r} does not exist (no such file or directory). Give the path of"
                 " a saved checkpoint (a .ckpt file, or a sharded checkpoint's directory); the newest complete one in"
-                " a directory is lightning_fpdt.checkpoint_files.latest_checkpoint(dirpath). Drop --ckpt_path to"
+                " a directory is lightning_fpdt.checkpoints.files.latest_checkpoint(dirpath). Drop --ckpt_path to"
                 " start from scratch."
             )
         saved = checkpoint_files.read(path / "meta.pt" if path.is_dir() else path, mmap=path.is_file())

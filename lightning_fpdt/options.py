@@ -8,12 +8,12 @@ precision, the model's head counts). ``check_run`` runs on every rank, first thi
 on every rank, so a bad configuration raises the same ``ValueError`` everywhere instead of leaving
 some ranks waiting in a collective. Each message names the numbers and the fix.
 
-Each rule is written once: the chunk-size rule in :func:`lightning_fpdt.layout.validate_chunk_size`
+Each rule is written once: the chunk-size rule in :func:`lightning_fpdt.parallel.layout.validate_chunk_size`
 (a chunk is cut into one equal sub-chunk per rank), the head-count rule in
-:func:`lightning_fpdt.comm.check_heads` (heads are scattered over the group by the all-to-all), the
+:func:`lightning_fpdt.parallel.comm.check_heads` (heads are scattered over the group by the all-to-all), the
 backend's device and package rules in :func:`lightning_fpdt.backends.resolve_backend`.
 The one check that needs data, a sequence shorter than the sequence-parallel group, is made per
-batch in :func:`lightning_fpdt.batches.shard_batch`.
+batch in :func:`lightning_fpdt.parallel.batches.shard_batch`.
 
 Offload is one three-valued setting, read the same way everywhere:
 
@@ -34,12 +34,12 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_fpdt.backends import BACKENDS, resolve_backend
-from lightning_fpdt.batches import DEFAULT_SEQUENCE_KEYS
-from lightning_fpdt.binding import SequenceParallelContext, attention_heads
-from lightning_fpdt.comm import check_heads
 from lightning_fpdt.errors import PREFIX
-from lightning_fpdt.layout import validate_chunk_size
-from lightning_fpdt.mesh import SequenceParallelGroups, resolve_ring_size
+from lightning_fpdt.parallel.batches import DEFAULT_SEQUENCE_KEYS
+from lightning_fpdt.parallel.binding import SequenceParallelContext, attention_heads
+from lightning_fpdt.parallel.comm import check_heads
+from lightning_fpdt.parallel.layout import validate_chunk_size
+from lightning_fpdt.parallel.mesh import SequenceParallelGroups, resolve_ring_size
 
 Offload = Literal["off", "on", "emulate"]
 OffloadArgument = bool | Literal["emulate"]
@@ -84,7 +84,7 @@ class FPDTOptions:
     are scattered over the ``ulysses`` ranks of each Ulysses group (consecutive ranks: one node's devices), and
     key/value chunks move point to point between ring peers (``lightning_fpdt.attention.ring``), so the heads
     need only divide by the Ulysses degree. ``"auto"``: the largest Ulysses degree that divides the group, fits
-    every attention layer's heads and one node's devices (``lightning_fpdt.mesh``); 1 is plain Ulysses."""
+    every attention layer's heads and one node's devices (``lightning_fpdt.parallel.mesh``); 1 is plain Ulysses."""
     chunk_size: int | Literal["auto"] | None = None
     """Global tokens per attention chunk, a multiple of ``sequence_parallel_size`` (each chunk is cut into
     one sub-chunk per rank); ``None`` runs plain Ulysses (one chunk); ``"auto"`` picks, per batch shape at
@@ -120,7 +120,7 @@ class FPDTOptions:
     run the optimizer step there (FSDP2 ``CPUOffloadPolicy``; CUDA only)."""
     nonfinite_loss: Literal["raise", "skip"] = "raise"
     """What to do when a loss or gradient is NaN/inf, checked before every optimizer step with one small
-    all-reduce (:mod:`lightning_fpdt.nonfinite`): ``"raise"`` stops before the update, naming the step,
+    all-reduce (:mod:`lightning_fpdt.strategy.step_guard`): ``"raise"`` stops before the update, naming the step,
     the ranks and loss versus gradients; ``"skip"`` drops the update of that accumulation window on every
     rank and warns (it runs the closure once before ``optimizer.step``: not for optimizers that call it
     several times, such as LBFGS)."""
@@ -198,7 +198,7 @@ class FPDTOptions:
 
     def context(self, group: Any, chunk_size: int | None, layer_input_store: Any,
                 ring: SequenceParallelGroups | None = None) -> SequenceParallelContext:
-        """The :class:`~lightning_fpdt.binding.SequenceParallelContext` the strategy binds to the attention
+        """The :class:`~lightning_fpdt.parallel.binding.SequenceParallelContext` the strategy binds to the attention
         layers: ``"on"`` and ``"emulate"`` both run the offload schedule."""
         return SequenceParallelContext(
             group=group, chunk_size=chunk_size, attention_backend=self.attention_backend,

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fpdt.attention import fpdt_attention
-from lightning_fpdt.layout import shard_sequence, unshard_sequence
+from lightning_fpdt.parallel.layout import shard_sequence, unshard_sequence
 
 ATTENTION_STEP = ("out", "lse", "dq", "dk", "dv")  # what sharded_attention_step returns, in order
 

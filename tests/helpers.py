@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_fpdt.dtensors import full_tensor, local_tensor
 from lightning_fpdt.hf.kernel_binding import kernel_function
-from lightning_fpdt.loss import token_weighted_loss
-from lightning_fpdt.memtrack import peak_step_bytes
+from lightning_fpdt.layers.loss import token_weighted_loss
+from lightning_fpdt.offload.memtrack import peak_step_bytes
+from lightning_fpdt.parallel.dtensors import full_tensor, local_tensor
 from tests.reference import rel_error
 
 
@@ -158,7 +158,8 @@ def training_step_peak(module: torch.nn.Module, batch: dict[str, Any], optimizer
     """The peak of live tensors of one training step of ``module`` on ``batch`` (the token-weighted loss, its
     backward, every gradient all-reduced over the world unless ``reduce_gradients`` is off (FSDP2 reduces its own),
     the optimizer step), measured on a second step: the first creates the optimizer state. ``bf16``: the loss under
-    bf16 autocast; ``resizable``: :func:`~lightning_fpdt.memtrack.peak_step_bytes`'s (FSDP2's resized storages)."""
+    bf16 autocast; ``resizable``: :func:`~lightning_fpdt.offload.memtrack.peak_step_bytes`'s (FSDP2's resized
+    storages)."""
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):

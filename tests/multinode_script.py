@@ -12,7 +12,7 @@ group and ring).
 
 Environment:
     FPDT_MULTINODE_HOST: the host name this process reports (``socket.gethostname``), so that the two "nodes" look
-        like two machines to the strategy's record of which rank runs where (``lightning_fpdt.launcher``).
+        like two machines to the strategy's record of which rank runs where (``lightning_fpdt.strategy.launcher``).
     FPDT_MULTINODE_DIE_RANK: the global rank that SIGKILLs itself at its first training batch (as the kernel's
         out-of-memory killer does: no error, no output).
 """

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import lightning_fpdt.checkpoint_files as fpdt_checkpoint
+import lightning_fpdt.checkpoints.files as fpdt_checkpoint
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from tests.helpers import TokenDataset

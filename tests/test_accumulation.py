@@ -18,8 +18,8 @@ from torch.amp import GradScaler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.dtensors import full_tensor
 from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.parallel.dtensors import full_tensor
 from tests.helpers import assert_same_step, reference_step
 
 CONFIG = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=2, hidden_size=32, intermediate_size=64,

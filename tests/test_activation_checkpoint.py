@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from lightning_fpdt.activation_checkpoint import new_layer_input_store
-from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.block import FPDTAttention, FPDTBlock
-from lightning_fpdt.chunk_store import ChunkStore, slow_copies
+from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
+from lightning_fpdt.layers.block import FPDTAttention, FPDTBlock
+from lightning_fpdt.layers.rope import RotaryEmbedding
 from lightning_fpdt.models.llama import RMSNorm, SwiGLU
-from lightning_fpdt.rope import RotaryEmbedding
-from lightning_fpdt.tiling import TiledMLP
+from lightning_fpdt.offload.chunk_store import ChunkStore, slow_copies
+from lightning_fpdt.offload.tiling import TiledMLP
+from lightning_fpdt.parallel.binding import SequenceParallelContext
 from tests.reference import rel_error
 
 CPU = torch.device("cpu")

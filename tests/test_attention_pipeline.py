@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_fpdt.attention import fpdt_attention
-from lightning_fpdt.chunk_store import slow_copies
-from lightning_fpdt.layout import shard_sequence, unshard_sequence
+from lightning_fpdt.offload.chunk_store import slow_copies
+from lightning_fpdt.parallel.layout import shard_sequence, unshard_sequence
 from lightning_fpdt.testing import run_on_ranks
 from tests.distributed import ATTENTION_STEP, sharded_attention_step, unsharded_attention_step
 from tests.reference import naive_attention, rel_error

@@ -21,9 +21,9 @@ from lightning_fpdt.attention.blocks import BlockRules, Rect
 from lightning_fpdt.attention.kernels import MathKernel, visible_keys
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds
-from lightning_fpdt.chunk_store import OffloadStats
-from lightning_fpdt.layout import shard_sequence, unshard_sequence
-from lightning_fpdt.packed_documents import PackedDocuments
+from lightning_fpdt.offload.chunk_store import OffloadStats
+from lightning_fpdt.parallel.layout import shard_sequence, unshard_sequence
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 from lightning_fpdt.testing import run_on_ranks
 from tests.reference import rel_error
 

@@ -13,9 +13,9 @@ import random
 import pytest
 import torch
 
-from lightning_fpdt.batches import shard_batch
 from lightning_fpdt.data import PackedTokenDataset
-from lightning_fpdt.packed_documents import PackedDocuments, find_documents
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.packed_documents import PackedDocuments, find_documents
 from lightning_fpdt.testing import run_on_ranks
 from tests.distributed import ATTENTION_STEP, sharded_attention_step, unsharded_attention_step
 from tests.reference import naive_attention, rel_error

@@ -17,11 +17,11 @@ import torch
 
 import lightning_fpdt
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.comm import check_heads
-from lightning_fpdt.launcher import Peer, explain_peer_failure, peer_failure_message, process_state
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from lightning_fpdt.options import FPDTOptions
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.comm import check_heads
+from lightning_fpdt.strategy.launcher import Peer, explain_peer_failure, peer_failure_message, process_state
 from lightning_fpdt.testing import RENDEZVOUS_VARIABLES
 from tests.helpers import TokenDataset, dataloader
 

@@ -1,5 +1,5 @@
-"""``fpdt-export`` and ``HFExport`` (lightning_fpdt.export): a 2-step run's checkpoint, replicated (a ``.ckpt``
-file) and sharded (a DCP directory), becomes a directory transformers loads with the trained module's logits
+"""``fpdt-export`` and ``HFExport`` (lightning_fpdt.export.hf_directory): a 2-step run's checkpoint, replicated (a
+``.ckpt`` file) and sharded (a DCP directory), becomes a directory transformers loads with the trained module's logits
 (float64, 1e-12 relative), for HFCausalLM, LlamaLM and GPTLM; a bfloat16 export holds the trained weights cast;
 the tokenizer files come along; a small shard size gives several files and a valid index."""
 
@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_fpdt import FPDTStrategy  # noqa: E402
 from lightning_fpdt.data.toy import build_tokenizer  # noqa: E402
-from lightning_fpdt.export import HFExport, export, main  # noqa: E402
+from lightning_fpdt.export.hf_directory import HFExport, export, main  # noqa: E402
 from lightning_fpdt.models import GPTLM, GPTConfig, HFCausalLM, LlamaConfig, LlamaLM  # noqa: E402
 from lightning_fpdt.testing import run_in_fork  # noqa: E402
 from tests.helpers import TokenDataset, dataloader  # noqa: E402

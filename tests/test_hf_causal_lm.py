@@ -43,10 +43,10 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.binding import SequenceParallelContext, attention_records
 from lightning_fpdt.callbacks import FPDTMonitor
 from lightning_fpdt.hf.attention import ATTN_IMPLEMENTATION
 from lightning_fpdt.models import HFCausalLM
+from lightning_fpdt.parallel.binding import SequenceParallelContext, attention_records
 from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader, step_errors
 
 VOCAB, SEQ, HEADS = 64, 32, 4

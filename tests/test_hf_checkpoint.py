@@ -23,11 +23,11 @@ from torch.distributed.tensor import DTensor
 
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.cli import FPDTCLI
-from lightning_fpdt.export import export
+from lightning_fpdt.export.hf_directory import export
 from lightning_fpdt.models import GPTLM, CausalLM, LlamaLM, gpt_from_hf, llama_from_hf
-from lightning_fpdt.sharding import load_shards_of, shard_module
+from lightning_fpdt.models.weight_files import SafetensorsFiles, owned_rows
+from lightning_fpdt.strategy.sharding import load_shards_of, shard_module
 from lightning_fpdt.testing import run_on_ranks
-from lightning_fpdt.weight_files import SafetensorsFiles, owned_rows
 from tests.helpers import CaptureStep, TokenDataset, assert_same_step, dataloader, reference_step
 from tests.reference import rel_error
 

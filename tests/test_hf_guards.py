@@ -40,11 +40,11 @@ from transformers.models.cohere.modeling_cohere import CohereLayerNorm
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb, repeat_kv
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.hf.attention import _DELIVERED
 from lightning_fpdt.hf.guards import HeadTransform
 from lightning_fpdt.models import HFCausalLM
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext
 from lightning_fpdt.testing import run_on_ranks
 from tests.helpers import TokenDataset, assert_same_step, dataloader
 from tests.test_hf_causal_lm import (

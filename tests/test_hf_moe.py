@@ -50,8 +50,8 @@ from transformers.models.olmoe import modeling_olmoe
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.models import HFCausalLM
+from lightning_fpdt.parallel.binding import SequenceParallelContext
 from tests.helpers import TokenDataset, assert_same_step, dataloader, float32_classes, in_float64, step_errors
 from tests.test_hf_causal_lm import SEQ, SIZES, VOCAB, CaptureStack, Packed, _plain, _redraw
 

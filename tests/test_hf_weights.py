@@ -32,14 +32,15 @@ from transformers import (
     PretrainedConfig,
 )
 
-from lightning_fpdt import FPDTStrategy, launcher
+from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.hf import attention as hf_attention
 from lightning_fpdt.hf import causal_lm as hf_causal_lm_module
 from lightning_fpdt.hf import masks as hf_masks
 from lightning_fpdt.models import HFCausalLM, LlamaLM
-from lightning_fpdt.sharding import load_shards_of, shard_module
+from lightning_fpdt.models.weight_files import SafetensorsFiles, owned_rows
+from lightning_fpdt.strategy import launcher
+from lightning_fpdt.strategy.sharding import load_shards_of, shard_module
 from lightning_fpdt.testing import run_on_ranks
-from lightning_fpdt.weight_files import SafetensorsFiles, owned_rows
 from tests.helpers import TokenDataset, assert_same_step
 from tests.reference import rel_error
 from tests.test_hf_causal_lm import SEQ, VOCAB, Case, _config, _fit, _plain, _redraw, each_sample_alone

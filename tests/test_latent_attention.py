@@ -31,9 +31,9 @@ import lightning_fpdt.attention as attention_package
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import FlashAttnKernel, MathKernel, SdpaKernel, get_kernel
 from lightning_fpdt.hf.attention import head_widths
-from lightning_fpdt.layout import shard_sequence, unshard_sequence
 from lightning_fpdt.memory import EstimateOptions, ModelShape, estimate
 from lightning_fpdt.models import HFCausalLM
+from lightning_fpdt.parallel.layout import shard_sequence, unshard_sequence
 from lightning_fpdt.testing import run_on_ranks
 from tests.helpers import TokenDataset, assert_same_step
 from tests.reference import naive_attention, rel_error

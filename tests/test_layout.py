@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fpdt.layout import (
+from lightning_fpdt.parallel.layout import (
     chunk_lengths,
     fpdt_permutation,
     inverse_permutation,

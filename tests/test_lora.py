@@ -28,16 +28,16 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.dtensors import full_tensor
-from lightning_fpdt.export import HFExport, export
+from lightning_fpdt.export.adapter import export_adapter
+from lightning_fpdt.export.hf_directory import HFExport, export
 from lightning_fpdt.hf.lora import adapter_layers
-from lightning_fpdt.lora_export import export_adapter
 from lightning_fpdt.memory import EstimateOptions, ModelShape, estimate
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.models.from_config import module_from_yaml
-from lightning_fpdt.sharding import shard_module
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
+from lightning_fpdt.parallel.dtensors import full_tensor
+from lightning_fpdt.strategy.sharding import shard_module
 from lightning_fpdt.testing import run_in_fork, run_on_ranks
 from tests.helpers import TokenDataset, assert_same_step, dataloader, step_errors, training_step_peak
 from tests.test_hf_causal_lm import SEQ, SIZES, VOCAB, _redraw

@@ -17,20 +17,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import register_fsdp_forward_method
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.block import FPDTAttention, FPDTBlock, fpdt_blocks
-from lightning_fpdt.loss import cross_entropy_sum, token_weighted_loss
+from lightning_fpdt.layers.block import FPDTAttention, FPDTBlock, fpdt_blocks
+from lightning_fpdt.layers.loss import cross_entropy_sum, token_weighted_loss
+from lightning_fpdt.layers.rope import RotaryEmbedding
 from lightning_fpdt.memory import EstimateOptions, ModelShape, auto_chunk_size, estimate
 from lightning_fpdt.memory.__main__ import main, shape_from_config
 from lightning_fpdt.memory.estimate_options import PRECISION_BYTES
-from lightning_fpdt.memtrack import TensorMemoryTracker
 from lightning_fpdt.models import GPT, GPTConfig, HFCausalLM, Llama, LlamaConfig, LlamaLM
 from lightning_fpdt.models.init import init_weights
-from lightning_fpdt.rope import RotaryEmbedding
-from lightning_fpdt.sharding import shard_module
+from lightning_fpdt.offload.memtrack import TensorMemoryTracker
+from lightning_fpdt.offload.tiling import TiledMLP, largest_tile, mlp_tile_tokens
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
+from lightning_fpdt.strategy.sharding import shard_module
 from lightning_fpdt.testing import run_on_ranks
-from lightning_fpdt.tiling import TiledMLP, largest_tile, mlp_tile_tokens
 from tests.helpers import TokenDataset, dataloader, training_step_peak
 
 SHAPE = shape_from_config(LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,

@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_fpdt import FPDTStrategy, memory
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.layout import layout_multiple, validate_chunk_size
 from lightning_fpdt.memory import EstimateOptions, ModelShape, auto_chunk_size, communication_bytes, estimate
 from lightning_fpdt.memory.__main__ import main, shape_from_config
-from lightning_fpdt.mesh import SequenceParallelGroups
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from lightning_fpdt.options import FPDTOptions
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
+from lightning_fpdt.parallel.layout import layout_multiple, validate_chunk_size
+from lightning_fpdt.parallel.mesh import SequenceParallelGroups
 from lightning_fpdt.testing import run_on_ranks
 from tests.helpers import training_step_peak
 

@@ -5,8 +5,8 @@ ring_size=2)``: Ulysses groups of 2 consecutive ranks inside each node, rings of
 them. It is launched by ``torchrun --nnodes 2`` once per node, and as four tasks with the environment ``srun`` gives
 them (Lightning's ``SLURMEnvironment``, ``ring_size="auto"``). Every rank's loss and gradients must equal one process
 training each packed document alone (float64, relative error <= 1e-10). A rank SIGKILLed on node 1 must stop node
-0's processes, which name the lost peer (``lightning_fpdt.launcher``), instead of hanging until the process-group
-timeout. Last, the multi-node recipe (``examples/multinode/``) parses and is sized as its comments say.
+0's processes, which name the lost peer (``lightning_fpdt.strategy.launcher``), instead of hanging until the
+process-group timeout. Last, the multi-node recipe (``examples/multinode/``) parses and is sized as its comments say.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import pytest
 import torch
 import yaml
 
-from lightning_fpdt import launcher
 from lightning_fpdt.cli import main as cli_main
-from lightning_fpdt.launcher import Peer, explain_peer_failure
 from lightning_fpdt.memory.__main__ import main as memory_main
+from lightning_fpdt.strategy import launcher
+from lightning_fpdt.strategy.launcher import Peer, explain_peer_failure
 from tests.helpers import assert_same_step
 from tests.multinode_script import tiny_llama
 from tests.test_packed_training import PACKING, Packed, each_document_alone
@@ -175,7 +175,7 @@ def test_slurm_tasks_on_two_nodes_equal_one_process(reference: dict, tmp_path: P
     Every task must exit 0. A task once aborted at interpreter exit after a correct step (SIGABRT, "terminate called
     without an active exception" from a gloo thread): these plain processes exit with the process group alive, and
     the interpreter's shutdown tore gloo's threads down in no set order while a peer was still closing its side.
-    The strategy now destroys the group at exit (``lightning_fpdt.launcher.destroy_group_at_exit``)."""
+    The strategy now destroys the group at exit (``lightning_fpdt.strategy.launcher.destroy_group_at_exit``)."""
     out = _out_dir(tmp_path, reference)
     codes, logs = slurm_tasks(out, "auto")
     assert codes == [0] * (NODES * PER_NODE), _tails(logs)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.dtensors import full_tensor
-from lightning_fpdt.loss import cross_entropy_sum, token_weighted_loss
+from lightning_fpdt.layers.loss import cross_entropy_sum, token_weighted_loss
 from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.parallel.dtensors import full_tensor
 from tests.helpers import TokenDataset, dataloader
 
 CONFIG = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=2, hidden_size=32, intermediate_size=64,

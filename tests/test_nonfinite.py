@@ -12,7 +12,7 @@ import torch
 
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.models import LlamaConfig, LlamaLM
-from lightning_fpdt.nonfinite import StepGuard
+from lightning_fpdt.strategy.step_guard import StepGuard
 from tests.helpers import TokenDataset, dataloader
 
 pytestmark = pytest.mark.distributed  # every test here starts several processes

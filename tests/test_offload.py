@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_fpdt.attention import fpdt_attention
-from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.block import FPDTAttention
-from lightning_fpdt.chunk_store import ChunkStore, OffloadStats, slow_copies
-from lightning_fpdt.layout import shard_sequence
-from lightning_fpdt.rope import RotaryEmbedding
+from lightning_fpdt.layers.block import FPDTAttention
+from lightning_fpdt.layers.rope import RotaryEmbedding
+from lightning_fpdt.offload.chunk_store import ChunkStore, OffloadStats, slow_copies
+from lightning_fpdt.parallel.binding import SequenceParallelContext
+from lightning_fpdt.parallel.layout import shard_sequence
 from lightning_fpdt.testing import run_on_ranks
 
 CHUNKS = range(2, 9)  # every chunk count from 2 to 8

@@ -23,10 +23,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from lightning_fpdt.batches import shard_batch
 from lightning_fpdt.memory import ModelShape, estimate
 from lightning_fpdt.memory.estimate_options import EstimateOptions
 from lightning_fpdt.models import GPTLM, CausalLM, GPTConfig, LlamaConfig, LlamaLM
+from lightning_fpdt.parallel.batches import shard_batch
 from tests.helpers import assert_same_step
 from tests.test_packed_training import PACKING, SEQ, VOCAB, Case, Packed, each_document_alone, fit_one_step
 

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.loss import cross_entropy_sum
+from lightning_fpdt.layers.loss import cross_entropy_sum
 from lightning_fpdt.models import GPTLM, GPTConfig, LlamaConfig, LlamaLM
 from tests.helpers import CaptureStep, assert_same_step, dataloader
 

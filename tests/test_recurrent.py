@@ -35,9 +35,6 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 from transformers.models.zamba2 import modeling_zamba2  # noqa: E402
 
-from lightning_fpdt.binding import SequenceParallelContext  # noqa: E402
-from lightning_fpdt.chunk_store import ChunkStore  # noqa: E402
-from lightning_fpdt.copy_engine import release_copy_engines  # noqa: E402
 from lightning_fpdt.hf import recurrent  # noqa: E402
 from lightning_fpdt.hf.recurrent import (  # noqa: E402
     DELTA_RULE,
@@ -48,7 +45,10 @@ from lightning_fpdt.hf.recurrent import (  # noqa: E402
 )
 from lightning_fpdt.memory.shape import ModelShape  # noqa: E402
 from lightning_fpdt.models import HFCausalLM  # noqa: E402
-from lightning_fpdt.packed_documents import PackedDocuments  # noqa: E402
+from lightning_fpdt.offload.chunk_store import ChunkStore  # noqa: E402
+from lightning_fpdt.offload.copy_engine import release_copy_engines  # noqa: E402
+from lightning_fpdt.parallel.binding import SequenceParallelContext  # noqa: E402
+from lightning_fpdt.parallel.packed_documents import PackedDocuments  # noqa: E402
 from tests.helpers import (  # noqa: E402
     TokenDataset,
     assert_same_step,

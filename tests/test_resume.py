@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_fpdt.checkpoint_files import is_complete, latest_checkpoint
+from lightning_fpdt.checkpoints.files import is_complete, latest_checkpoint
 from lightning_fpdt.testing import run_in_fork
 from tests import resume_job
 

@@ -21,11 +21,17 @@ from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.blocks import BlockRules
 from lightning_fpdt.attention.kernels import MathKernel
 from lightning_fpdt.attention.ring import ring_plan
-from lightning_fpdt.chunk_store import OffloadStats
-from lightning_fpdt.comm import check_heads
-from lightning_fpdt.layout import fpdt_permutation, ring_pieces, shard_sequence, unshard_sequence, validate_chunk_size
-from lightning_fpdt.mesh import SequenceParallelGroups, placement, resolve_ring_size
-from lightning_fpdt.packed_documents import PackedDocuments
+from lightning_fpdt.offload.chunk_store import OffloadStats
+from lightning_fpdt.parallel.comm import check_heads
+from lightning_fpdt.parallel.layout import (
+    fpdt_permutation,
+    ring_pieces,
+    shard_sequence,
+    unshard_sequence,
+    validate_chunk_size,
+)
+from lightning_fpdt.parallel.mesh import SequenceParallelGroups, placement, resolve_ring_size
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 from lightning_fpdt.testing import run_on_ranks
 from tests.reference import rel_error
 

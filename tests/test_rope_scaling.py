@@ -1,5 +1,5 @@
-"""RoPE scaling for context extension: the own schedules (lightning_fpdt.rope) equal transformers' bit for bit, an
-``HFCausalLM`` given YaRN through ``config_overrides`` trains beyond its original context exactly like plain
+"""RoPE scaling for context extension: the own schedules (lightning_fpdt.layers.rope) equal transformers' bit for bit,
+an ``HFCausalLM`` given YaRN through ``config_overrides`` trains beyond its original context exactly like plain
 transformers with the same scaling, the own ``Llama`` with YaRN equals its ``to_hf`` export, and the overrides
 come in from a YAML."""
 
@@ -15,10 +15,10 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from lightning_fpdt.binding import SequenceParallelContext
+from lightning_fpdt.layers.rope import RopeScaling, rope_frequencies
 from lightning_fpdt.models import HFCausalLM, LlamaLM, llama_from_hf, to_hf
 from lightning_fpdt.models.llama import LlamaConfig
-from lightning_fpdt.rope import RopeScaling, rope_frequencies
+from lightning_fpdt.parallel.binding import SequenceParallelContext
 from tests.helpers import TokenDataset, assert_same_step
 from tests.reference import rel_error
 from tests.test_cli import fpdt_train_here

@@ -1,5 +1,5 @@
-"""Decoder layers that stream (``lightning_fpdt.streaming``): exact against one process at sp=2, and no layer's work
-sized by the local sequence, forward or backward, for the own Llama and a transformers Llama."""
+"""Decoder layers that stream (``lightning_fpdt.layers.streaming``): exact against one process at sp=2, and no layer's
+work sized by the local sequence, forward or backward, for the own Llama and a transformers Llama."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import lightning_fpdt.streaming as streaming
-from lightning_fpdt.activation_checkpoint import new_layer_input_store
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.block import FPDTBlock
+import lightning_fpdt.layers.streaming as streaming
 from lightning_fpdt.hf.layers import decoder_modules
+from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
+from lightning_fpdt.layers.block import FPDTBlock
 from lightning_fpdt.models import CausalLM, HFCausalLM, LlamaConfig, LlamaLM
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
 from lightning_fpdt.testing import run_on_ranks
 from tests.reference import rel_error
 

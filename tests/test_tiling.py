@@ -8,16 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_fpdt.activation_checkpoint import new_layer_input_store
-from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.block import FPDTAttention, FPDTBlock
-from lightning_fpdt.chunk_store import slow_copies
-from lightning_fpdt.loss import tiled_cross_entropy_sum
-from lightning_fpdt.memtrack import TensorMemoryTracker
+from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
+from lightning_fpdt.layers.block import FPDTAttention, FPDTBlock
+from lightning_fpdt.layers.loss import tiled_cross_entropy_sum
+from lightning_fpdt.layers.rope import RotaryEmbedding
 from lightning_fpdt.models.gpt import GeLUMLP
 from lightning_fpdt.models.llama import RMSNorm, SwiGLU
-from lightning_fpdt.rope import RotaryEmbedding
-from lightning_fpdt.tiling import TiledMLP, tile_bounds
+from lightning_fpdt.offload.chunk_store import slow_copies
+from lightning_fpdt.offload.memtrack import TensorMemoryTracker
+from lightning_fpdt.offload.tiling import TiledMLP, tile_bounds
+from lightning_fpdt.parallel.binding import SequenceParallelContext
 from tests.reference import rel_error
 
 

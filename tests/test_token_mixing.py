@@ -1,4 +1,4 @@
-"""Nothing that mixes tokens runs unguarded (lightning_fpdt.token_mixing, hf/mixing.py, models/mixing.py).
+"""Nothing that mixes tokens runs unguarded (lightning_fpdt.layers.token_mixing, hf/mixing.py, models/mixing.py).
 
 Every hybrid family transformers 5.24 ships as a causal LM either runs its token-mixing layers sequence-parallel
 (gated delta-net, Mamba-2 and short-convolution layers: nothing is refused) or is refused by name, layer and module
@@ -25,10 +25,10 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
 from lightning_fpdt import FPDTStrategy  # noqa: E402
-from lightning_fpdt.binding import SequenceParallelContext  # noqa: E402
 from lightning_fpdt.hf.experts import RouterTap, router_class  # noqa: E402
+from lightning_fpdt.layers.token_mixing import PROBE_LENGTH  # noqa: E402
 from lightning_fpdt.models import GPTLM, GPTConfig, HFCausalLM, LlamaConfig, LlamaLM  # noqa: E402
-from lightning_fpdt.token_mixing import PROBE_LENGTH  # noqa: E402
+from lightning_fpdt.parallel.binding import SequenceParallelContext  # noqa: E402
 from tests.helpers import TokenDataset, assert_same_step, dataloader  # noqa: E402
 from tests.test_hf_causal_lm import _redraw, one_process_step  # noqa: E402
 from tests.test_hf_guards import StepMarker  # noqa: E402

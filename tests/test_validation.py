@@ -17,10 +17,10 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_fpdt.backends as backends
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.block import FPDTAttention, FPDTBlock
+from lightning_fpdt.layers.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from lightning_fpdt.options import HALF_PRECISIONS, FPDTOptions, check_model
+from lightning_fpdt.parallel.batches import shard_batch
 from tests.helpers import TokenDataset, dataloader
 
 

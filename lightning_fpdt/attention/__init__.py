@@ -14,10 +14,10 @@ from lightning_fpdt.attention.merge import update_out_and_lse
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds, check_qkv_shapes
 from lightning_fpdt.attention.ulysses import ulysses_attention
-from lightning_fpdt.chunk_store import OffloadStats
-from lightning_fpdt.comm import check_heads, expand_kv_heads, group_size, head_to_seq
-from lightning_fpdt.layout import validate_chunk_size
-from lightning_fpdt.packed_documents import PackedDocuments
+from lightning_fpdt.offload.chunk_store import OffloadStats
+from lightning_fpdt.parallel.comm import check_heads, expand_kv_heads, group_size, head_to_seq
+from lightning_fpdt.parallel.layout import validate_chunk_size
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 __all__ = ["BACKENDS", "attention_options", "fpdt_attention", "get_kernel", "update_out_and_lse"]
 
@@ -45,7 +45,7 @@ def fpdt_attention(
     """Sequence-parallel attention over this rank's shards in the FPDT layout.
 
     Args:
-        q: ``[batch, S/P, n_heads, head_dim]``, this rank's shard (``lightning_fpdt.layout``).
+        q: ``[batch, S/P, n_heads, head_dim]``, this rank's shard (``lightning_fpdt.parallel.layout``).
         k: ``[batch, S/P, n_kv_heads, head_dim]``; ``n_kv_heads`` may be smaller than ``P``.
         v: ``[batch, S/P, n_kv_heads, v_head_dim]``; ``v_head_dim`` may differ from ``head_dim`` (multi-head
             latent attention: DeepSeek-V2/V3, MiniCPM3).
@@ -60,7 +60,7 @@ def fpdt_attention(
         return_lse: also return the log-sum-exp ``[batch, S/P, n_heads]`` (not differentiable).
         stats_sink: a list the call appends its :class:`OffloadStats` to once its work is done.
         documents: packed documents (global offsets of the padded sequence, the same on every rank:
-            :func:`lightning_fpdt.packed_documents.find_documents`); each token attends only within its
+            :func:`lightning_fpdt.parallel.packed_documents.find_documents`); each token attends only within its
             document, and blocks that share no document are skipped. ``None``: one document per sample.
         window: sliding-window attention (causal only): a query at global position ``i`` sees keys
             ``i - window + 1 .. i``, as transformers counts ``sliding_window``; within packed documents the
@@ -78,8 +78,8 @@ def fpdt_attention(
             gradient. The returned lse includes it. ``None``: no sinks.
         ring_group: the ring (``R`` ranks, one per Ulysses group, ``P = U x R``): key/value parts move between
             its ranks point to point (:mod:`lightning_fpdt.attention.ring`), and the heads need only divide
-            over ``U``. The shards must be laid out with ``ring_size=R`` (:func:`lightning_fpdt.layout.shard_sequence`).
-            ``None``: no ring.
+            over ``U``. The shards must be laid out with ``ring_size=R``
+            (:func:`lightning_fpdt.parallel.layout.shard_sequence`). ``None``: no ring.
 
     Returns:
         The output shard ``[batch, S/P, n_heads, v_head_dim]`` (and the lse if asked), differentiable

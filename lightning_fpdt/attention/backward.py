@@ -15,14 +15,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_fpdt.attention.documents import block_backward
+from lightning_fpdt.attention.block_calls import block_backward
 from lightning_fpdt.attention.ends import ChunkSink
 from lightning_fpdt.attention.kernels import accumulate_dtype
 from lightning_fpdt.attention.merge import sink_grad
 from lightning_fpdt.attention.pipeline_options import PipelineOptions
 from lightning_fpdt.attention.ring import PendingParts, exchange_parts, pack, unpack
-from lightning_fpdt.chunk_store import ChunkStore
-from lightning_fpdt.comm import Exchange, PendingAllToAll
+from lightning_fpdt.offload.chunk_store import ChunkStore
+from lightning_fpdt.parallel.comm import Exchange, PendingAllToAll
 from lightning_fpdt.profiling import named_range
 
 QUERY_SET = ("q", "o", "lse", "do", "dq")
@@ -37,7 +37,7 @@ def pipeline_backward(
     rank's ``sinks`` ``[h/U]`` (accumulation dtype) when the forward had them, else ``None``.
 
     ``dout=None``: each chunk's ``dout`` is in ``store`` already, head-sharded under ``("do", i)`` (a streamed
-    decoder layer puts it there as its per-token backward makes it: :mod:`lightning_fpdt.streaming`), and
+    decoder layer puts it there as its per-token backward makes it: :mod:`lightning_fpdt.layers.streaming`), and
     ``s_local`` gives the local length.
 
     The steps ``(m, i)`` (outer key part, inner query chunk) run as one sequence; before each step's

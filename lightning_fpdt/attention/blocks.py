@@ -31,7 +31,7 @@ Softcapping and attention sinks change the scores and the merge, not this schedu
 
 Positions are global token offsets of the padded sequence (chunk ``i`` covers ``ranges[i]``): after the
 all-to-all, local chunk ``i`` is global chunk ``i`` on every rank, so every rank plans the same blocks. With a
-ring, a rank's part of a chunk is two pieces (:func:`lightning_fpdt.layout.ring_pieces`): a block of two such
+ring, a rank's part of a chunk is two pieces (:func:`lightning_fpdt.parallel.layout.ring_pieces`): a block of two such
 parts is planned piece by piece (:func:`part_rects`), rows and keys numbered along each part.
 """
 
@@ -42,8 +42,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_fpdt.layout import chunk_lengths
-from lightning_fpdt.packed_documents import PackedDocuments, Segment
+from lightning_fpdt.parallel.layout import chunk_lengths
+from lightning_fpdt.parallel.packed_documents import PackedDocuments, Segment
 
 BlockKind = Literal["skip", "full", "cut"]
 Range = tuple[int, int]  # global token range [start, end) of a chunk
@@ -64,7 +64,7 @@ def window_start(query: int, window: int) -> int:
 
 @dataclass(frozen=True)
 class Rect(Segment):
-    """One kernel call of a cut block: a document's :class:`~lightning_fpdt.packed_documents.Segment` (rows
+    """One kernel call of a cut block: a document's :class:`~lightning_fpdt.parallel.packed_documents.Segment` (rows
     ``q_lo:q_hi`` of the query chunk attend to keys ``k_lo:k_hi`` of the key chunk, for the samples ``batch``;
     ``causal``: a square on the diagonal, local key ``b`` seen by local row ``a`` only if ``b <= a``) with a
     window edge: ``lower``, only keys with ``b - a >= lower`` are seen (``None``: no edge). Every row sees at

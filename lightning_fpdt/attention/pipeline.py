@@ -1,6 +1,6 @@
 """The FPDT attention pipeline: per-chunk all-to-all, online softmax, chunked backward.
 
-Inputs are this rank's shards in the FPDT layout (``lightning_fpdt.layout``): ``[batch, s_local,
+Inputs are this rank's shards in the FPDT layout (``lightning_fpdt.parallel.layout``): ``[batch, s_local,
 heads, head_dim]`` with ``s_local = S / P``, local chunk ``i`` being sub-chunk ``rank`` of global
 chunk ``i``. One all-to-all per chunk turns local chunk ``i`` into global chunk ``i`` with
 ``heads / P`` heads (docs/how-fpdt-works.md, sections 1 to 4).
@@ -22,7 +22,7 @@ Overlap, both ways: each pass runs its blocks (forward) or steps (backward) as o
 before computing one it issues what the next needs, waiting for it only after the compute. Copies:
 the next block's k/v (forward; across query chunks too) or the next step's query-side set (q, out,
 lse, dout, dq) and, when the outer step changes, its k/v (backward), so every chunk after a pass's
-first is prefetched one compute ahead. Communication (:class:`~lightning_fpdt.comm.Exchange`,
+first is prefetched one compute ahead. Communication (:class:`~lightning_fpdt.parallel.comm.Exchange`,
 asynchronous all-to-alls): the next query chunk's q/k/v and the next ``dout`` chunk are issued before
 the current compute; output and gradient chunks are sent when final and waited for after the next
 compute. Every rank issues the same collectives in the same order, whatever it computes.
@@ -44,13 +44,13 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_fpdt.attention.backward import pipeline_backward
-from lightning_fpdt.attention.documents import block_forward
+from lightning_fpdt.attention.block_calls import block_forward
 from lightning_fpdt.attention.ends import ChunkSource, PipelineEnds
 from lightning_fpdt.attention.merge import merge_sink, update_out_and_lse
 from lightning_fpdt.attention.pipeline_options import PipelineOptions
 from lightning_fpdt.attention.ring import PendingParts, exchange_parts, pack, unpack
-from lightning_fpdt.chunk_store import ChunkStore
-from lightning_fpdt.comm import Exchange, PendingAllToAll, group_rank, group_size
+from lightning_fpdt.offload.chunk_store import ChunkStore
+from lightning_fpdt.parallel.comm import Exchange, PendingAllToAll, group_rank, group_size
 from lightning_fpdt.profiling import named_range
 
 KV_KINDS = {"k": "kv", "v": "kv"}
@@ -60,7 +60,7 @@ QUERY_KINDS = {"q": "query", "o": "query", "lse": "query", "do": "query", "dq": 
 class ForwardPass:
     """One forward pass of the pipeline over ``s_local`` local tokens, one query chunk at a time: what both of
     its drivers share (:func:`pipeline_forward`, which looks one chunk ahead, and a streamed decoder layer's
-    attention, which is handed each chunk's q/k/v as its layer computes them: :mod:`lightning_fpdt.streaming`).
+    attention, which is handed each chunk's q/k/v as its layer computes them: :mod:`lightning_fpdt.layers.streaming`).
 
     For query chunk ``i``: :meth:`issue` its all-to-alls, :meth:`receive` them (its k/v join ``store``),
     :meth:`attend` (the blocks ``(i, m)`` in order, merged, sinks joined), :meth:`send` the output chunk back.
@@ -269,7 +269,7 @@ class PipelineFunction(torch.autograd.Function):
 
 def _rank_heads(n_heads: int, group: ProcessGroup | None) -> slice:
     """This rank's heads after the all-to-all: rank ``r`` of ``P`` holds heads ``r * H/P`` up to
-    ``(r + 1) * H/P`` (``lightning_fpdt.comm``)."""
+    ``(r + 1) * H/P`` (``lightning_fpdt.parallel.comm``)."""
     per_rank = n_heads // group_size(group)
     rank = group_rank(group)
     return slice(rank * per_rank, (rank + 1) * per_rank)

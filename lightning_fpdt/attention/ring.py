@@ -1,14 +1,14 @@
 """The ring inside the sequence-parallel group: which key/value parts each rank needs, and their point-to-point moves.
 
 The group of ``P = U x R`` ranks is ``R`` Ulysses groups of ``U`` consecutive ranks; the ``R`` ranks with the same
-place in their Ulysses groups form a ring (``lightning_fpdt.mesh``). Per chunk, the all-to-all inside the Ulysses
-group gives each rank ``heads / U`` heads of its ring rank's part of the chunk (two of the chunk's ``2R`` pieces:
-:func:`lightning_fpdt.layout.ring_pieces`). Its queries attend to every part of every chunk the rules let them see:
-its own part, and its ring peers' parts, which arrive point to point.
+place in their Ulysses groups form a ring (``lightning_fpdt.parallel.mesh``). Per chunk, the all-to-all inside the
+Ulysses group gives each rank ``heads / U`` heads of its ring rank's part of the chunk (two of the chunk's ``2R``
+pieces: :func:`lightning_fpdt.parallel.layout.ring_pieces`). Its queries attend to every part of every chunk the
+rules let them see: its own part, and its ring peers' parts, which arrive point to point.
 
 Each key/value part travels once, to the peers that need it, when its chunk is gathered, and joins the receiving
-rank's :class:`~lightning_fpdt.chunk_store.ChunkStore` (host memory when offloaded) like a part of its own: no part
-is sent twice, whatever the number of query chunks that read it, so the bytes moved are those of a ring pass
+rank's :class:`~lightning_fpdt.offload.chunk_store.ChunkStore` (host memory when offloaded) like a part of its own: no
+part is sent twice, whatever the number of query chunks that read it, so the bytes moved are those of a ring pass
 (``R - 1`` parts per part at most) and device memory stays a chunk's. The parts of chunk ``i`` arrive while the
 earlier chunks' blocks are computed. In backward each rank sums the key/value gradients of a peer's part over its
 own queries and sends the sum home, where the owner adds it to its own before the part's gradients leave.
@@ -31,8 +31,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_fpdt.attention.blocks import BlockRules, Part, Range, Rect, part_rects
-from lightning_fpdt.comm import group_rank, group_size
-from lightning_fpdt.layout import ring_pieces
+from lightning_fpdt.parallel.comm import group_rank, group_size
+from lightning_fpdt.parallel.layout import ring_pieces
 
 
 @dataclass(frozen=True)

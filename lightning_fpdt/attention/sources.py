@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_fpdt.autocast_state import AutocastState
-from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.comm import expand_kv_heads, sum_kv_replicas
+from lightning_fpdt.offload.autocast_state import AutocastState
+from lightning_fpdt.parallel.binding import SequenceParallelContext
+from lightning_fpdt.parallel.comm import expand_kv_heads, sum_kv_replicas
 
 
 class Rotary(Protocol):
-    """A rotary position embedding applied per chunk (``lightning_fpdt.rope.RotaryEmbedding``)."""
+    """A rotary position embedding applied per chunk (``lightning_fpdt.layers.rope.RotaryEmbedding``)."""
 
     def __call__(self, x: Tensor, position_ids: Tensor) -> Tensor:
         """``x`` ``[batch, n, heads, head_dim]`` rotated by ``position_ids`` ``[batch, n]``."""
@@ -36,7 +36,7 @@ class Rotary(Protocol):
 
 
 class ProjectedAttention(Protocol):
-    """What the projection ends read of an attention layer (``lightning_fpdt.block.FPDTAttention``): its
+    """What the projection ends read of an attention layer (``lightning_fpdt.layers.block.FPDTAttention``): its
     q/k/v projections, head counts, rotary embedding and bound context (for the group size)."""
 
     q_proj: nn.Linear

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_fpdt.attention.kernels import AttentionKernel
-from lightning_fpdt.comm import HeadToSeq, SeqToHead
+from lightning_fpdt.parallel.comm import HeadToSeq, SeqToHead
 from lightning_fpdt.profiling import named_range
 
 

@@ -29,10 +29,10 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_fpdt.batches import input_vocab_size
 from lightning_fpdt.data import cache, files
 from lightning_fpdt.data.packing import OWNER, DataError, build_samples, fill, has_generation_prompt, hold_out, shared
 from lightning_fpdt.data.tokenizing import check_tokenizer, load_tokenizer, tokenize_rows
+from lightning_fpdt.parallel.batches import input_vocab_size
 
 KEYS = ("input_ids", "labels", "position_ids")
 VERSION = 3  # bump when the samples of the same inputs change (2: headers of templates without a generation prompt;

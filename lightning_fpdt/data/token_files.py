@@ -21,7 +21,8 @@ class PackedTokenDataset(Dataset):
     Sample ``i`` is tokens ``[i * seq_len, (i + 1) * seq_len)``. Document boundaries are kept as
     position-id resets: the token after each ``eos_token_id`` starts again at position 0, so RoPE and
     learned positions see each document from its start, and attention stays inside each document
-    (``FPDTStrategy`` and ``CausalLM`` read the resets as document starts: ``lightning_fpdt.packed_documents``).
+    (``FPDTStrategy`` and ``CausalLM`` read the resets as document starts:
+    ``lightning_fpdt.parallel.packed_documents``).
 
     Args:
         tokens: a 1-D integer array (e.g. a ``numpy.memmap``; read lazily, window by window).

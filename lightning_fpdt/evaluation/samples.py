@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from lightning_fpdt.layout import IGNORE_INDEX
+from lightning_fpdt.parallel.layout import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

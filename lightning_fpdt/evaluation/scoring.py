@@ -1,7 +1,7 @@
 """Scores of this rank's tokens, as sums the ranks add up exactly.
 
 Contract: under sequence parallelism a rank holds a shard of each sample (the FPDT layout of
-:func:`lightning_fpdt.batches.shard_batch`), so it can score only the targets of its own tokens. Every function
+:func:`lightning_fpdt.parallel.batches.shard_batch`), so it can score only the targets of its own tokens. Every function
 here returns *sums* over this rank's tokens (float64, whatever the model's dtype), never means: adding them over
 the ranks of the sequence-parallel group (:func:`sum_over_world`, one all-reduce) gives each sample's score
 exactly as one process would compute it on the whole sequence, up to the summation order's rounding.
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_fpdt.layout import IGNORE_INDEX
+from lightning_fpdt.parallel.layout import IGNORE_INDEX
 
 SCORES = ("log_likelihood", "correct", "tokens")  # the columns of answer_scores
 

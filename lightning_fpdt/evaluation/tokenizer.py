@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from lightning_fpdt.batches import input_vocab_size
 from lightning_fpdt.data.byte_tokenizer import ByteTokenizer
 from lightning_fpdt.data.tokenizing import load_tokenizer
+from lightning_fpdt.parallel.batches import input_vocab_size
 
 
 def find_tokenizer(tokenizer: Any, datamodule: Any = None, module: nn.Module | None = None) -> Any:

@@ -34,11 +34,11 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.attention import attention_options, fpdt_attention
-from lightning_fpdt.binding import AttentionRecord, SequenceParallelContext
 from lightning_fpdt.hf.masks import attention_chunk_size, check_mask_windows
 from lightning_fpdt.hf.temperature import tuned_queries, tunes_temperature
-from lightning_fpdt.packed_documents import PackedDocuments
-from lightning_fpdt.streaming import active_stream
+from lightning_fpdt.layers.streaming import active_stream
+from lightning_fpdt.parallel.binding import AttentionRecord, SequenceParallelContext
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 ATTN_IMPLEMENTATION = "lightning_fpdt"
 
@@ -50,7 +50,7 @@ FPDT_KEYWORDS = ("fpdt_context", "documents", "fpdt_records")
 
 
 class LayerRecords:
-    """Where each attention call leaves its :class:`~lightning_fpdt.binding.AttentionRecord`, by ``layer_idx``.
+    """Where each attention call leaves its :class:`~lightning_fpdt.parallel.binding.AttentionRecord`, by ``layer_idx``.
 
     Not a dict (nor a dataclass) on purpose: FSDP2 rebuilds dict and dataclass keyword arguments when it casts
     a layer's forward inputs (mixed precision), and records left in such a copy would never reach the model.
@@ -155,8 +155,8 @@ def fpdt_attention_forward(
         dropout: attention dropout probability; only 0 is supported.
         fpdt_context: the bound sequence-parallel context; ``None``: one process, plain Ulysses options.
         documents: the batch's packed documents (``None``: one per sample).
-        fpdt_records: where this call leaves its :class:`~lightning_fpdt.binding.AttentionRecord` (chunks, offload
-            statistics), under the layer's ``layer_idx``, for ``FPDTMonitor``; ``None``: nowhere.
+        fpdt_records: where this call leaves its :class:`~lightning_fpdt.parallel.binding.AttentionRecord`
+            (chunks, offload statistics), under the layer's ``layer_idx``, for ``FPDTMonitor``; ``None``: nowhere.
         **kwargs: other transformers arguments. Read: ``sliding_window`` (the layer's window, which
             transformers passes only to sliding layers: a query at position ``i`` sees keys ``i - W + 1 .. i``,
             as its ``sliding_window_overlay`` mask counts it), ``softcap`` (attention-logit softcapping) and

@@ -19,9 +19,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.class_paths import instantiate
 from lightning_fpdt.hf.weights import build_on_meta, pretrained_dtype, unmatched
-from lightning_fpdt.weight_files import SafetensorsFiles, tensor_names
+from lightning_fpdt.models.class_paths import instantiate
+from lightning_fpdt.models.weight_files import SafetensorsFiles, tensor_names
 
 
 def hf_config(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None,

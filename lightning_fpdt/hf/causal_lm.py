@@ -26,7 +26,6 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.binding import AttentionRecord, DecoderLayer, SequenceParallelContext
 from lightning_fpdt.hf.attention import (
     LayerRecords,
     attention_layers,
@@ -54,12 +53,14 @@ from lightning_fpdt.hf.router_loss import TOP_K_FIELDS, config_number, router_lo
 from lightning_fpdt.hf.short_conv import install_short_convs
 from lightning_fpdt.hf.streamed import final_norm, norm_skipped
 from lightning_fpdt.hf.weights import PretrainedWeights
-from lightning_fpdt.layout import IGNORE_INDEX
-from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum
+from lightning_fpdt.layers.loss import cross_entropy_sum, tiled_cross_entropy_sum
+from lightning_fpdt.layers.token_mixing import TokenMixer
 from lightning_fpdt.memory.experts import read_experts
 from lightning_fpdt.models.causal_lm import CausalLM
-from lightning_fpdt.tiling import tiled_call
-from lightning_fpdt.token_mixing import TokenMixer
+from lightning_fpdt.models.class_paths import publish
+from lightning_fpdt.offload.tiling import tiled_call
+from lightning_fpdt.parallel.binding import AttentionRecord, DecoderLayer, SequenceParallelContext
+from lightning_fpdt.parallel.layout import IGNORE_INDEX
 
 
 class HFCausalLM(CausalLM):
@@ -203,7 +204,7 @@ class HFCausalLM(CausalLM):
         its attention through :meth:`hidden_states`."""
         return True
 
-    # ---- the SequenceParallelAttention protocol (lightning_fpdt.binding) ---------------------------------
+    # ---- the SequenceParallelAttention protocol (lightning_fpdt.parallel.binding) ---------------------------------
 
     def bind_sequence_parallel(self, context: SequenceParallelContext) -> None:
         """Use ``context`` (group, chunk size, backend, offload, checkpointing) in every decoder layer's next
@@ -384,3 +385,6 @@ class HFCausalLM(CausalLM):
         if self.lora is not None:
             kwargs.setdefault("state_dict", merged_state_dict(self.model))
         self.model.save_pretrained(path, **kwargs)
+
+
+publish("lightning_fpdt.models", HFCausalLM)  # its public path: lightning_fpdt.models.HFCausalLM

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from lightning_fpdt.hf.attention import is_attention_layer
 from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.router_loss import EXPERT_COUNT_FIELDS, RouterLoss
-from lightning_fpdt.tiling import mlp_tile_tokens, tiled_call
+from lightning_fpdt.offload.tiling import mlp_tile_tokens, tiled_call
 
 _MOE_CLASS_WORDS = ("moe", "expert", "router")
 

@@ -36,9 +36,9 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.hf.attention import LayerRecords, attention_layers
-from lightning_fpdt.packed_documents import PackedDocuments
+from lightning_fpdt.parallel.binding import SequenceParallelContext
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 # A forward that casts its logits to float32 (some families do) is reproduced to float32 rounding per logit;
 # any real transform (a scale, a cap, a bias) differs by far more.

@@ -6,13 +6,14 @@ names and ``save_pretrained`` stay transformers' own, and a deep copy of the mod
 forwards (the object is copied with the module it belongs to):
 
 - each decoder layer's ``mlp`` runs in sequence tiles, each recomputed in backward
-  (:class:`lightning_fpdt.tiling.TiledForward`): no ``[tokens, intermediate]`` tensor is kept for backward,
+  (:class:`lightning_fpdt.offload.tiling.TiledForward`): no ``[tokens, intermediate]`` tensor is kept for backward,
   whatever the MLP (SwiGLU, GeLU, fused gate-up);
 - each decoder layer, when the bound context asks for activation checkpointing, keeps only its input
   hidden states for backward (in the context's checkpoint store: host memory with
-  ``offload_checkpoints``) and is recomputed there (:func:`lightning_fpdt.activation_checkpoint.recomputed_layer_call`).
-  The context arrives as the ``fpdt_context`` forward keyword, which the base model passes to every
-  decoder layer, as it does to every attention layer; nothing is stored on the modules.
+  ``offload_checkpoints``) and is recomputed there
+  (:func:`lightning_fpdt.layers.activation_checkpoint.recomputed_layer_call`). The context arrives as the
+  ``fpdt_context`` forward keyword, which the base model passes to every decoder layer, as it does to every attention
+  layer; nothing is stored on the modules.
 
 A decoder layer is a transformers ``GradientCheckpointingLayer`` (the base class of every decoder layer
 in transformers 5) that holds an attention layer. Recomputation must see the same computation twice,
@@ -33,16 +34,16 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from lightning_fpdt.activation_checkpoint import recomputed_layer_call
-from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.hf.attention import attention_layers, delivering
 from lightning_fpdt.hf.experts import install_experts, routers_of
 from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.router_loss import RouterLoss, split_captured
 from lightning_fpdt.hf.streamed import chunked_layer, stream_refusal
-from lightning_fpdt.recompute import needs_backward
-from lightning_fpdt.streaming import stream_chunk_size, streamed_layer_call
-from lightning_fpdt.tiling import TiledForward
+from lightning_fpdt.layers.activation_checkpoint import recomputed_layer_call
+from lightning_fpdt.layers.streaming import stream_chunk_size, streamed_layer_call
+from lightning_fpdt.offload.recompute import needs_backward
+from lightning_fpdt.offload.tiling import TiledForward
+from lightning_fpdt.parallel.binding import SequenceParallelContext
 
 
 def decoder_modules(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
@@ -230,7 +231,7 @@ class RecomputedWrites(MutableMapping):
 
 def install_memory_stack(model: PreTrainedModel, mlp_tiles: int | None, router_loss: RouterLoss | None = None) -> None:
     """Give every decoder layer of ``model`` its :class:`CheckpointedForward` and its MLP a
-    :class:`~lightning_fpdt.tiling.TiledForward` of ``mlp_tiles`` (``None``: automatic; ``1``: off), or, for a
+    :class:`~lightning_fpdt.offload.tiling.TiledForward` of ``mlp_tiles`` (``None``: automatic; ``1``: off), or, for a
     mixture-of-experts MLP, an :class:`~lightning_fpdt.hf.experts.ExpertsForward` feeding ``router_loss``.
 
     A decoder layer without a feed-forward (:func:`feed_forward`: a hybrid's mixer-only layer) has nothing to

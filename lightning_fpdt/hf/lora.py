@@ -15,13 +15,13 @@ What the FPDT path asks of a target, checked here so that nothing is trained sil
   is read directly by the tiled loss, a convolution's by the sequence-parallel mixers, a router's logits by the
   auxiliary loss (:func:`add_adapters` refuses them, named);
 - no dropout where the layer is recomputed in backward (the tiled MLP, checkpointed decoder layers): random numbers
-  are not replayed there (:mod:`lightning_fpdt.recompute`), so the recomputation would draw another mask than the
-  forward (:func:`check_adapter_dropout`);
+  are not replayed there (:mod:`lightning_fpdt.offload.recompute`), so the recomputation would draw another mask than
+  the forward (:func:`check_adapter_dropout`);
 - called: at the first forward every adapted layer must run as a module (:class:`AdapterCalls`); a family that reads
   a projection's weight directly would bypass its adapter.
 
 A model built on the meta device (a local directory) reads its base weights under transformers' names and draws its
-adapters as peft does (:class:`AdaptedWeights`). Exports (:mod:`lightning_fpdt.lora_export`): the merged model
+adapters as peft does (:class:`AdaptedWeights`). Exports (:mod:`lightning_fpdt.export.adapter`): the merged model
 (``W + scaling * B @ A`` under transformers' names, :func:`export_sources`) or the adapter in peft's format
 (:func:`adapter_keys`, :func:`adapter_config`).
 """
@@ -44,9 +44,9 @@ from transformers import PreTrainedModel
 from lightning_fpdt.hf.experts import ExpertsForward
 from lightning_fpdt.hf.layers import decoder_modules
 from lightning_fpdt.hf.weights import PretrainedWeights, compute_buffers, named_tensor
+from lightning_fpdt.models.weight_files import fill_shard, tensor_names
+from lightning_fpdt.offload.tiling import TiledForward
 from lightning_fpdt.optional import require
-from lightning_fpdt.tiling import TiledForward
-from lightning_fpdt.weight_files import fill_shard, tensor_names
 
 ADAPTER = "default"  # peft's adapter name: one adapter per model
 # the LoraConfig fields HFCausalLM takes; the others change what a layer computes or trains in ways not tested here
@@ -172,7 +172,7 @@ def add_adapters(model: PreTrainedModel, spec: dict[str, Any] | None) -> Any:
 def check_adapter_dropout(model: PreTrainedModel, checkpointing: bool) -> None:
     """Refuse ``lora_dropout > 0`` on a layer recomputed in backward: inside a tiled MLP (or tiled experts), or in
     any decoder layer when ``checkpointing``. Random numbers are not replayed by a recomputation
-    (:mod:`lightning_fpdt.recompute`): it would draw another mask than the forward did, and the gradients would
+    (:mod:`lightning_fpdt.offload.recompute`): it would draw another mask than the forward did, and the gradients would
     belong to neither. Elsewhere (the attention's projections without checkpointing) dropout runs once, as in peft.
 
     Raises:

@@ -1,5 +1,5 @@
 """Which modules of a transformers model mix tokens outside its attention layers
-(:mod:`lightning_fpdt.token_mixing`), with every attention layer stood in for by a position-wise one.
+(:mod:`lightning_fpdt.layers.token_mixing`), with every attention layer stood in for by a position-wise one.
 
 The stand-in is an attention implementation registered under its own name in which each query attends to its
 own key only (its output is its value), so the attention layers' projections, norms and gates still run, and a
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.hf.layers import decoder_modules
-from lightning_fpdt.token_mixing import TokenMixer, find_token_mixers, probe_ids
+from lightning_fpdt.layers.token_mixing import TokenMixer, find_token_mixers, probe_ids
 
 _SELF_ONLY = "lightning_fpdt_self_only"
 

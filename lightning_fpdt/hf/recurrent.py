@@ -27,7 +27,7 @@ pays. Head counts the group does not divide: a delta rule's key heads are replic
 read one key head (as attention's KV heads), Mamba-2's ``B``/``C`` groups likewise (each chunk's ``B`` and ``C`` are
 gathered whole, and each rank keeps the groups its heads read); anything else is refused with the numbers. Under a
 ring (its zigzag layout) the all-to-all runs over the whole group and the gathered chunk is sorted into sequence
-order for the kernel (:func:`lightning_fpdt.layout.gathered_order`), its output put back after.
+order for the kernel (:func:`lightning_fpdt.parallel.layout.gathered_order`), its output put back after.
 
 On CUDA the family's kernels are whatever transformers bound (flash-linear-attention, mamba-ssm, causal-conv1d); the
 fused Mamba-2 training kernel (``mamba2_split_conv1d_scan_combined``), which would convolve and scan this rank's
@@ -46,15 +46,15 @@ import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.chunk_store import ChunkStore
-from lightning_fpdt.comm import HeadToSeq, SeqToHead, all_gather_autograd, expand_kv_heads, group_rank
 from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
 from lightning_fpdt.hf.kernel_binding import reached_kernels, rebind
 from lightning_fpdt.hf.short_conv import causal_conv
-from lightning_fpdt.layout import chunk_lengths, gathered_order, inverse_permutation
-from lightning_fpdt.packed_documents import PackedDocuments
-from lightning_fpdt.recompute import INPUT_KIND, recomputed_call
+from lightning_fpdt.offload.chunk_store import ChunkStore
+from lightning_fpdt.offload.recompute import INPUT_KIND, recomputed_call
+from lightning_fpdt.parallel.binding import SequenceParallelContext
+from lightning_fpdt.parallel.comm import HeadToSeq, SeqToHead, all_gather_autograd, expand_kv_heads, group_rank
+from lightning_fpdt.parallel.layout import chunk_lengths, gathered_order, inverse_permutation
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 CONV = "causal_conv1d_fn"
 DELTA_RULE = "torch_chunk_gated_delta_rule"
@@ -203,8 +203,9 @@ class SequenceParallelRecurrence:
         """``run`` over the sequence chunk by chunk: ``by_head`` tensors ``[b, s_local, heads, ...]`` all-to-all'd
         to the whole chunk of this rank's heads, ``whole`` ones ``[b, s_local, ...]`` gathered whole, both in sequence
         order, ``params`` given to every chunk, the outputs all-to-all'd back: ``[b, s_local, heads, ...]``. Each chunk
-        is a :func:`~lightning_fpdt.recompute.recomputed_call` keeping only its inputs and starting states (not the
-        kernel's ``c x c`` matrices of every head): a checkpointed layer's recomputation holds one chunk's at a time."""
+        is a :func:`~lightning_fpdt.offload.recompute.recomputed_call` keeping only its inputs and starting states (not
+        the kernel's ``c x c`` matrices of every head): a checkpointed layer's recomputation holds one chunk's at a
+        time."""
         ctx = self._context
         group, p, s = ctx.group, ctx.size, by_head[0].shape[1] * ctx.size
         states: list[Tensor] = []  # per group of samples (PackedDocuments.pieces), after the chunk before
@@ -296,8 +297,9 @@ def scan_split(heads: int, groups: int, p: int) -> str | None:
 
 
 def _split(outer: int, outer_name: str, inner: int, inner_name: str, kept: str, p: int) -> str | None:
-    """The rule both kernels share (attention's for its KV heads too, :func:`~lightning_fpdt.comm.check_heads`):
-    ``outer`` divisible by ``p``, ``inner`` divisible by it or dividing it."""
+    """The rule both kernels share (attention's for its KV heads too,
+    :func:`~lightning_fpdt.parallel.comm.check_heads`): ``outer`` divisible by ``p``, ``inner`` divisible by it or
+    dividing it."""
     if outer % p == 0 and (inner % p == 0 or p % inner == 0):
         return None
     sizes = [q for q in range(1, outer + 1) if outer % q == 0 and (inner % q == 0 or q % inner == 0)]
@@ -331,9 +333,9 @@ def run_pieces(run: Kernel, lo: int, hi: int, documents: PackedDocuments | None,
 
 def _chunk(run: Kernel, lo: int, hi: int, documents: PackedDocuments | None, params: list[Tensor],
            layout: int | list[torch.Size], *tensors: Tensor) -> tuple[Tensor, ...]:
-    """One chunk for :func:`~lightning_fpdt.recompute.recomputed_call`: ``tensors`` are its inputs, then the states
-    it starts from (``layout``: the number of inputs, or their shapes when they come packed into the first tensor,
-    ``[b, L, sum of widths]``, as a store keeps one); ``(output, *states after)``."""
+    """One chunk for :func:`~lightning_fpdt.offload.recompute.recomputed_call`: ``tensors`` are its inputs, then the
+    states it starts from (``layout``: the number of inputs, or their shapes when they come packed into the first
+    tensor, ``[b, L, sum of widths]``, as a store keeps one); ``(output, *states after)``."""
     if isinstance(layout, int):
         inputs, states = list(tensors[:layout]), list(tensors[layout:])
     else:

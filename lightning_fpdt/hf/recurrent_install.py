@@ -17,10 +17,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.binding import SequenceParallelContext
 from lightning_fpdt.hf.kernel_binding import reached_kernels
 from lightning_fpdt.hf.recurrent import CONV, DELTA_RULE, SCAN, SequenceParallelRecurrence, recurrence_core
 from lightning_fpdt.hf.versions import TESTED_TRANSFORMERS, installed_transformers, untested_release_fix
+from lightning_fpdt.parallel.binding import SequenceParallelContext
 
 SEQUENCE_PARALLEL_LAYERS = frozenset({
     "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet",

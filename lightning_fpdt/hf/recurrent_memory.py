@@ -1,6 +1,6 @@
 """What a gated delta-net, Mamba-2 or short-convolution layer keeps, as the memory model counts it
-(:class:`~lightning_fpdt.binding.SequenceMixerMemory`), read from the module's widths: installed or not, so a model
-on the meta device is sized too. The counts follow what autograd saves in transformers' layers and kernels under
+(:class:`~lightning_fpdt.parallel.binding.SequenceMixerMemory`), read from the module's widths: installed or not, so a
+model on the meta device is sized too. The counts follow what autograd saves in transformers' layers and kernels under
 :mod:`lightning_fpdt.hf.recurrent` and :mod:`lightning_fpdt.hf.short_conv` (measured with saved-tensor hooks)."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from lightning_fpdt.hf.short_conv import is_short_conv
 @dataclass(frozen=True)
 class RecurrenceMemory:
     """What one gated delta-net or Mamba-2 layer keeps under :class:`SequenceParallelRecurrence`, per rank-token
-    (:class:`~lightning_fpdt.binding.SequenceMixerMemory`), from its widths: ``conv`` channels of a ``taps``-tap
-    convolution, chunk inputs of ``chunk_in`` values per token plus ``replicated`` ``(heads, width)`` replicated up
-    to sp and ``gathered`` values gathered whole (Mamba-2's ``B`` and ``C``: sp times), ``after`` values of the
-    position-wise ops after the kernel (gates, norm, output projection), ``state`` values of one chunk's state and
-    ``kernel`` float32 values per token of the kernel's intermediates when a chunk is recomputed. ``chunked``: the
+    (:class:`~lightning_fpdt.parallel.binding.SequenceMixerMemory`), from its widths: ``conv`` channels of a
+    ``taps``-tap convolution, chunk inputs of ``chunk_in`` values per token plus ``replicated`` ``(heads, width)``
+    replicated up to sp and ``gathered`` values gathered whole (Mamba-2's ``B`` and ``C``: sp times), ``after`` values
+    of the position-wise ops after the kernel (gates, norm, output projection), ``state`` values of one chunk's state
+    and ``kernel`` float32 values per token of the kernel's intermediates when a chunk is recomputed. ``chunked``: the
     layer runs :class:`~lightning_fpdt.hf.recurrent.SequenceParallelRecurrence` (chunk by chunk, each chunk
     recomputed in backward); ``False``: it runs its family's own forward over the whole local sequence (a layer
     that could not be given the sequence-parallel forward, trained in one process), whose kernel keeps its

@@ -125,7 +125,7 @@ class RouterLoss:
 
     def add_to(self, loss_sum: Tensor, num_tokens: Tensor) -> Tensor:
         """``loss_sum + coefficient * aux_rank * N`` (``N``: the world's count of target tokens), which
-        :func:`~lightning_fpdt.loss.token_weighted_loss` turns into the mean cross-entropy plus
+        :func:`~lightning_fpdt.layers.loss.token_weighted_loss` turns into the mean cross-entropy plus
         ``coefficient * aux``; closes the pass. A collective over the world when it has more than one rank."""
         self.open = False
         if not self.sums:  # no router ran (no pass opened): nothing to add

@@ -3,8 +3,8 @@
 A short convolution is ``out_proj(C * conv(B * x))`` with ``B, C, x = in_proj(h)`` and a causal depthwise
 convolution of ``K`` taps (LFM2: 3) along the sequence. Token ``t``'s output reads tokens ``t - K + 1 .. t`` of
 its document. Under the FPDT layout a rank holds sub-chunk ``(i, r)`` of every global chunk ``i`` (``C / P``
-tokens each; :func:`lightning_fpdt.layout.fpdt_permutation`), so the ``K - 1`` tokens before a sub-chunk are the
-tail of sub-chunk ``(i, r - 1)`` on rank ``r - 1``, or for ``r = 0`` the tail of ``(i - 1, P - 1)`` on the last
+tokens each; :func:`lightning_fpdt.parallel.layout.fpdt_permutation`), so the ``K - 1`` tokens before a sub-chunk are
+the tail of sub-chunk ``(i, r - 1)`` on rank ``r - 1``, or for ``r = 0`` the tail of ``(i - 1, P - 1)`` on the last
 rank (and the sub-chunks before that too where sub-chunks are shorter than ``K - 1`` tokens: a short last chunk).
 The convolution's tail is carried that way: one all-gather of every sub-chunk's last ``K - 1`` inputs of the
 convolution (``[P, batch, chunks, K - 1, width]``, autograd-aware), then each sub-chunk convolved with its tail in
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.comm import all_gather_autograd, group_rank, group_size
-from lightning_fpdt.layout import chunk_lengths, fpdt_permutation, shard_indices
-from lightning_fpdt.packed_documents import PackedDocuments
+from lightning_fpdt.parallel.binding import SequenceParallelContext
+from lightning_fpdt.parallel.comm import all_gather_autograd, group_rank, group_size
+from lightning_fpdt.parallel.layout import chunk_lengths, fpdt_permutation, shard_indices
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 
 def is_short_conv(module: nn.Module) -> bool:

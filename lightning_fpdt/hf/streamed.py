@@ -1,9 +1,9 @@
-"""A transformers decoder layer that streams chunk by chunk (:mod:`lightning_fpdt.streaming`).
+"""A transformers decoder layer that streams chunk by chunk (:mod:`lightning_fpdt.layers.streaming`).
 
 The layer's own forward runs on one chunk of tokens at a time: its hidden states and every per-token argument
 (position ids, the rotary ``(cos, sin)``, ``cache_position``) are sliced to the chunk, and its attention call
 (:func:`lightning_fpdt.hf.attention.fpdt_attention_forward`) finds the layer's
-:class:`~lightning_fpdt.streaming.LayerStream` on the attention module and answers from it: this chunk's q/k/v,
+:class:`~lightning_fpdt.layers.streaming.LayerStream` on the attention module and answers from it: this chunk's q/k/v,
 projected by the layer itself (q/k norms, partial rotary, gates and all), against the keys and values of every earlier
 chunk. No whole-sequence q/k/v exists.
 
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from lightning_fpdt.hf.attention import is_attention_layer, receives_keywords
 from lightning_fpdt.hf.temperature import tunes_temperature
-from lightning_fpdt.streaming import LayerStream, streaming_into
+from lightning_fpdt.layers.streaming import LayerStream, streaming_into
 
 
 def stream_refusal(layer: nn.Module, hidden: Tensor, args: tuple, kwargs: dict[str, Any], extras: bool,
@@ -80,7 +80,7 @@ def _slice(value: Any, b: int, s: int, lo: int, hi: int) -> Any:
 
 def chunked_layer(layer: nn.Module, run: Callable[..., Any], hidden: Tensor, args: tuple, kwargs: dict[str, Any]
                   ) -> Callable[[Tensor, int, int, LayerStream], Tensor]:
-    """``run_chunk`` of :func:`~lightning_fpdt.streaming.streamed_layer_call` for a transformers decoder layer:
+    """``run_chunk`` of :func:`~lightning_fpdt.layers.streaming.streamed_layer_call` for a transformers decoder layer:
     ``run(x_c, *args, **kwargs)`` with every per-token argument cut to the chunk, its attention layer answering from
     the stream."""
     attention = [m for m in layer.modules() if is_attention_layer(m)]
@@ -108,8 +108,8 @@ def final_norm(model: nn.Module) -> nn.Module | None:
 @contextmanager
 def norm_skipped(norm: nn.Module) -> Iterator[list[Tensor]]:
     """Inside the block ``norm`` returns its input unchanged (the tiled loss applies it tile by tile:
-    :func:`~lightning_fpdt.loss.tiled_cross_entropy_sum`); the list receives each input it was given, so the caller
-    can check that the model's output is that input, untouched by anything after the norm."""
+    :func:`~lightning_fpdt.layers.loss.tiled_cross_entropy_sum`); the list receives each input it was given, so the
+    caller can check that the model's output is that input, untouched by anything after the norm."""
     seen: list[Tensor] = []
 
     def passthrough(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.comm import group_rank
-from lightning_fpdt.layout import shard_indices
-from lightning_fpdt.packed_documents import PackedDocuments
+from lightning_fpdt.parallel.binding import SequenceParallelContext
+from lightning_fpdt.parallel.comm import group_rank
+from lightning_fpdt.parallel.layout import shard_indices
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 
 def tunes_temperature(module: nn.Module) -> bool:

@@ -20,7 +20,7 @@ that are not stored (RoPE's ``inv_freq``, Gemma's ``embed_scale``) are computed 
 
 ``HFCausalLM`` hands :class:`PretrainedWeights` to :class:`~lightning_fpdt.models.causal_lm.CausalLM`, which calls it
 where the weights are needed; the bundled models read the same files through their weight-name tables
-(:mod:`~lightning_fpdt.models.pretrained`); both read through :mod:`lightning_fpdt.weight_files`.
+(:mod:`~lightning_fpdt.models.pretrained`); both read through :mod:`lightning_fpdt.models.weight_files`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.weight_files import SafetensorsFiles, fill_shard, tensor_names
+from lightning_fpdt.models.weight_files import SafetensorsFiles, fill_shard, tensor_names
 
 
 def build_on_meta(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:

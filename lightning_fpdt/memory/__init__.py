@@ -15,10 +15,10 @@ The model counts what lightning-fpdt's implementation keeps (see docs/how-fpdt-w
   q/k/v/out chunks and lse (with a ring of ``ring_size`` ranks, k/v of the whole sequence at the Ulysses degree
   ``sp / ring_size``: the ring peers' parts join the rank's store), the o_proj input, the MLP intermediates unless
   tiled; a hybrid's layers by what each has, a gated delta-net's or Mamba-2 mixer's conv windows, chunk inputs and
-  states as its :class:`~lightning_fpdt.binding.SequenceMixerMemory` says); with activation checkpointing only the
-  block input (on the host with ``offload_checkpoints``);
+  states as its :class:`~lightning_fpdt.parallel.binding.SequenceMixerMemory` says); with activation checkpointing only
+  the block input (on the host with ``offload_checkpoints``);
 - the largest transient: the loss (full logits unless tiled) or the backward of one block (recomputed
-  with activation checkpointing; a streamed one, :mod:`lightning_fpdt.streaming`, holds its output's and
+  with activation checkpointing; a streamed one, :mod:`lightning_fpdt.layers.streaming`, holds its output's and
   input's gradients and one chunk's work: ``EstimateOptions.streaming``), plus the attention working set of one
   chunk (a mixer's: one chunk's kernel intermediates and their gradients; with a ring, its point-to-point buffers:
   the backward's packed key/value gradient sums in the accumulation dtype);
@@ -44,11 +44,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from lightning_fpdt.comm import heads_fit
-from lightning_fpdt.layout import layout_multiple, padded_length
 from lightning_fpdt.memory.estimate_options import OPTIMIZER_STATES, PRECISION_BYTES, EstimateOptions
 from lightning_fpdt.memory.shape import LayerKind, ModelShape
-from lightning_fpdt.tiling import largest_tile, mlp_tile_tokens
+from lightning_fpdt.offload.tiling import largest_tile, mlp_tile_tokens
+from lightning_fpdt.parallel.comm import heads_fit
+from lightning_fpdt.parallel.layout import layout_multiple, padded_length
 
 __all__ = ["GIB", "EstimateOptions", "MemoryEstimate", "ModelShape", "auto_chunk_size", "communication_bytes",
            "estimate", "format_bytes", "report"]
@@ -180,7 +180,8 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # the loss: full float32 logits unless tiled (then one tile of the rank's tokens at a time)
     tile_tokens = largest_tile(t, shape.loss_tiles) if options.loss_tiled else t
     logits = tile_tokens * shape.vocab_size * 4
-    # streamed layers (lightning_fpdt.streaming): checkpointed, in two or more chunks, attention and per-token work only
+    # streamed layers (lightning_fpdt.layers.streaming): checkpointed, in two or more chunks, attention and per-token
+    # work only
     streams = options.streaming and options.activation_checkpointing and chunk_tokens_rank < t
     def streamed(kind: LayerKind) -> bool:
         return streams and kind.attention and not kind.mixers
@@ -303,12 +304,13 @@ def communication_bytes(shape: ModelShape, options: EstimateOptions, seq_len: in
     """Bytes one rank sends per training step of ``shape`` on sequences of ``seq_len`` tokens under ``options``,
     summed over the attention layers (``benchmarks/ring.py`` measures them).
 
-    The sequence-parallel group of ``P = U x R`` ranks (``lightning_fpdt.mesh``) moves, in every attention layer:
+    The sequence-parallel group of ``P = U x R`` ranks (``lightning_fpdt.parallel.mesh``) moves, in every attention
+    layer:
 
     - inside each Ulysses group of ``U`` ranks, per chunk, the all-to-alls of q, k, v (forward) and of the output
       back, and in backward those of ``dout``, ``dq``, ``dk`` and ``dv``. An all-to-all keeps ``1 / U`` of its input on
       the rank and sends the rest, so each moves ``(U - 1) / U`` of the rank's local tensor. KV heads fewer than ``U``
-      are replicated before it (:func:`lightning_fpdt.comm.expand_kv_heads`): k and v then move at ``U`` heads;
+      are replicated before it (:func:`lightning_fpdt.parallel.comm.expand_kv_heads`): k and v then move at ``U`` heads;
     - inside each ring of ``R`` ranks, per chunk, this rank's key/value part (``C / R`` tokens at the rank's heads of
       the Ulysses group) to every ring peer whose queries see it: all ``R - 1`` of them under causal or full attention
       (a window or documents may spare some; not modelled: the figure is the upper bound). In backward the peers send
@@ -348,7 +350,7 @@ def communication_bytes(shape: ModelShape, options: EstimateOptions, seq_len: in
 def auto_chunk_size(
     shape: ModelShape, seq_len: int, budget_bytes: int, options: EstimateOptions | None = None
 ) -> int | None:
-    """The largest chunk size (a multiple of :func:`~lightning_fpdt.layout.layout_multiple` of the
+    """The largest chunk size (a multiple of :func:`~lightning_fpdt.parallel.layout.layout_multiple` of the
     sequence-parallel and ring sizes, halving from the whole sequence) whose estimated device peak fits
     ``budget_bytes``; ``None`` means no chunking fits best (one chunk). ``options.chunk_size`` is not read.
 
@@ -356,7 +358,7 @@ def auto_chunk_size(
         ValueError: when not even the smallest chunk fits, naming the estimate and the budget.
     """
     options = options or EstimateOptions()
-    # every chunk is cut into one sub-chunk per rank and, with a ring, 2 x ring pieces (lightning_fpdt.layout)
+    # every chunk is cut into one sub-chunk per rank and, with a ring, 2 x ring pieces (lightning_fpdt.parallel.layout)
     multiple = layout_multiple(options.sequence_parallel_size, options.ring_size)
     s_pad = -(-seq_len // multiple) * multiple
     candidates: list[int | None] = [None]  # no chunking first, then halving chunks (multiples of the layout's)

@@ -1,7 +1,7 @@
 """The settings of a memory estimate: one frozen object, built from a strategy's options or from a YAML.
 
 :class:`EstimateOptions` is what :func:`lightning_fpdt.memory.estimate`, :func:`~lightning_fpdt.memory.auto_chunk_size`,
-:func:`~lightning_fpdt.memory.report` and :class:`lightning_fpdt.planning.ChunkPlanner` take. It is built in
+:func:`~lightning_fpdt.memory.report` and :class:`lightning_fpdt.memory.planning.ChunkPlanner` take. It is built in
 one of two ways, and each rule is written once, in the strategy's configuration
 (:class:`lightning_fpdt.options.FPDTOptions`):
 
@@ -41,7 +41,7 @@ class EstimateOptions:
     """Samples per step on each data-parallel rank."""
     chunk_size: int | Literal["auto"] | None = None
     """Global tokens per attention chunk; ``None``: one chunk (plain Ulysses); ``"auto"``: to be picked
-    against a budget (:func:`~lightning_fpdt.memory.report`, :class:`~lightning_fpdt.planning.ChunkPlanner`);
+    against a budget (:func:`~lightning_fpdt.memory.report`, :class:`~lightning_fpdt.memory.planning.ChunkPlanner`);
     :func:`~lightning_fpdt.memory.estimate` needs it resolved."""
     sequence_parallel_size: int = 1
     """Ranks sharing one sample's sequence."""
@@ -49,7 +49,7 @@ class EstimateOptions:
     """Sequence-parallel groups (matters when parameters are sharded over data x sequence ranks)."""
     ring_size: int = 1
     """Of the sequence-parallel group, ranks that form a ring (``sequence_parallel_size = ulysses x ring``,
-    :mod:`lightning_fpdt.mesh`): the heads are scattered over the Ulysses degree ``sequence_parallel_size /
+    :mod:`lightning_fpdt.parallel.mesh`): the heads are scattered over the Ulysses degree ``sequence_parallel_size /
     ring_size`` only, and each rank's chunk store holds its ring peers' key/value parts too. 1: plain Ulysses."""
     offload: bool = False
     """Saved attention chunks live in host memory (the strategy's ``offload="on"``)."""
@@ -76,8 +76,8 @@ class EstimateOptions:
     second copy of the gradients, kept between steps."""
     streaming: bool = True
     """Checkpointed decoder layers with chunked attention and no other token mixer stream chunk by chunk
-    (:mod:`lightning_fpdt.streaming`) and the tiled loss applies the final norm; ``False``: layers recomputed whole
-    (``SequenceParallelContext.streaming``, for comparisons)."""
+    (:mod:`lightning_fpdt.layers.streaming`) and the tiled loss applies the final norm; ``False``: layers recomputed
+    whole (``SequenceParallelContext.streaming``, for comparisons)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISION_BYTES:

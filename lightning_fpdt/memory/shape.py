@@ -1,8 +1,8 @@
 """The shape of a model as the memory model needs it, read from the module itself.
 
-:meth:`ModelShape.from_module` reads a model built from :class:`~lightning_fpdt.block.FPDTBlock` s or wrapping a
+:meth:`ModelShape.from_module` reads a model built from :class:`~lightning_fpdt.layers.block.FPDTBlock` s or wrapping a
 Hugging Face decoder (:class:`~lightning_fpdt.models.HFCausalLM`): its decoder layers (through
-:func:`lightning_fpdt.binding.decoder_layers`), its output projection or token embedding, its parameters and
+:func:`lightning_fpdt.parallel.binding.decoder_layers`), its output projection or token embedding, its parameters and
 whether its MLP and loss are tiled. No model class is imported: the rules are structural.
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_fpdt.binding import DecoderLayer, SequenceMixerMemory, decoder_layers
 from lightning_fpdt.memory.experts import read_experts
-from lightning_fpdt.tiling import configured_tiles
+from lightning_fpdt.offload.tiling import configured_tiles
+from lightning_fpdt.parallel.binding import DecoderLayer, SequenceMixerMemory, decoder_layers
 
 _EXPLICIT = "set an explicit chunk_size instead of 'auto' (`python -m lightning_fpdt.memory` helps choose one)"
 
@@ -22,8 +22,8 @@ _EXPLICIT = "set an explicit chunk_size instead of 'auto' (`python -m lightning_
 @dataclass(frozen=True)
 class LayerKind:
     """What one decoder layer has, for a hybrid: attention, an MLP, and the sequence-parallel modules that mix
-    tokens besides attention (:class:`~lightning_fpdt.binding.SequenceMixerMemory`: a gated delta-net, a Mamba-2
-    mixer, a short convolution)."""
+    tokens besides attention (:class:`~lightning_fpdt.parallel.binding.SequenceMixerMemory`: a gated delta-net, a
+    Mamba-2 mixer, a short convolution)."""
 
     attention: bool = True
     mlp: bool = True
@@ -50,7 +50,7 @@ class ModelShape:
         norm_extras: hidden-wide tensors a block's norms keep besides their input (LayerNorm 0, RMSNorm 1 each).
         chunked_projections: q/k/v are projected chunk by chunk inside the attention pipeline (``FPDTBlock``);
             ``False`` (Hugging Face layers): the whole local q/k/v exist while a layer runs.
-        mlp_tiles: the MLP's ``num_tiles`` when it is tiled, sized by the rule of :mod:`lightning_fpdt.tiling`;
+        mlp_tiles: the MLP's ``num_tiles`` when it is tiled, sized by the rule of :mod:`lightning_fpdt.offload.tiling`;
             ``None``: automatic (also for an untiled MLP: what an estimate with ``mlp_tiled`` assumes).
         loss_tiles: the loss's ``num_tiles`` when it is tiled, likewise.
         experts_per_token: an MoE layer's ``top_k`` (1: dense): MLP activations count once per routed expert.
@@ -107,13 +107,13 @@ class ModelShape:
 
     @classmethod
     def from_module(cls, module: nn.Module) -> tuple[ModelShape, dict[str, bool]]:
-        """The shape of a model built from :class:`~lightning_fpdt.block.FPDTBlock` s or wrapping a Hugging
+        """The shape of a model built from :class:`~lightning_fpdt.layers.block.FPDTBlock` s or wrapping a Hugging
         Face decoder (:class:`~lightning_fpdt.models.HFCausalLM`), and whether its MLP and loss are tiled
         (``{"mlp_tiled": ..., "loss_tiled": ...}``, fields of :class:`EstimateOptions`).
 
         What is read, and from where (``module`` may be the ``LightningModule`` or the model inside it):
 
-        - the decoder layers (:func:`~lightning_fpdt.binding.decoder_layers`: the FPDT blocks, or the
+        - the decoder layers (:func:`~lightning_fpdt.parallel.binding.decoder_layers`: the FPDT blocks, or the
           transformers decoder layers, sized from the model's config), which must all have the same shape:
           ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim`` and ``v_head_dim``;
         - ``norm_extras``: 0 for each LayerNorm of a layer, 1 for any other norm (RMSNorm);
@@ -121,7 +121,7 @@ class ModelShape:
           ``hidden_size``; ``intermediate_size`` is that layer's ``in_features`` and ``mlp_projections`` is
           the width of its other ``nn.Linear`` s over the intermediate (2 for a gated MLP, fused or not); an MoE
           MLP's experts likewise, and its ``top_k`` (:mod:`lightning_fpdt.memory.experts`). It is tiled when
-          every layer's MLP is, in ``mlp_tiles`` tiles (:func:`~lightning_fpdt.tiling.configured_tiles`);
+          every layer's MLP is, in ``mlp_tiles`` tiles (:func:`~lightning_fpdt.offload.tiling.configured_tiles`);
         - ``vocab_size``: the ``out_features`` of the output projection, the widest ``nn.Linear`` outside
           the layers that reads ``hidden_size``; without one, the ``num_embeddings`` of the first
           ``nn.Embedding`` of width ``hidden_size`` outside the layers (the token embedding, taken as

@@ -19,11 +19,14 @@ without it.
 from typing import Any
 
 from lightning_fpdt.models.causal_lm import CausalLM
+from lightning_fpdt.models.class_paths import publish
 from lightning_fpdt.models.contract import DecoderModel
 from lightning_fpdt.models.convert import gpt_from_hf, llama_from_hf, to_hf
 from lightning_fpdt.models.gpt import GPT, GPTLM, GPTConfig
 from lightning_fpdt.models.llama import Llama, LlamaConfig, LlamaLM
 from lightning_fpdt.optional import require
+
+publish(__name__, CausalLM, GPT, GPTConfig, GPTLM, Llama, LlamaConfig, LlamaLM)
 
 __all__ = ["GPT", "CausalLM", "DecoderModel", "GPTConfig", "GPTLM", "HFCausalLM", "Llama", "LlamaConfig", "LlamaLM",
            "gpt_from_hf", "llama_from_hf", "to_hf"]

@@ -17,17 +17,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.accumulation import TokenWindow, scale_window_gradients
-from lightning_fpdt.batches import shard_batch
-from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.class_paths import class_path_of
-from lightning_fpdt.layout import default_position_ids
-from lightning_fpdt.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
+from lightning_fpdt.layers.accumulation import TokenWindow, scale_window_gradients
+from lightning_fpdt.layers.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
+from lightning_fpdt.layers.token_mixing import TokenMixer, refusal
+from lightning_fpdt.models.class_paths import class_path_of
 from lightning_fpdt.models.contract import OWN_MODEL_DOC, CountsFlops, DecoderModel, check_decoder_model, output_norm
 from lightning_fpdt.models.metrics import AnswerAccuracy
 from lightning_fpdt.models.mixing import own_token_mixers
 from lightning_fpdt.models.pending_weights import PendingWeightsModule
-from lightning_fpdt.token_mixing import TokenMixer, refusal
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext
+from lightning_fpdt.parallel.layout import default_position_ids
 
 
 class CausalLM(PendingWeightsModule):
@@ -39,7 +39,7 @@ class CausalLM(PendingWeightsModule):
     (already shifted, as ``FPDTStrategy`` produces them) and ``position_ids``. The loss is token-weighted
     across every rank, so sequence and data parallel training give the single-process gradient, and across
     the micro-batches of an accumulation window (``accumulate_grad_batches``; :attr:`token_window`, a
-    :class:`~lightning_fpdt.accumulation.TokenWindow`), so the optimizer gets the window's gradient as one batch.
+    :class:`~lightning_fpdt.layers.accumulation.TokenWindow`), so the optimizer gets the window's gradient as one batch.
 
     Args:
         loss_tiles: token tiles of the output projection + cross-entropy, each recomputed in backward, so
@@ -142,7 +142,7 @@ class CausalLM(PendingWeightsModule):
         """The batch as ``FPDTStrategy`` hands it over: pre-shifted targets, position ids, documents.
 
         A batch that did not come through the strategy (one process, another strategy) gets the same
-        preparation here (:func:`lightning_fpdt.batches.shard_batch` with one rank), so packed documents,
+        preparation here (:func:`lightning_fpdt.parallel.batches.shard_batch` with one rank), so packed documents,
         ``attention_mask`` and ``loss_mask`` mean the same with and without sequence parallelism.
         """
         if not isinstance(batch, dict) or "input_ids" not in batch:

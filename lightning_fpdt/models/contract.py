@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
-from lightning_fpdt.packed_documents import PackedDocuments
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 OWN_MODEL_DOC = "docs/own-model.md"
 

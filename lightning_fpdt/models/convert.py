@@ -75,7 +75,7 @@ def llama_from_hf(model: Any, **overrides: Any) -> Llama:
 
     RMSNorm computes in float32, and the RoPE schedule (``rope_theta``, the scaling in ``rope_parameters``:
     linear, Llama 3 or YaRN) and ``max_position_embeddings`` are carried into ``LlamaConfig``, whose
-    frequencies equal transformers' bit for bit (:func:`lightning_fpdt.rope.rope_frequencies`). To read a
+    frequencies equal transformers' bit for bit (:func:`lightning_fpdt.layers.rope.rope_frequencies`). To read a
     model directory where its weights are needed (each rank only its shards), use ``LlamaLM(hf_checkpoint=...)``
     instead: this loads the whole transformers model first.
 
@@ -87,7 +87,7 @@ def llama_from_hf(model: Any, **overrides: Any) -> Llama:
         FileNotFoundError: no directory at the path.
         TypeError: another model class.
         NotImplementedError: a ``head_dim`` other than ``hidden_size / heads``, or a RoPE type other than
-            default, linear, llama3 and yarn (:meth:`~lightning_fpdt.rope.RopeScaling.from_hf`).
+            default, linear, llama3 and yarn (:meth:`~lightning_fpdt.layers.rope.RopeScaling.from_hf`).
     """
     return from_hf(model, llama.FAMILY, **overrides)
 

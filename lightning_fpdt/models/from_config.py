@@ -22,9 +22,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningArgumentParser
 
-from lightning_fpdt.class_paths import resolve_class
 from lightning_fpdt.models.bundled import BundledLM
 from lightning_fpdt.models.causal_lm import CausalLM
+from lightning_fpdt.models.class_paths import resolve_class
 from lightning_fpdt.models.convert import family_holding
 
 MODEL_DEFAULT = {"class_path": "lightning_fpdt.models.LlamaLM"}  # fpdt-train's default model

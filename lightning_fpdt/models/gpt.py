@@ -12,14 +12,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.block import FPDTAttention, FPDTBlock
-from lightning_fpdt.layout import default_position_ids
+from lightning_fpdt.layers.block import FPDTAttention, FPDTBlock
+from lightning_fpdt.layers.rope import RotaryEmbedding
 from lightning_fpdt.models.bundled import BundledLM
 from lightning_fpdt.models.family import Family, Weight
 from lightning_fpdt.models.init import init_weights
-from lightning_fpdt.packed_documents import PackedDocuments
-from lightning_fpdt.rope import RotaryEmbedding
-from lightning_fpdt.tiling import TiledMLP
+from lightning_fpdt.offload.tiling import TiledMLP
+from lightning_fpdt.parallel.layout import default_position_ids
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 
 @dataclass

@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.block import FPDTAttention, FPDTBlock
-from lightning_fpdt.layout import default_position_ids
+from lightning_fpdt.layers.block import FPDTAttention, FPDTBlock
+from lightning_fpdt.layers.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_theta_of
 from lightning_fpdt.models.bundled import BundledLM
 from lightning_fpdt.models.family import Family, Weight
 from lightning_fpdt.models.init import init_weights
-from lightning_fpdt.packed_documents import PackedDocuments
-from lightning_fpdt.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_theta_of
-from lightning_fpdt.tiling import TiledMLP
+from lightning_fpdt.offload.tiling import TiledMLP
+from lightning_fpdt.parallel.layout import default_position_ids
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 
 @dataclass
@@ -39,7 +39,7 @@ class LlamaConfig:
         num_key_value_heads: key/value heads (GQA); ``None`` means ``num_attention_heads``.
         rope_theta: RoPE base.
         rope_scaling: a scaled RoPE schedule for context extension (linear, Llama 3 or YaRN; a
-            :class:`~lightning_fpdt.rope.RopeScaling` or its fields as a dict, transformers' ``rope_parameters``
+            :class:`~lightning_fpdt.layers.rope.RopeScaling` or its fields as a dict, transformers' ``rope_parameters``
             names); ``None``: unscaled.
         max_position_embeddings: the context the model is meant for (Hugging Face's field; carried to and from
             ``transformers``, where YaRN reads it when ``factor`` is unset; the own model has no length limit).
@@ -234,7 +234,7 @@ def llama_config_from_hf(config: Any, **overrides: Any) -> LlamaConfig:
 
     RMSNorm computes in float32, and the RoPE schedule (``rope_theta``, the scaling in ``rope_parameters``:
     linear, Llama 3 or YaRN) and ``max_position_embeddings`` are carried, so the frequencies equal
-    transformers' bit for bit (:func:`lightning_fpdt.rope.rope_frequencies`).
+    transformers' bit for bit (:func:`lightning_fpdt.layers.rope.rope_frequencies`).
 
     Args:
         config: a ``transformers`` ``LlamaConfig``.
@@ -242,7 +242,7 @@ def llama_config_from_hf(config: Any, **overrides: Any) -> LlamaConfig:
 
     Raises:
         NotImplementedError: a ``head_dim`` other than ``hidden_size / heads``, or a RoPE type other than
-            default, linear, llama3 and yarn (:meth:`~lightning_fpdt.rope.RopeScaling.from_hf`).
+            default, linear, llama3 and yarn (:meth:`~lightning_fpdt.layers.rope.RopeScaling.from_hf`).
     """
     c = config
     mapped = dict(

@@ -1,10 +1,10 @@
 """Which modules of an own model (a :class:`~lightning_fpdt.models.contract.DecoderModel`) mix tokens outside its
-sequence-parallel attention (:mod:`lightning_fpdt.token_mixing`), with that attention stood in for.
+sequence-parallel attention (:mod:`lightning_fpdt.layers.token_mixing`), with that attention stood in for.
 
-Stood in: every :class:`~lightning_fpdt.block.FPDTAttention` by its self-only form (each query sees its own key,
+Stood in: every :class:`~lightning_fpdt.layers.block.FPDTAttention` by its self-only form (each query sees its own key,
 so its output is ``o_proj(v_proj(x))``, key/value heads repeated: the projections still run, no pipeline does),
-and any other :class:`~lightning_fpdt.binding.SequenceParallelAttention` that is not an ``FPDTBlock`` by its own
-forward on each position alone (blocks run whole for the probe, not streamed). The rest of the model (embeddings,
+and any other :class:`~lightning_fpdt.parallel.binding.SequenceParallelAttention` that is not an ``FPDTBlock`` by its
+own forward on each position alone (blocks run whole for the probe, not streamed). The rest of the model (embeddings,
 norms, MLPs, whatever the user wrote) runs as it is. ``CausalLM`` refuses such a model when trained on more than one
 rank of a sequence-parallel group.
 """
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.binding import sequence_parallel_modules
-from lightning_fpdt.block import FPDTAttention, FPDTBlock
-from lightning_fpdt.layout import default_position_ids
-from lightning_fpdt.token_mixing import PROBE_LENGTH, TokenMixer, find_token_mixers, probe_ids
+from lightning_fpdt.layers.block import FPDTAttention, FPDTBlock
+from lightning_fpdt.layers.token_mixing import PROBE_LENGTH, TokenMixer, find_token_mixers, probe_ids
+from lightning_fpdt.parallel.binding import sequence_parallel_modules
+from lightning_fpdt.parallel.layout import default_position_ids
 
 
 def own_token_mixers(model: nn.Module, vocab_size: int) -> list[TokenMixer]:
@@ -65,7 +65,7 @@ def _stood_in(model: nn.Module) -> Iterator[None]:
             module.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
             stack.callback(module.__dict__.pop, "forward", None)
         for block in (m for m in model.modules() if isinstance(m, FPDTBlock)):
-            # a streamed block computes its attention itself (lightning_fpdt.streaming): run it whole, stood in
+            # a streamed block computes its attention itself (lightning_fpdt.layers.streaming): run it whole, stood in
             stack.callback(setattr, block, "context", block.context)
             block.context = dataclasses.replace(block.context, streaming=False)
         yield

@@ -3,13 +3,13 @@ weights read where they are needed (``LlamaLM(hf_checkpoint=path)``, ``GPTLM(hf_
 
 The config comes from the directory's ``config.json`` (transformers' ``AutoConfig``, mapped by the family's
 ``config_from_hf``), the model is built on the meta device (its config only: no memory, any size), and
-:class:`TableWeights` reads the safetensors files (:mod:`lightning_fpdt.weight_files`) through the family's
+:class:`TableWeights` reads the safetensors files (:mod:`lightning_fpdt.models.weight_files`) through the family's
 weight-name table (the rows ``llama_from_hf`` / ``gpt_from_hf`` copy), for
 :class:`~lightning_fpdt.models.causal_lm.CausalLM` to call where the weights are needed:
 
 - whole: each row of the table read once, into the model on its device and in its dtype;
 - sharded: after FSDP2's ``fully_shard``, a parameter's local shard holds rows ``r0:r1`` of dim 0 of our tensor
-  (:func:`~lightning_fpdt.weight_files.owned_rows`). In the stored tensor these are rows ``r0:r1`` (Llama;
+  (:func:`~lightning_fpdt.models.weight_files.owned_rows`). In the stored tensor these are rows ``r0:r1`` (Llama;
   GPT-2's norms and biases), rows ``o + r0 : o + r1`` of a fused tensor whose part from row ``o`` is ours (GPT-2's
   ``c_attn`` bias: q, k and v are its thirds), or columns ``o + r0 : o + r1`` of a transposed ``[in, out]`` weight
   (GPT-2's ``Conv1D``; ``c_attn``'s weight is transposed and fused). Each rank reads those elements only, so no
@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from lightning_fpdt.models.configs import with_overrides
 from lightning_fpdt.models.family import Family, Weight, check_table
+from lightning_fpdt.models.weight_files import SafetensorsFiles, fill_shard, tensor_names
 from lightning_fpdt.optional import require
-from lightning_fpdt.weight_files import SafetensorsFiles, fill_shard, tensor_names
 
 
 def from_pretrained_dir(family: Family, path: str | Path, config: Any | None, overrides: dict[str, Any] | None,

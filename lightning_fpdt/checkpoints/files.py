@@ -10,7 +10,7 @@
 
 Model and optimizer states are stored by parameter name (fully qualified names, not parameter ids),
 so a checkpoint loads into any data x sequence parallelism, chunk size, sharded or not. What a checkpoint
-keeps of the run besides (RNG states, the parallelism it was saved with): :mod:`lightning_fpdt.run_state`.
+keeps of the run besides (RNG states, the parallelism it was saved with): :mod:`lightning_fpdt.checkpoints.run_state`.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def resolve(path: str | os.PathLike) -> Path:
     if path.is_dir():
         raise FileNotFoundError(
             f"{path} is an incomplete sharded checkpoint (no {META_FILE}: its save was interrupted); resume from"
-            " an earlier one (lightning_fpdt.checkpoint_files.latest_checkpoint finds the newest complete one)."
+            " an earlier one (lightning_fpdt.checkpoints.files.latest_checkpoint finds the newest complete one)."
         )
     raise FileNotFoundError(f"no checkpoint at {path}")
 
@@ -254,7 +254,7 @@ def read(path: Path, mmap: bool = False) -> dict[str, Any]:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(
             f"FPDTStrategy: the checkpoint {path} is truncated or corrupt ({reason}). Resume from an earlier"
-            " checkpoint (lightning_fpdt.checkpoint_files.latest_checkpoint(dir) finds the newest complete one)."
+            " checkpoint (lightning_fpdt.checkpoints.files.latest_checkpoint(dir) finds the newest complete one)."
         ) from None
     if not isinstance(checkpoint, dict) or ("state_dict" not in checkpoint and path.name != META_FILE):
         kind = (

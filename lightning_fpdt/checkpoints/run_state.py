@@ -3,7 +3,7 @@ generator states and the parallelism the run had, under the checkpoint's ``"fpdt
 
 Saving gathers every rank's states (a collective); resuming restores this rank's, taking those of
 ``rank % saved ranks`` when the run has more ranks than the checkpoint, and logs a change of parallelism
-(the model and optimizer states load by name into any parallelism: :mod:`lightning_fpdt.checkpoint_files`).
+(the model and optimizer states load by name into any parallelism: :mod:`lightning_fpdt.checkpoints.files`).
 Only tensors and plain Python values, so the checkpoint loads with ``torch.load(weights_only=True)``.
 """
 

@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_fpdt.layout import IGNORE_INDEX
-from lightning_fpdt.tiling import tiled_call
+from lightning_fpdt.offload.tiling import tiled_call
+from lightning_fpdt.parallel.layout import IGNORE_INDEX
 
 
 def cross_entropy_sum(logits: Tensor, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
@@ -58,7 +58,7 @@ def token_weighted_loss(loss_sum: Tensor, num_tokens: Tensor) -> tuple[Tensor, T
     world, so each rank back-propagates ``W * loss_sum / N``: the average of those gradients is
     exactly the single-process gradient of the global mean. In one process this is
     ``loss_sum / num_tokens``. Training steps that accumulate gradients over several micro-batches
-    use :class:`lightning_fpdt.accumulation.TokenWindow`, which divides by the window's count instead.
+    use :class:`lightning_fpdt.layers.accumulation.TokenWindow`, which divides by the window's count instead.
 
     Returns:
         ``(loss_for_backward, mean_loss)``; ``mean_loss`` is detached and identical on every rank.
@@ -98,7 +98,7 @@ def tiled_cross_entropy_sum(
 ) -> tuple[Tensor, Tensor]:
     """Summed cross-entropy of the output projection, without a full ``[tokens, vocab]`` logits tensor.
 
-    The tokens of every sample run in tiles (:func:`~lightning_fpdt.tiling.tiled_call`): each tile's logits
+    The tokens of every sample run in tiles (:func:`~lightning_fpdt.offload.tiling.tiled_call`): each tile's logits
     are computed, reduced and dropped, and recomputed in backward, whose gradient is written in closed form
     (softmax minus one-hot), with the output embedding's gradient accumulated in place in float32 or wider.
 
@@ -106,7 +106,7 @@ def tiled_cross_entropy_sum(
         hidden: final hidden states ``[batch, seq, hidden]`` (this rank's shard under SP).
         weight: the output embedding ``[vocab, hidden]``.
         shift_labels: pre-shifted targets ``[batch, seq]``.
-        num_tiles: token tiles over ``batch x seq``, read as :func:`~lightning_fpdt.tiling.tiled_call` reads
+        num_tiles: token tiles over ``batch x seq``, read as :func:`~lightning_fpdt.offload.tiling.tiled_call` reads
             it (``None``: tiles of 1024 tokens; ``1``: off, full logits kept for backward).
         norm: the model's final norm, applied here tile by tile to ``hidden`` (then the states before it): no
             normed ``[batch, seq, hidden]`` tensor nor its gradient exists beside ``hidden`` and its gradient.

@@ -1,7 +1,7 @@
 """Sequence tiling, one rule for everything tiled: the MLP, the loss, the Hugging Face MLPs, the memory model.
 
 A tiled call runs over ``num_tiles`` slices of the sequence and keeps only its inputs; backward recomputes
-one tile at a time (:func:`lightning_fpdt.recompute.recomputed_call`), so no ``[tokens, intermediate]`` or
+one tile at a time (:func:`lightning_fpdt.offload.recompute.recomputed_call`), so no ``[tokens, intermediate]`` or
 ``[tokens, vocab]`` tensor exists for the whole sequence. The MLP's intermediate (3.5-4x the hidden size)
 is the largest activation of a block once attention is chunked; the loss's logits are wider still.
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_fpdt.recompute import Params, TileGrad, recomputed_call
+from lightning_fpdt.offload.recompute import Params, TileGrad, recomputed_call
 
 MIN_TILE_TOKENS = 1024
 """Automatic tiles are at least this many tokens: a large enough matrix multiply, and a tile's logits
@@ -68,7 +68,7 @@ def tiled_call(
     name: str = "tile",
 ) -> Tensor:
     """``fn(*inputs)`` over sequence tiles (dimension 1 of every input), keeping only the inputs for backward,
-    where each tile is recomputed (:func:`~lightning_fpdt.recompute.recomputed_call`).
+    where each tile is recomputed (:func:`~lightning_fpdt.offload.recompute.recomputed_call`).
 
     Args:
         fn: position-wise in dimension 1 (it must not mix tokens of different tiles); returns
@@ -78,7 +78,7 @@ def tiled_call(
             picks :func:`tile_count` of ``tile_tokens`` (and recomputes in backward even when that is one tile).
         params: the parameters ``fn`` uses (a module, or tensors it closes over).
         tile_tokens: the automatic tile size.
-        tile_grad: a closed form of one tile's gradients (:data:`~lightning_fpdt.recompute.TileGrad`).
+        tile_grad: a closed form of one tile's gradients (:data:`~lightning_fpdt.offload.recompute.TileGrad`).
         name: the profiler range of each tile, ``fpdt/<name>``.
     """
     if num_tiles == 1:

@@ -1,6 +1,7 @@
 """``class_path``/``init_args`` dicts (LightningCLI's form of an object in a YAML) made into their objects, for
 the values a CLI does not resolve itself (a transformers config class given inside ``HFCausalLM``'s ``model``
-argument by hand, a checkpoint's saved ``_class_path``)."""
+argument by hand, a checkpoint's saved ``_class_path``), and the public path of a class, which the package records on
+the classes it exports (:func:`publish`) rather than looking its modules up by name."""
 
 from __future__ import annotations
 
@@ -24,17 +25,27 @@ def resolve_class(class_path: str, default_module: str | None = None) -> type:
                          " e.g. lightning_fpdt.models.LlamaLM.") from None
 
 
+_PUBLIC_PATH = "__fpdt_public_path__"  # set on a class by publish(), read from the class's own __dict__
+
+
+def publish(package: str, *classes: type) -> None:
+    """Record that ``package`` exports each of ``classes`` under its own name (``lightning_fpdt.models`` publishes
+    its models, ``lightning_fpdt.hf.causal_lm`` publishes ``HFCausalLM`` there): :func:`class_path_of` names them so.
+    Subclasses are not published by inheritance."""
+    for cls in classes:
+        setattr(cls, _PUBLIC_PATH, f"{package}.{cls.__name__}")
+
+
 def class_path_of(cls: type, within: type = object) -> str:
-    """The dotted path :func:`resolve_class` reads back: the public one where ``lightning_fpdt.models`` exports the
-    class (``lightning_fpdt.models.GPTLM``), else its defining module's; for a class made at run time (FSDP2's
-    ``FSDPGPTLM`` of a sharded module), that of the first base class, a subclass of ``within``, that can be
+    """The dotted path :func:`resolve_class` reads back: the public one where the package exports the class
+    (:func:`publish`: ``lightning_fpdt.models.GPTLM``), else its defining module's; for a class made at run time
+    (FSDP2's ``FSDPGPTLM`` of a sharded module), that of the first base class, a subclass of ``within``, that can be
     imported (not FSDP2's ``FSDPModule`` mixin)."""
-    models = importlib.import_module("lightning_fpdt.models")
     for base in cls.__mro__:
         if not issubclass(base, within):
             continue
-        if getattr(models, base.__name__, None) is base:
-            return f"lightning_fpdt.models.{base.__name__}"
+        if _PUBLIC_PATH in vars(base):
+            return vars(base)[_PUBLIC_PATH]
         module = importlib.import_module(base.__module__)
         if getattr(module, base.__qualname__, None) is base:
             return f"{base.__module__}.{base.__qualname__}"

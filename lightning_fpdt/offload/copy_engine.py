@@ -2,7 +2,7 @@
 
 A :class:`CopyEngine` holds two copy streams on CUDA (device-to-host and host-to-device, so the two
 directions run at once) or, on CPU, two one-thread workers in their place, and a :class:`HostPool` of
-host buffers (pinned for CUDA). Every :class:`~lightning_fpdt.chunk_store.ChunkStore` on a device uses that
+host buffers (pinned for CUDA). Every :class:`~lightning_fpdt.offload.chunk_store.ChunkStore` on a device uses that
 device's engine, from :func:`copy_engine`: one stream pair and one buffer pool for the whole run,
 however many stores (attention calls, layers, steps) come and go. :func:`release_copy_engines` gives
 them back (at the end of training); a later store makes a fresh engine.
@@ -79,7 +79,7 @@ _ALLOCATING = threading.local()  # set while a pool allocates a buffer on this t
 
 def host_buffer(data_ptr: int) -> bool:
     """Whether a storage at ``data_ptr`` is a host buffer of the offload (or one is being allocated on this thread):
-    for :class:`~lightning_fpdt.memtrack.TensorMemoryTracker`, which counts device memory only."""
+    for :class:`~lightning_fpdt.offload.memtrack.TensorMemoryTracker`, which counts device memory only."""
     if getattr(_ALLOCATING, "active", False):
         return True
     return any(data_ptr in engine.pool.pointers for engine in list(_ENGINES.by_device.values()))

@@ -2,9 +2,9 @@
 pipeline.
 
 The block is a plain ``nn.Module`` that works in one process. It implements the binding contract
-(:class:`lightning_fpdt.binding.SequenceParallelAttention`) like any other sequence-parallel attention
+(:class:`lightning_fpdt.parallel.binding.SequenceParallelAttention`) like any other sequence-parallel attention
 layer: ``FPDTStrategy`` binds it to the sequence-parallel group and configuration from outside
-(:func:`lightning_fpdt.binding.bind`); models never look for process groups themselves.
+(:func:`lightning_fpdt.parallel.binding.bind`); models never look for process groups themselves.
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.activation_checkpoint import recomputed_block_forward
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import get_kernel
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import ProjectionEnds, projection_params
-from lightning_fpdt.autocast_state import AutocastState
-from lightning_fpdt.binding import AttentionRecord, DecoderLayer, SequenceParallelContext
-from lightning_fpdt.comm import check_heads
-from lightning_fpdt.packed_documents import PackedDocuments
-from lightning_fpdt.recompute import needs_backward
-from lightning_fpdt.rope import RotaryEmbedding
-from lightning_fpdt.streaming import LayerStream, stream_chunk_size, streamed_layer_call
-from lightning_fpdt.tiling import TiledMLP
+from lightning_fpdt.layers.activation_checkpoint import recomputed_block_forward
+from lightning_fpdt.layers.rope import RotaryEmbedding
+from lightning_fpdt.layers.streaming import LayerStream, stream_chunk_size, streamed_layer_call
+from lightning_fpdt.offload.autocast_state import AutocastState
+from lightning_fpdt.offload.recompute import needs_backward
+from lightning_fpdt.offload.tiling import TiledMLP
+from lightning_fpdt.parallel.binding import AttentionRecord, DecoderLayer, SequenceParallelContext
+from lightning_fpdt.parallel.comm import check_heads
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 
 class FPDTAttention(nn.Module):
@@ -99,7 +99,7 @@ class FPDTAttention(nn.Module):
 class FPDTBlock(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
-    Implements :class:`lightning_fpdt.binding.SequenceParallelAttention` (one attention layer, one decoder
+    Implements :class:`lightning_fpdt.parallel.binding.SequenceParallelAttention` (one attention layer, one decoder
     layer).
 
     Args:
@@ -124,7 +124,8 @@ class FPDTBlock(nn.Module):
         """Attach the sequence-parallel group and options.
 
         ``layer_index`` is the block's position in the model, for the reader of a record; the
-        layer input prefetch follows the order the forward passes ran in (``lightning_fpdt.activation_checkpoint``).
+        layer input prefetch follows the order the forward passes ran in
+        (``lightning_fpdt.layers.activation_checkpoint``).
         """
         self.attention.bind(context)
         self.context, self.layer_index = context, layer_index
@@ -134,7 +135,7 @@ class FPDTBlock(nn.Module):
         """What the block's attention did in its latest call."""
         return self.attention.record
 
-    # ---- the SequenceParallelAttention protocol (lightning_fpdt.binding) ----------------------------
+    # ---- the SequenceParallelAttention protocol (lightning_fpdt.parallel.binding) ----------------------------
 
     def bind_sequence_parallel(self, context: SequenceParallelContext) -> None:
         """Run under ``context`` from the next forward on (what ``FPDTStrategy`` calls)."""
@@ -170,7 +171,7 @@ class FPDTBlock(nn.Module):
         ``documents`` the batch's packed documents (``None``: one per sample).
 
         Chunked causal attention with activation checkpointing, or without a backward to follow: the block streams
-        chunk by chunk (:mod:`lightning_fpdt.streaming`). Otherwise checkpointed whole, or as written."""
+        chunk by chunk (:mod:`lightning_fpdt.layers.streaming`). Otherwise checkpointed whole, or as written."""
         context = self.context
         backward = needs_backward(x, self)
         recompute = context.activation_checkpointing and backward
@@ -192,7 +193,7 @@ class FPDTBlock(nn.Module):
     def chunk_forward(self, x: Tensor, position_ids: Tensor, stream: LayerStream,
                       documents: PackedDocuments | None = None) -> Tensor:
         """One chunk of the block, ``[batch, n, hidden] -> [batch, n, hidden]`` (``position_ids`` ``[batch, n]``, the
-        chunk's), its attention answering from ``stream`` (:mod:`lightning_fpdt.streaming`)."""
+        chunk's), its attention answering from ``stream`` (:mod:`lightning_fpdt.layers.streaming`)."""
         attn = self.attention
         h = self.attention_norm(x)
         b, n, _ = h.shape

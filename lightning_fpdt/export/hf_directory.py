@@ -31,7 +31,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.export_checks import (
+from lightning_fpdt.export.adapter import adapted_module, export_adapter, write_adapter
+from lightning_fpdt.export.checks import (
     OWNER,
     TOKENIZER_FILES,
     check_out,
@@ -45,7 +46,6 @@ from lightning_fpdt.export_checks import (
 )
 from lightning_fpdt.hf.causal_lm import HFCausalLM
 from lightning_fpdt.hf.lora import export_sources
-from lightning_fpdt.lora_export import adapted_module, export_adapter, write_adapter
 from lightning_fpdt.models.bundled import BundledLM
 from lightning_fpdt.models.convert import hf_config_of
 from lightning_fpdt.models.family import Weight
@@ -121,7 +121,7 @@ def write(plan: ExportPlan, read: Callable[[str], Tensor], out: str | Path, dtyp
             file of its own.
 
     The files are written into a directory beside ``out`` and moved in at the end, replacing ``out``'s model files
-    (:func:`~lightning_fpdt.export_checks.replace_into`): a failure leaves ``out`` as it was, and no file of an
+    (:func:`~lightning_fpdt.export.checks.replace_into`): a failure leaves ``out`` as it was, and no file of an
     earlier export stays beside the new ones.
 
     Raises:
@@ -183,7 +183,7 @@ def export(ckpt: str | Path, out: str | Path, config: str | Path | None = None,
            overwrite: bool = False) -> Path:
     """Turn a run's checkpoint (a ``.ckpt`` file or a sharded directory) into a Hugging Face directory ``out``.
 
-    Everything is checked before anything is written (:mod:`lightning_fpdt.export_checks`): the arguments, the
+    Everything is checked before anything is written (:mod:`lightning_fpdt.export.checks`): the arguments, the
     checkpoint (complete and readable), the model (buildable, and its export plan matching the checkpoint's tensors,
     names and shapes, both ways), and ``out``.
 
@@ -254,7 +254,8 @@ class HFExport(pl.Callback):
         max_shard_size: bytes per safetensors file.
         tokenizer: where to copy tokenizer files from (``None``: the model's source directory, ``HFCausalLM``'s path
             or ``hf_checkpoint``).
-        adapter: write a LoRA run's adapter in peft's format, not the merged model (:mod:`~lightning_fpdt.lora_export`).
+        adapter: write a LoRA run's adapter in peft's format, not the merged model
+        (:mod:`~lightning_fpdt.export.adapter`).
 
     Each export replaces the model files of its directory (the callback's own: a resumed run writes there again);
     the model's source directory is refused when ``fit`` starts.

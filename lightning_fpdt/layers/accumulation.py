@@ -18,7 +18,7 @@ when the micro-batches hold different numbers of target tokens (always, in chat 
    ``d(sum of the window's token losses) / d(parameters) / T``.
 
 With one micro-batch per window the factor is exactly 1 and nothing is multiplied: the gradient is bitwise
-the token-weighted one of :func:`lightning_fpdt.loss.token_weighted_loss`. A window without any target has
+the token-weighted one of :func:`lightning_fpdt.layers.loss.token_weighted_loss`. A window without any target has
 zero gradients and is left alone (the step guard skips its update). The logged loss of each micro-batch is
 the window's token mean so far, so the value standing at the optimizer step is the window's mean.
 """
@@ -30,8 +30,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.dtensors import local_tensor
-from lightning_fpdt.loss import world_totals
+from lightning_fpdt.layers.loss import world_totals
+from lightning_fpdt.parallel.dtensors import local_tensor
 
 
 class TokenWindow:

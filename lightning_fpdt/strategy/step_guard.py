@@ -25,8 +25,8 @@ from typing import Literal
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_fpdt.dtensors import local_tensor
 from lightning_fpdt.errors import PREFIX
+from lightning_fpdt.parallel.dtensors import local_tensor
 
 Policy = Literal["raise", "skip"]
 

@@ -3,8 +3,8 @@
 CPU has no ``torch.cuda.max_memory_allocated``. :class:`TensorMemoryTracker` is a dispatch mode that
 sees every tensor an operator produces or consumes, counts each storage once while it is alive (weak
 references, polled after every op) and keeps the peak. The offload's host buffers
-(:func:`lightning_fpdt.copy_engine.host_buffer`) are not counted: on CPU under ``offload="emulate"`` the figure is
-then what a GPU would hold on the device. On CUDA, prefer the allocator's own figures.
+(:func:`lightning_fpdt.offload.copy_engine.host_buffer`) are not counted: on CPU under ``offload="emulate"`` the figure
+is then what a GPU would hold on the device. On CUDA, prefer the allocator's own figures.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_fpdt.copy_engine import host_buffer
+from lightning_fpdt.offload.copy_engine import host_buffer
 
 
 class TensorMemoryTracker(TorchDispatchMode):

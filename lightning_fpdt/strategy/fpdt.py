@@ -23,23 +23,35 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_fpdt import checkpoint_files as ckpt
-from lightning_fpdt.accumulation import scale_window_gradients
-from lightning_fpdt.activation_checkpoint import new_layer_input_store
-from lightning_fpdt.batches import DEFAULT_SEQUENCE_KEYS, BatchGate, input_vocab_size, shard_batch, target_tokens
-from lightning_fpdt.binding import SequenceParallelContext, bind
-from lightning_fpdt.chunk_store import ChunkStore
-from lightning_fpdt.copy_engine import release_copy_engines
+from lightning_fpdt.checkpoints import files as ckpt
+from lightning_fpdt.checkpoints.resume import resumable, warn_if_saved_at_epoch_end
+from lightning_fpdt.checkpoints.run_state import add_run_state, parallelism_state, restore_run_state
 from lightning_fpdt.errors import PREFIX
-from lightning_fpdt.launcher import Peer, destroy_group_at_exit, explain_peer_failure, fpdt_launcher, gather_peers
+from lightning_fpdt.layers.accumulation import scale_window_gradients
+from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.memory import EstimateOptions, ModelShape
-from lightning_fpdt.mesh import SequenceParallelGroups, build_mesh, placement
-from lightning_fpdt.nonfinite import StepGuard
+from lightning_fpdt.memory.planning import ChunkPlanner, resolve_budget
+from lightning_fpdt.offload.chunk_store import ChunkStore
+from lightning_fpdt.offload.copy_engine import release_copy_engines
 from lightning_fpdt.options import FPDTOptions, OffloadArgument, check_has_blocks
-from lightning_fpdt.planning import ChunkPlanner, resolve_budget
-from lightning_fpdt.resume import resumable, warn_if_saved_at_epoch_end
-from lightning_fpdt.run_state import add_run_state, parallelism_state, restore_run_state
-from lightning_fpdt.sharding import check_replicated_gradients, setup_sharded
+from lightning_fpdt.parallel.batches import (
+    DEFAULT_SEQUENCE_KEYS,
+    BatchGate,
+    input_vocab_size,
+    shard_batch,
+    target_tokens,
+)
+from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
+from lightning_fpdt.parallel.mesh import SequenceParallelGroups, build_mesh, placement
+from lightning_fpdt.strategy.launcher import (
+    Peer,
+    destroy_group_at_exit,
+    explain_peer_failure,
+    fpdt_launcher,
+    gather_peers,
+)
+from lightning_fpdt.strategy.sharding import check_replicated_gradients, setup_sharded
+from lightning_fpdt.strategy.step_guard import StepGuard
 
 
 class FPDTStrategy(DDPStrategy):
@@ -47,7 +59,7 @@ class FPDTStrategy(DDPStrategy):
     optionally host-offloaded attention, on top of data parallelism.
 
     The world is a ``(data_parallel, sequence_parallel)`` device mesh, sequence parallel innermost
-    (``lightning_fpdt.mesh`` says where each group lies):
+    (``lightning_fpdt.parallel.mesh`` says where each group lies):
 
     - ``data_parallel``: ranks with different samples (the sampler shards by this coordinate only);
     - ``sequence_parallel``: ranks that share one sample, each holding ``1 / sp`` of its sequence in
@@ -55,9 +67,9 @@ class FPDTStrategy(DDPStrategy):
       (``sp / ring_size`` of them, on one node) and key/value chunks between ring peers.
 
     Gradients are averaged over the whole world (DDP, or FSDP2 with ``shard_parameters``); with the
-    token-weighted loss of :func:`lightning_fpdt.loss.token_weighted_loss` this is exactly the
+    token-weighted loss of :func:`lightning_fpdt.layers.loss.token_weighted_loss` this is exactly the
     single-process gradient, and over an accumulation window of a module with a
-    :class:`~lightning_fpdt.accumulation.TokenWindow` the gradient of the window's tokens as one batch.
+    :class:`~lightning_fpdt.layers.accumulation.TokenWindow` the gradient of the window's tokens as one batch.
 
     Args: the fields of :class:`lightning_fpdt.options.FPDTOptions` (``sequence_parallel_size``, ``ring_size``,
     ``chunk_size``, ``memory_budget``, ``attention_backend``, ``offload``, ``activation_checkpointing``,
@@ -272,7 +284,8 @@ class FPDTStrategy(DDPStrategy):
         return self._gate(batch, self.shard_batch)  # checks, agreement across ranks, this rank's shard
 
     def shard_batch(self, batch: Any) -> Any:
-        """This rank's part of a dict batch of whole sequences (see :func:`lightning_fpdt.batches.shard_batch`)."""
+        """This rank's part of a dict batch of whole sequences (see
+        :func:`lightning_fpdt.parallel.batches.shard_batch`)."""
         if self._planner is not None:
             chunk = self._planner.chunk_size_for(self.lightning_module, batch, self._active_chunk_size)
             if chunk != self._active_chunk_size:  # the attention layers follow the batch's layout

@@ -2,7 +2,7 @@
 together on every rank, never half-way.
 
 :func:`shard_batch` turns a dict batch of whole sequences into this rank's part (labels shifted, targets
-dropped at document ends and padding, padded, in the FPDT layout of :mod:`lightning_fpdt.layout`) by pure
+dropped at document ends and padding, padded, in the FPDT layout of :mod:`lightning_fpdt.parallel.layout`) by pure
 local code; the first collective it meets is an all-to-all inside attention. If the ranks of one
 sequence-parallel group hold different batches (different lengths: a hang until the process-group timeout;
 the same length and different tokens: silently wrong training), or one rank refuses its batch while the
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.errors import PREFIX
-from lightning_fpdt.layout import (
+from lightning_fpdt.parallel.layout import (
     IGNORE_INDEX,
     default_position_ids,
     pad_sequence,
@@ -37,7 +37,7 @@ from lightning_fpdt.layout import (
     shard_sequence,
     shift_labels,
 )
-from lightning_fpdt.packed_documents import PackedDocuments, find_documents
+from lightning_fpdt.parallel.packed_documents import PackedDocuments, find_documents
 
 DEFAULT_SEQUENCE_KEYS = (
     "input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "loss_mask", "answer_mask",
@@ -176,9 +176,9 @@ def shard_batch(
     ``position_ids``; find the documents (:func:`find_documents`) and drop the targets that cross a
     document boundary, are padding or are masked by ``loss_mask`` (:func:`mask_targets`); pad every
     sequence key to a multiple of ``sp_size`` (labels with ``IGNORE_INDEX``, ``input_ids`` with
-    ``pad_token_id``, others with 0; with a ring of ``ring_size``, to :func:`~lightning_fpdt.layout.layout_multiple`);
-    apply the FPDT layout and keep rank ``sp_rank``'s shard. Keys not
-    in ``sequence_keys`` pass through untouched. ``documents`` is added: the batch's
+    ``pad_token_id``, others with 0; with a ring of ``ring_size``, to
+    :func:`~lightning_fpdt.parallel.layout.layout_multiple`); apply the FPDT layout and keep rank ``sp_rank``'s shard.
+    Keys not in ``sequence_keys`` pass through untouched. ``documents`` is added: the batch's
     :class:`PackedDocuments` over the padded length, or ``None`` for plain sequences.
 
     A batch that is not a mapping is returned as it is when ``sp_size == 1``.

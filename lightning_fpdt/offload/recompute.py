@@ -1,11 +1,11 @@
 """Recomputation in backward, written once: a call that keeps only its inputs and runs again in backward.
 
 Everything that trades compute for memory goes through :func:`recomputed_call`: decoder layers under
-activation checkpointing (:mod:`lightning_fpdt.activation_checkpoint`, FPDT blocks and transformers layers alike), the
-sequence-tiled MLP and the tiled loss (:func:`lightning_fpdt.tiling.tiled_call`).
+activation checkpointing (:mod:`lightning_fpdt.layers.activation_checkpoint`, FPDT blocks and transformers layers
+alike), the sequence-tiled MLP and the tiled loss (:func:`lightning_fpdt.offload.tiling.tiled_call`).
 
 - Forward: ``fn`` runs without building a graph, tile by tile when ``tiles`` are given; only the inputs
-  are kept, in the autograd graph or in a :class:`~lightning_fpdt.chunk_store.ChunkStore` (host memory
+  are kept, in the autograd graph or in a :class:`~lightning_fpdt.offload.chunk_store.ChunkStore` (host memory
   when it offloads).
 - Backward: the inputs come back and ``fn`` runs again with grad, one tile at a time, under the autocast
   state captured at forward (``bf16-mixed`` recomputes in bf16 although backward runs outside autocast);
@@ -36,12 +36,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.autocast_state import AutocastState
-from lightning_fpdt.chunk_store import ChunkStore, Key
+from lightning_fpdt.offload.autocast_state import AutocastState
+from lightning_fpdt.offload.chunk_store import ChunkStore, Key
 from lightning_fpdt.profiling import named_range
 
 INPUT_KIND = "input"  # the key kind of recomputed inputs in a store
-INPUT_CHUNK_KIND = "input_chunk"  # a streamed layer's input chunks (lightning_fpdt.streaming): chunk 0 numbered last
+# a streamed layer's input chunks (lightning_fpdt.layers.streaming): chunk 0 numbered last
+INPUT_CHUNK_KIND = "input_chunk"
 
 Params = nn.Module | Sequence[Tensor]
 """What ``fn`` differentiates besides its inputs: a module (its parameters, read again in backward, where

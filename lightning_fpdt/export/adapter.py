@@ -6,9 +6,9 @@
 ``adapter_config.json`` (the run's ``LoraConfig``, its targets resolved, naming the base model when the run read it
 from a directory or the hub) and the tokenizer files of the model's source directory (or of ``--tokenizer``). The
 merged model (the base weights with ``scaling * B @ A`` added: ``from_pretrained`` loads it alone) is ``fpdt-export``'s
-default (:mod:`lightning_fpdt.export`, through :func:`~lightning_fpdt.hf.lora.export_sources`).
+default (:mod:`lightning_fpdt.export.hf_directory`, through :func:`~lightning_fpdt.hf.lora.export_sources`).
 
-The checkpoint is checked as for the merged export (:mod:`lightning_fpdt.export_checks`): complete, and holding
+The checkpoint is checked as for the merged export (:mod:`lightning_fpdt.export.checks`): complete, and holding
 exactly the tensors of the model its hyper-parameters (or ``--config``) build, in their shapes; ``OUT`` is written
 into a staging directory and moved in whole.
 """
@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from lightning_fpdt.export_checks import (
+from lightning_fpdt.export.checks import (
     OWNER,
     TOKENIZER_FILES,
     check_out,
@@ -100,7 +100,7 @@ def export_adapter(ckpt: str | Path, out: str | Path, config: str | Path | None 
                    overwrite: bool = False) -> Path:
     """The adapter of a LoRA run's checkpoint (a ``.ckpt`` file or a sharded directory) as peft's directory ``out``.
 
-    Args: as :func:`~lightning_fpdt.export.export`'s.
+    Args: as :func:`~lightning_fpdt.export.hf_directory.export`'s.
 
     Returns:
         ``out``.

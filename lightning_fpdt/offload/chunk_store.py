@@ -20,7 +20,7 @@ Its life cycle is explicit:
     the chunk is no longer needed at all. ``delete_later(key)`` does the same at the next ``put`` or
     ``keys``: for a finalizer, which may run in the middle of another call of the store.
 
-Copies and buffers (:class:`~lightning_fpdt.copy_engine.CopyEngine`, one per device for the whole
+Copies and buffers (:class:`~lightning_fpdt.offload.copy_engine.CopyEngine`, one per device for the whole
 process, shared by every store): on CUDA, device-to-host copies run on one side stream and
 host-to-device copies on another, so both directions run at once; a prefetch waits (on the GPU, with
 an event) for its own chunk's host copy, and the compute stream waits for the prefetch. No host
@@ -32,7 +32,7 @@ small as the chunks in flight) and handed to the compute stream with ``record_st
 same structure runs with two one-thread workers (one per direction) in place of the streams and
 futures in place of events, copying into separate host buffers, so the tests exercise the
 synchronisation, the buffer reuse and the data path; tests make every copy slower with
-:func:`slow_copies` so that ordering bugs show. :func:`~lightning_fpdt.copy_engine.release_copy_engines`
+:func:`slow_copies` so that ordering bugs show. :func:`~lightning_fpdt.offload.copy_engine.release_copy_engines`
 gives the streams, workers and pooled buffers back (strategy teardown).
 
 Accounting (:class:`OffloadStats`): bytes held on the compute device by the store, current and
@@ -58,7 +58,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_fpdt.copy_engine import copy_engine
+from lightning_fpdt.offload.copy_engine import copy_engine
 from lightning_fpdt.profiling import named_range
 
 __all__ = ["ChunkStore", "Key", "OffloadStats", "slow_copies"]
@@ -323,7 +323,7 @@ class ChunkStore:
 
     def close(self) -> None:
         """Delete every chunk. The copy engine is the process's (see
-        :func:`~lightning_fpdt.copy_engine.release_copy_engines`)."""
+        :func:`~lightning_fpdt.offload.copy_engine.release_copy_engines`)."""
         self.clear()
 
     def keys(self) -> Iterable[Hashable]:

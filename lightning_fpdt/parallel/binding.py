@@ -1,7 +1,7 @@
 """The contract between ``FPDTStrategy`` and a model: what the strategy binds, and how it finds what to bind.
 
 A model is a plain ``nn.Module`` that knows nothing of processes. Some of its modules implement
-:class:`SequenceParallelAttention`: an :class:`~lightning_fpdt.block.FPDTBlock`, or
+:class:`SequenceParallelAttention`: an :class:`~lightning_fpdt.layers.block.FPDTBlock`, or
 :class:`~lightning_fpdt.models.HFCausalLM`, which routes a transformers model's attention layers. The
 strategy walks the model once per question (:func:`bind`, :func:`attention_heads`,
 :func:`attention_records`, :func:`decoder_layers`), and each such module answers for the layers it holds:
@@ -27,8 +27,8 @@ from typing import Protocol, runtime_checkable
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_fpdt.chunk_store import ChunkStore, OffloadStats
-from lightning_fpdt.comm import group_size
+from lightning_fpdt.offload.chunk_store import ChunkStore, OffloadStats
+from lightning_fpdt.parallel.comm import group_size
 
 
 @dataclass
@@ -43,13 +43,13 @@ class SequenceParallelContext:
         activation_checkpointing: keep only each decoder layer's input for backward and recompute the layer.
         layer_input_store: where the inputs of recomputed layers live (``None``: in the autograd graph); a
             store with ``offload=True`` keeps them in host memory, and each layer's backward prefetches
-            the input of the backward that runs next (``lightning_fpdt.activation_checkpoint``).
+            the input of the backward that runs next (``lightning_fpdt.layers.activation_checkpoint``).
         ulysses_group: with a ring, the Ulysses group (``U`` consecutive ranks of ``group``) attention's
-            all-to-alls run in (``lightning_fpdt.mesh``).
+            all-to-alls run in (``lightning_fpdt.parallel.mesh``).
         ring_group: the ring (``R`` ranks, one per Ulysses group, ``P = U x R``) key/value parts move between;
             ``None``: no ring, the all-to-alls run over ``group``.
         streaming: decoder layers that can stream do, chunk by chunk, when checkpointed or without a backward
-            (:mod:`lightning_fpdt.streaming`); ``False`` recomputes them whole, as before streaming existed (for
+            (:mod:`lightning_fpdt.layers.streaming`); ``False`` recomputes them whole, as before streaming existed (for
             comparisons: ``benchmarks/memory_floor.py``).
     """
 
@@ -118,7 +118,7 @@ class DecoderLayer:
 
     Attributes:
         name: the layer's module name (relative to the module asked; the walkers make it the full name).
-        module: the layer (an :class:`~lightning_fpdt.block.FPDTBlock`, a Hugging Face decoder layer, ...).
+        module: the layer (an :class:`~lightning_fpdt.layers.block.FPDTBlock`, a Hugging Face decoder layer, ...).
         hidden_size: width of its input and output.
         n_heads: query heads of its attention.
         n_kv_heads: key/value heads.
@@ -191,7 +191,7 @@ class SequenceMixerMemory(Protocol):
 @runtime_checkable
 class SequenceParallelAttention(Protocol):
     """A module whose attention runs through the FPDT pipeline once bound: an
-    :class:`~lightning_fpdt.block.FPDTBlock`, or :class:`~lightning_fpdt.models.HFCausalLM` for the
+    :class:`~lightning_fpdt.layers.block.FPDTBlock`, or :class:`~lightning_fpdt.models.HFCausalLM` for the
     attention layers of a transformers model. The strategy binds it to the sequence-parallel context and
     checks its head counts, shards its decoder layers with FSDP2, and the memory model reads them.
 

@@ -8,8 +8,8 @@ decoder layer's input ``x`` ``[batch, s_local, hidden]``: its attention layer ha
 and every earlier one, which the stream keeps in its pipeline store (host memory with offload). Everything
 else a layer computes must be per token (norms, projections, residual adds, MLPs, experts routed per token):
 a chunk's output then depends on other chunks only through causal attention, and the streamed layer is exact.
-Which layers qualify is the caller's decision (:func:`lightning_fpdt.block.FPDTBlock.forward`,
-:mod:`lightning_fpdt.hf.streamed`); any other layer is recomputed whole (:mod:`lightning_fpdt.recompute`).
+Which layers qualify is the caller's decision (:func:`lightning_fpdt.layers.block.FPDTBlock.forward`,
+:mod:`lightning_fpdt.hf.streamed`); any other layer is recomputed whole (:mod:`lightning_fpdt.offload.recompute`).
 
 Forward (no graph): for each chunk ``y_c = run_chunk(x_c)``, written into ``y``; the attention store is freed at
 the end. The layer keeps its input, chunk by chunk, in the layer input store (host memory with
@@ -46,12 +46,12 @@ from lightning_fpdt.attention.backward import pipeline_backward
 from lightning_fpdt.attention.blocks import chunk_bounds
 from lightning_fpdt.attention.pipeline import ForwardPass, finish, new_store, rank_sinks, whole_sinks_grad
 from lightning_fpdt.attention.pipeline_options import PipelineOptions
-from lightning_fpdt.autocast_state import AutocastState
-from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.chunk_store import ChunkStore
-from lightning_fpdt.comm import Exchange, expand_kv_heads, group_size, sum_kv_replicas
+from lightning_fpdt.offload.autocast_state import AutocastState
+from lightning_fpdt.offload.chunk_store import ChunkStore
+from lightning_fpdt.offload.recompute import INPUT_CHUNK_KIND, previous_input
+from lightning_fpdt.parallel.binding import SequenceParallelContext
+from lightning_fpdt.parallel.comm import Exchange, expand_kv_heads, group_size, sum_kv_replicas
 from lightning_fpdt.profiling import named_range
-from lightning_fpdt.recompute import INPUT_CHUNK_KIND, previous_input
 
 _STREAM = "_fpdt_stream"  # an attention module's attribute while its decoder layer runs a streamed chunk
 

@@ -1,4 +1,4 @@
-"""Carry the forward's autocast state into backward: a recomputation (:mod:`lightning_fpdt.recompute`), and the
+"""Carry the forward's autocast state into backward: a recomputation (:mod:`lightning_fpdt.offload.recompute`), and the
 attention pipeline's chunk-by-chunk projections."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Rows of the block that no rectangle covers (no shared document, or every key out
 ``out = 0`` and ``lse = -inf``; the online merge gives them weight ``exp(-inf) = 0``. Every token sees at
 least itself, so a row's final ``lse`` is always finite.
 
-Where documents come from: :func:`lightning_fpdt.packed_documents.find_documents`.
+Where documents come from: :func:`lightning_fpdt.parallel.packed_documents.find_documents`.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 optionally kept in host memory.
 
 Words: a *recomputed layer* is a decoder layer under activation checkpointing; it keeps only its *layer
-input* for backward and recomputes itself there (:func:`lightning_fpdt.recompute.recomputed_call`). A
-"checkpoint" elsewhere in the package is a training checkpoint (:mod:`lightning_fpdt.checkpoint_files`).
+input* for backward and recomputes itself there (:func:`lightning_fpdt.offload.recompute.recomputed_call`). A
+"checkpoint" elsewhere in the package is a training checkpoint (:mod:`lightning_fpdt.checkpoints.files`).
 With a layer input store (``SequenceParallelContext.layer_input_store``) the input goes into that
 :class:`ChunkStore` (host memory when it offloads) instead of the autograd graph, and each layer's backward
 prefetches the input of the backward that runs next: the previous layer's, or the last layer's of an
-earlier forward pass (:mod:`lightning_fpdt.recompute` says why that order holds).
+earlier forward pass (:mod:`lightning_fpdt.offload.recompute` says why that order holds).
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.binding import SequenceParallelContext
-from lightning_fpdt.chunk_store import ChunkStore
-from lightning_fpdt.packed_documents import PackedDocuments
-from lightning_fpdt.recompute import INPUT_CHUNK_KIND, INPUT_KIND, recomputed_call
+from lightning_fpdt.offload.chunk_store import ChunkStore
+from lightning_fpdt.offload.recompute import INPUT_CHUNK_KIND, INPUT_KIND, recomputed_call
+from lightning_fpdt.parallel.binding import SequenceParallelContext
+from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 
 class RecomputedBlock(Protocol):
-    """What :func:`recomputed_block_forward` reads of a block (``lightning_fpdt.block.FPDTBlock``, an ``nn.Module``)."""
+    """What :func:`recomputed_block_forward` reads of a block (``lightning_fpdt.layers.block.FPDTBlock``, an
+    ``nn.Module``)."""
 
     context: SequenceParallelContext
 
@@ -40,7 +41,8 @@ class RecomputedBlock(Protocol):
 
 def new_layer_input_store(device: torch.device) -> ChunkStore:
     """A store that keeps the inputs of recomputed layers in host memory (their residency counted as the
-    group ``"layer_input"``, whole or chunk by chunk: :mod:`lightning_fpdt.streaming`), on the compute ``device``."""
+    group ``"layer_input"``, whole or chunk by chunk: :mod:`lightning_fpdt.layers.streaming`), on the compute
+    ``device``."""
     return ChunkStore(device, offload=True, groups={INPUT_KIND: "layer_input", INPUT_CHUNK_KIND: "layer_input"})
 
 

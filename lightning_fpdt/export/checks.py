@@ -1,5 +1,5 @@
-"""What ``fpdt-export`` checks before it writes anything (:mod:`lightning_fpdt.export`), and how it replaces an
-output directory whole.
+"""What ``fpdt-export`` checks before it writes anything (:mod:`lightning_fpdt.export.hf_directory`), and how it
+replaces an output directory whole.
 
 - The arguments: a floating export dtype (:func:`export_dtype`, with the aliases ``bf16``, ``fp16``, ``fp32``,
   ``fp64``), a shard size (:func:`shard_bytes`).
@@ -32,8 +32,8 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_fpdt import checkpoint_files
-from lightning_fpdt.checkpoint_files import CheckpointError
+from lightning_fpdt.checkpoints import files as checkpoint_files
+from lightning_fpdt.checkpoints.files import CheckpointError
 from lightning_fpdt.models.from_config import module_from_hyperparameters, module_from_yaml
 
 OWNER = "fpdt-export: "
@@ -88,7 +88,7 @@ def shard_bytes(size: int | str) -> int:
 
 
 def resolve(ckpt: str | Path) -> Path:
-    """The complete checkpoint at ``ckpt`` (:func:`~lightning_fpdt.checkpoint_files.resolve`).
+    """The complete checkpoint at ``ckpt`` (:func:`~lightning_fpdt.checkpoints.files.resolve`).
 
     Raises:
         CheckpointError: nothing at ``ckpt``, or a sharded directory without ``meta.pt``.
@@ -101,14 +101,14 @@ def resolve(ckpt: str | Path) -> Path:
         raise CheckpointError(
             f"{OWNER}{ckpt} is an incomplete sharded checkpoint (no {checkpoint_files.META_FILE}: its save was"
             " interrupted, or it was copied in part); export an earlier checkpoint"
-            " (lightning_fpdt.checkpoint_files.latest_checkpoint(dir) finds the newest complete one)."
+            " (lightning_fpdt.checkpoints.files.latest_checkpoint(dir) finds the newest complete one)."
         )
     raise CheckpointError(f"{OWNER}no checkpoint at {ckpt} (no such file or directory); pass the .ckpt file or the"
                           " sharded checkpoint directory the run wrote, e.g. runs/ckpt/last.ckpt.")
 
 
 def read_file(path: Path, mmap: bool = False) -> dict:
-    """:func:`~lightning_fpdt.checkpoint_files.read`, its refusal of a truncated or corrupt file worded for export.
+    """:func:`~lightning_fpdt.checkpoints.files.read`, its refusal of a truncated or corrupt file worded for export.
 
     Raises:
         CheckpointError: a file that cannot be read or is no Lightning checkpoint.
@@ -120,7 +120,7 @@ def read_file(path: Path, mmap: bool = False) -> dict:
             raise CheckpointError(f"{OWNER}{str(err).removeprefix('FPDTStrategy: ')}") from None
         raise CheckpointError(
             f"{OWNER}the checkpoint {path} is truncated or corrupt ({path.stat().st_size} bytes; torch.load cannot"
-            " read it); export an earlier checkpoint (lightning_fpdt.checkpoint_files.latest_checkpoint(dir) finds"
+            " read it); export an earlier checkpoint (lightning_fpdt.checkpoints.files.latest_checkpoint(dir) finds"
             " the newest complete one), or copy this one again."
         ) from None
 

@@ -31,8 +31,8 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from lightning_fpdt.binding import decoder_layers
 from lightning_fpdt.errors import PREFIX
+from lightning_fpdt.parallel.binding import decoder_layers
 
 # Lightning calls these instead of forward: FSDP must gather the root's parameters around them
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")

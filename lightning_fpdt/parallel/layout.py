@@ -1,8 +1,8 @@
 """FPDT sequence layout: label shift, padding, position ids and the strided chunk permutation.
 
 Pure functions on tensors; nothing here communicates. A batch's documents are
-:mod:`lightning_fpdt.packed_documents`; a whole batch is prepared with
-:func:`lightning_fpdt.batches.shard_batch`, which uses both.
+:mod:`lightning_fpdt.parallel.packed_documents`; a whole batch is prepared with
+:func:`lightning_fpdt.parallel.batches.shard_batch`, which uses both.
 
 Notation: ``S`` global sequence length, ``P`` sequence-parallel size, ``C`` chunk size in global
 tokens. The sequence is cut into chunks of ``C`` tokens (the last may be shorter); chunk ``i`` is

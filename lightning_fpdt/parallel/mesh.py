@@ -11,8 +11,8 @@ A world of ``D x P`` processes, global rank ``g = d * P + a * U + u`` (``P = U x
   point to point (``lightning_fpdt.attention.ring``): across nodes when ``P`` spans several.
 
 ``ring_size="auto"`` picks the largest Ulysses degree that divides ``P`` and the devices of one node (so that every
-Ulysses group sits on one node) and fits the heads of every attention layer (:func:`~lightning_fpdt.comm.heads_fit`);
-the ring is the rest.
+Ulysses group sits on one node) and fits the heads of every attention layer
+(:func:`~lightning_fpdt.parallel.comm.heads_fit`); the ring is the rest.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_fpdt.comm import heads_fit
 from lightning_fpdt.errors import PREFIX
+from lightning_fpdt.parallel.comm import heads_fit
 
 
 def resolve_ring_size(ring_size: int | Literal["auto"], sp: int, devices_per_node: int,
