@@ -54,9 +54,9 @@ from lightning_fpdt.attention.kernels import MathKernel, get_kernel
 from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.layers.loss import token_weighted_loss
 from lightning_fpdt.models import LlamaConfig, LlamaLM
-from lightning_fpdt.offload.chunk_store import OffloadStats
 from lightning_fpdt.offload.copy_engine import copy_engine, release_copy_engines
 from lightning_fpdt.offload.memtrack import TensorMemoryTracker
+from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.parallel.batches import shard_batch
 from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
 

@@ -22,7 +22,6 @@ import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-import lightning_fpdt  # noqa: F401  (registers the "fpdt" strategy names)
 from lightning_fpdt.checkpoints import files as checkpoint_files
 from lightning_fpdt.data import PasskeyDataModule
 from lightning_fpdt.memory import ModelShape, report

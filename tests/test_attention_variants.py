@@ -21,7 +21,7 @@ from lightning_fpdt.attention.blocks import BlockRules, Rect
 from lightning_fpdt.attention.kernels import MathKernel, visible_keys
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds
-from lightning_fpdt.offload.chunk_store import OffloadStats
+from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.parallel.layout import shard_sequence, unshard_sequence
 from lightning_fpdt.parallel.packed_documents import PackedDocuments
 from lightning_fpdt.testing import run_on_ranks

@@ -25,7 +25,7 @@ from lightning_fpdt.hf import attention as hf_attention
 from lightning_fpdt.hf.masks import MaskRule, read_mask_rule
 from lightning_fpdt.hf.temperature import token_positions
 from lightning_fpdt.models import HFCausalLM
-from lightning_fpdt.offload.chunk_store import OffloadStats
+from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.parallel.packed_documents import PackedDocuments
 from lightning_fpdt.testing import run_on_ranks
 from tests.distributed import ATTENTION_STEP, sharded_attention_step, unsharded_attention_step

@@ -17,7 +17,7 @@ import yaml
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_fpdt.export.hf_directory import main as export_main  # noqa: E402
+from lightning_fpdt.export import main as export_main  # noqa: E402
 from lightning_fpdt.models.from_config import module_from_hyperparameters  # noqa: E402
 from tests.reference import rel_error  # noqa: E402
 from tests.test_cli import ROOT, fpdt_train_side_by_side  # noqa: E402

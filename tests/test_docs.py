@@ -54,7 +54,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from lightning_fpdt.cli import main as cli_main
-from lightning_fpdt.export.hf_directory import main as export_main
+from lightning_fpdt.export import main as export_main
 from lightning_fpdt.memory.__main__ import main as memory_main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_fpdt import FPDTStrategy  # noqa: E402
 from lightning_fpdt.data.toy import build_tokenizer  # noqa: E402
-from lightning_fpdt.export.hf_directory import HFExport, export, main  # noqa: E402
+from lightning_fpdt.export import HFExport, export, main  # noqa: E402
 from lightning_fpdt.models import GPTLM, GPTConfig, HFCausalLM, LlamaConfig, LlamaLM  # noqa: E402
 from lightning_fpdt.testing import run_in_fork  # noqa: E402
 from tests.helpers import TokenDataset, dataloader  # noqa: E402

@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_fpdt.export.hf_directory import HFExport, export, main  # noqa: E402
+from lightning_fpdt.export import HFExport, export, main  # noqa: E402
 from lightning_fpdt.models import HFCausalLM, LlamaConfig, LlamaLM  # noqa: E402
 
 VOCAB = 96

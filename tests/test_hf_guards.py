@@ -41,7 +41,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotar
 
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.hf.attention import _DELIVERED
-from lightning_fpdt.hf.guards import HeadTransform
+from lightning_fpdt.hf.head_transform import HeadTransform
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.parallel.batches import shard_batch
 from lightning_fpdt.parallel.binding import SequenceParallelContext

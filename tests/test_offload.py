@@ -9,7 +9,8 @@ import torch.distributed as dist
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.layers.block import FPDTAttention
 from lightning_fpdt.layers.rope import RotaryEmbedding
-from lightning_fpdt.offload.chunk_store import ChunkStore, OffloadStats, slow_copies
+from lightning_fpdt.offload.chunk_store import ChunkStore, slow_copies
+from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from lightning_fpdt.parallel.layout import shard_sequence
 from lightning_fpdt.testing import run_on_ranks

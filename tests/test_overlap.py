@@ -21,8 +21,9 @@ from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import MathKernel
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds
-from lightning_fpdt.offload.chunk_store import ChunkStore, OffloadStats, slow_copies
+from lightning_fpdt.offload.chunk_store import ChunkStore, slow_copies
 from lightning_fpdt.offload.copy_engine import copy_engine, release_copy_engines
+from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.parallel.comm import Exchange, head_to_seq, seq_to_head
 from lightning_fpdt.parallel.layout import shard_sequence
 from lightning_fpdt.testing import run_on_ranks

@@ -21,7 +21,7 @@ from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.blocks import BlockRules
 from lightning_fpdt.attention.kernels import MathKernel
 from lightning_fpdt.attention.ring import ring_plan
-from lightning_fpdt.offload.chunk_store import OffloadStats
+from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.parallel.comm import check_heads
 from lightning_fpdt.parallel.layout import (
     fpdt_permutation,

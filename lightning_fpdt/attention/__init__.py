@@ -14,7 +14,7 @@ from lightning_fpdt.attention.merge import update_out_and_lse
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds, check_qkv_shapes
 from lightning_fpdt.attention.ulysses import ulysses_attention
-from lightning_fpdt.offload.chunk_store import OffloadStats
+from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.parallel.comm import check_heads, expand_kv_heads, group_size, head_to_seq
 from lightning_fpdt.parallel.layout import validate_chunk_size
 from lightning_fpdt.parallel.packed_documents import PackedDocuments

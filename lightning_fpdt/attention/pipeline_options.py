@@ -10,7 +10,7 @@ from torch.distributed import ProcessGroup
 from lightning_fpdt.attention.blocks import BlockRules, chunk_bounds, global_ranges
 from lightning_fpdt.attention.kernels import AttentionKernel, check_softcap
 from lightning_fpdt.attention.ring import RingPlan, ring_plan, ring_size_rank
-from lightning_fpdt.offload.chunk_store import OffloadStats
+from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.parallel.comm import group_size
 from lightning_fpdt.parallel.layout import validate_chunk_size
 from lightning_fpdt.parallel.packed_documents import PackedDocuments

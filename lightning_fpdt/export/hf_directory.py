@@ -10,16 +10,15 @@ sharded torch.distributed.checkpoint directory one key at a time), cast to the e
 its shard; at most one shard is held at a time. Names: ``HFCausalLM``'s parameters are ``model.<transformers
 name>``; ``LlamaLM`` and ``GPTLM`` go through the weight-name tables of :mod:`lightning_fpdt.models.convert`,
 row by row (GPT-2's fused ``c_attn`` is assembled from our q, k and v). Tied embeddings are written once. A LoRA
-run's adapted layers are merged (``W + scaling * B @ A``); ``--adapter`` writes the adapter alone (:mod:`.lora_export`).
+run's adapted layers are merged (``W + scaling * B @ A``); ``--adapter`` writes the adapter alone
+(:mod:`lightning_fpdt.export.adapter`). The command line is :mod:`lightning_fpdt.export.command`.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,7 +30,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.export.adapter import adapted_module, export_adapter, write_adapter
+from lightning_fpdt.export.adapter import adapted_module, write_adapter
 from lightning_fpdt.export.checks import (
     OWNER,
     TOKENIZER_FILES,
@@ -303,52 +302,6 @@ class HFExport(pl.Callback):
         trainer.strategy.barrier("fpdt_hf_export_written")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not the usage block: exit status 2 (a usage error)
-        self.exit(2, f"fpdt-export: error: {message} (fpdt-export --help lists the arguments)\n")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``fpdt-export CKPT OUT [--config FIT_YAML] [--dtype bf16] [--max-shard-size 5GB] [--tokenizer DIR]
-    [--overwrite] [--adapter]``: exit status 0 when written, 2 for arguments it refuses, 1 for a checkpoint, model or
-    output directory it refuses; each refusal one line on stderr, naming the problem and the fix."""
-    parser = _Parser(prog="fpdt-export", description="A run's checkpoint as a Hugging Face directory.")
-    parser.add_argument("ckpt", help="a .ckpt file or a sharded checkpoint directory")
-    parser.add_argument("out", help="the Hugging Face directory to write")
-    parser.add_argument("--config", default=None, help="the fit's LightningCLI YAML (default: saved hyper-parameters)")
-    parser.add_argument("--dtype", default=None, type=_argument(export_dtype),
-                        help="float32 (fp32), bfloat16 (bf16), float16 (fp16) or float64 (default: the trained dtype)")
-    parser.add_argument("--max-shard-size", default="5GB", type=_argument(shard_bytes),
-                        help="bytes per safetensors file: 5GB, 500MB, 2GiB, ...")
-    parser.add_argument("--tokenizer", default=None, help="copy the tokenizer files of this directory")
-    parser.add_argument("--overwrite", action="store_true", help="replace the model files OUT already holds")
-    parser.add_argument("--adapter", action="store_true", help="a LoRA run's adapter in peft's format, not merged")
-    args = parser.parse_args(argv)
-    try:
-        out = (export_adapter(args.ckpt, args.out, args.config, args.dtype, args.tokenizer, args.overwrite)
-               if args.adapter else export(args.ckpt, args.out, args.config, args.dtype, args.max_shard_size,
-                                           args.tokenizer, args.overwrite))
-    except (ValueError, TypeError, OSError, NotImplementedError) as err:  # CheckpointError is a ValueError
-        message = " ".join(str(err).split())
-        ours = message.startswith(OWNER.strip())  # else another library's (a disk full): its kind shows too
-        message = message.removeprefix(OWNER.strip()).strip() if ours else f"{type(err).__name__}: {message}"
-        print(f"fpdt-export: error: {message}", file=sys.stderr)
-        sys.exit(1)
-    print(f"fpdt-export: wrote {out}")
-
-
-def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``parse`` as an argparse type: its ValueError's message (without the program's name) is the usage error."""
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err).removeprefix(OWNER)) from None
-
-    convert.__name__ = parse.__name__
-    return convert
-
-
 # ---- helpers --------------------------------------------------------------------------------------------------
 
 
@@ -396,6 +349,3 @@ def _source_dir(model: Any) -> str | None:
     """``model`` when it names a local directory (a model loaded from a path keeps its tokenizer there)."""
     return str(model) if isinstance(model, (str, Path)) and Path(model).is_dir() else None
 
-
-if __name__ == "__main__":
-    main()

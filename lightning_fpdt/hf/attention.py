@@ -36,7 +36,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from lightning_fpdt.attention import attention_options, fpdt_attention
 from lightning_fpdt.hf.masks import attention_chunk_size, check_mask_windows
 from lightning_fpdt.hf.temperature import tuned_queries, tunes_temperature
-from lightning_fpdt.layers.streaming import active_stream
+from lightning_fpdt.layers.layer_stream import active_stream
 from lightning_fpdt.parallel.binding import AttentionRecord, SequenceParallelContext
 from lightning_fpdt.parallel.packed_documents import PackedDocuments
 

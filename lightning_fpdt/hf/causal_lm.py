@@ -31,31 +31,27 @@ from lightning_fpdt.hf.attention import (
     attention_layers,
     check_supported,
     delivered_to,
-    head_widths,
     install,
-    is_attention_layer,
-    layer_head_widths,
     receives_keywords,
 )
 from lightning_fpdt.hf.build import build_model
+from lightning_fpdt.hf.decoder_layers import describe_layers
 from lightning_fpdt.hf.experts import check_experts, expert_blocks, routers_of
-from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.flops import flops_per_token
-from lightning_fpdt.hf.guards import check_context_arrived, check_static_rope, find_head_transform
-from lightning_fpdt.hf.layers import check_decoder_modules, check_recomputable, decoder_modules, install_memory_stack
+from lightning_fpdt.hf.guards import check_context_arrived, check_static_rope
+from lightning_fpdt.hf.head_transform import find_head_transform
+from lightning_fpdt.hf.layers import check_decoder_modules, check_recomputable, install_memory_stack
 from lightning_fpdt.hf.lora import AdaptedWeights, AdapterCalls, add_adapters, check_adapter_dropout, merged_state_dict
 from lightning_fpdt.hf.masks import check_mask_windows
 from lightning_fpdt.hf.mixing import hf_token_mixers
 from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence
 from lightning_fpdt.hf.recurrent_install import install_recurrences, unsupported_release
-from lightning_fpdt.hf.recurrent_memory import mixer_memory
-from lightning_fpdt.hf.router_loss import TOP_K_FIELDS, config_number, router_loss_for
+from lightning_fpdt.hf.router_loss import router_loss_for
 from lightning_fpdt.hf.short_conv import install_short_convs
 from lightning_fpdt.hf.streamed import final_norm, norm_skipped
 from lightning_fpdt.hf.weights import PretrainedWeights
 from lightning_fpdt.layers.loss import cross_entropy_sum, tiled_cross_entropy_sum
 from lightning_fpdt.layers.token_mixing import TokenMixer
-from lightning_fpdt.memory.experts import read_experts
 from lightning_fpdt.models.causal_lm import CausalLM
 from lightning_fpdt.models.class_paths import publish
 from lightning_fpdt.offload.tiling import tiled_call
@@ -94,7 +90,7 @@ class HFCausalLM(CausalLM):
             softcapping and attention sinks are computed), has experts whose routing or auxiliary loss cannot be
             reproduced (:func:`~lightning_fpdt.hf.experts.check_experts`), or has dropout in a tiled MLP; the
             message names the feature and the layer. Also a head whose forward transforms the logits in a way the
-            loss cannot reproduce (:func:`~lightning_fpdt.hf.guards.find_head_transform`); when bound to more
+            loss cannot reproduce (:func:`~lightning_fpdt.hf.head_transform.find_head_transform`); when bound to more
             than one rank, a RoPE schedule that changes with the sequence length
             (:func:`~lightning_fpdt.hf.guards.check_static_rope`); and, at the first forward under a bound
             context, an attention layer that ran without it (:func:`~lightning_fpdt.hf.guards.check_context_arrived`).
@@ -245,30 +241,9 @@ class HFCausalLM(CausalLM):
         return self.records.in_layer_order()
 
     def decoder_layers(self) -> list[DecoderLayer]:
-        """The transformers decoder layers, as the strategy shards them and the memory model reads them."""
-        config = self.model.config.get_text_config()
-        n_heads, n_kv_heads = self._head_counts()
-        layers = []
-        for name, layer in decoder_modules(self.model):
-            norms = tuple(m for m in layer.children() if "norm" in type(m).__name__.lower())
-            mixers = tuple(memory for m in layer.modules() if (memory := mixer_memory(m)) is not None)
-            attention = next((m for m in layer.modules() if is_attention_layer(m)), None)
-            # per layer (Gemma-4's full layers are wider); multi-head latent attention: v narrower than q and k
-            head_dim, v_head_dim = head_widths(config) if attention is None else layer_head_widths(attention, config)
-            mlp, top_k = feed_forward(layer), config_number(config, TOP_K_FIELDS)
-            # routed experts outside the feed-forward: Granite's block_sparse_moe (its only one), Gemma-4's beside it
-            beside = next((c for c in layer.children() if c is not mlp and not isinstance(c, nn.ModuleList)
-                           and read_experts(c, config.hidden_size, top_k) is not None
-                           and not any(is_attention_layer(m) for m in c.modules())), None)
-            mlp, beside = (beside, None) if mlp is None else (mlp, beside)
-            layers.append(DecoderLayer(
-                name=f"model.{name}", module=layer, hidden_size=config.hidden_size, n_heads=n_heads,
-                n_kv_heads=n_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, mlp=mlp, experts=beside,
-                experts_per_token=top_k,
-                mlp_tiled=self.mlp_tiles != 1, norms=norms, chunked_projections=False,
-                attention=attention is not None, mixers=mixers,
-            ))
-        return layers
+        """The transformers decoder layers, as the strategy shards them and the memory model reads them
+        (:func:`~lightning_fpdt.hf.decoder_layers.describe_layers`)."""
+        return describe_layers(self.model, self._head_counts(), mlp_tiled=self.mlp_tiles != 1)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at global length ``seq_len`` (:func:`~lightning_fpdt.hf.flops.flops_per_token`)."""

@@ -40,7 +40,8 @@ from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.router_loss import RouterLoss, split_captured
 from lightning_fpdt.hf.streamed import chunked_layer, stream_refusal
 from lightning_fpdt.layers.activation_checkpoint import recomputed_layer_call
-from lightning_fpdt.layers.streaming import stream_chunk_size, streamed_layer_call
+from lightning_fpdt.layers.layer_stream import stream_chunk_size
+from lightning_fpdt.layers.streaming import streamed_layer_call
 from lightning_fpdt.offload.recompute import needs_backward
 from lightning_fpdt.offload.tiling import TiledForward
 from lightning_fpdt.parallel.binding import SequenceParallelContext

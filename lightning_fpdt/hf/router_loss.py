@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from lightning_fpdt.hf.guards import head_name_of, stood_in
+from lightning_fpdt.hf.head_transform import head_name_of, stood_in
 
 # The family's loss against the formula on probe logits: float32 steps inside a family's loss function move it by
 # ~1e-7 relative; another form of the loss (another normalisation, a sequence-level term) by far more.

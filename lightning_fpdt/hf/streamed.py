@@ -3,9 +3,9 @@
 The layer's own forward runs on one chunk of tokens at a time: its hidden states and every per-token argument
 (position ids, the rotary ``(cos, sin)``, ``cache_position``) are sliced to the chunk, and its attention call
 (:func:`lightning_fpdt.hf.attention.fpdt_attention_forward`) finds the layer's
-:class:`~lightning_fpdt.layers.streaming.LayerStream` on the attention module and answers from it: this chunk's q/k/v,
-projected by the layer itself (q/k norms, partial rotary, gates and all), against the keys and values of every earlier
-chunk. No whole-sequence q/k/v exists.
+:class:`~lightning_fpdt.layers.layer_stream.LayerStream` on the attention module and answers from it: this chunk's
+q/k/v, projected by the layer itself (q/k norms, partial rotary, gates and all), against the keys and values of every
+earlier chunk. No whole-sequence q/k/v exists.
 
 A layer streams when everything it computes besides its one attention layer is per token. Refused to streaming
 (recomputed whole instead, exactly as before): layers without attention or with another token mixer (a gated
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from lightning_fpdt.hf.attention import is_attention_layer, receives_keywords
 from lightning_fpdt.hf.temperature import tunes_temperature
-from lightning_fpdt.layers.streaming import LayerStream, streaming_into
+from lightning_fpdt.layers.layer_stream import LayerStream, streaming_into
 
 
 def stream_refusal(layer: nn.Module, hidden: Tensor, args: tuple, kwargs: dict[str, Any], extras: bool,

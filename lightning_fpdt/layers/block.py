@@ -19,8 +19,9 @@ from lightning_fpdt.attention.kernels import get_kernel
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import ProjectionEnds, projection_params
 from lightning_fpdt.layers.activation_checkpoint import recomputed_block_forward
+from lightning_fpdt.layers.layer_stream import LayerStream, stream_chunk_size
 from lightning_fpdt.layers.rope import RotaryEmbedding
-from lightning_fpdt.layers.streaming import LayerStream, stream_chunk_size, streamed_layer_call
+from lightning_fpdt.layers.streaming import streamed_layer_call
 from lightning_fpdt.offload.autocast_state import AutocastState
 from lightning_fpdt.offload.recompute import needs_backward
 from lightning_fpdt.offload.tiling import TiledMLP

@@ -4,10 +4,11 @@ sequence order, so the device memory of a layer's work is one chunk's, not the l
 A *chunked layer* is a function ``run_chunk(x_c, lo, hi, stream)`` computing one chunk ``x[:, lo:hi]`` of a
 decoder layer's input ``x`` ``[batch, s_local, hidden]``: its attention layer hands the chunk's q, k, v
 (``[batch, hi - lo, heads, head_dim]``, this rank's tokens in the FPDT layout, RoPE applied) to
-:meth:`LayerStream.attend` and gets the chunk's output back, computed against the keys and values of this chunk
-and every earlier one, which the stream keeps in its pipeline store (host memory with offload). Everything
-else a layer computes must be per token (norms, projections, residual adds, MLPs, experts routed per token):
-a chunk's output then depends on other chunks only through causal attention, and the streamed layer is exact.
+:meth:`~lightning_fpdt.layers.layer_stream.LayerStream.attend` and gets the chunk's output back, computed against the
+keys and values of this chunk and every earlier one, which the stream keeps in its pipeline store (host memory with
+offload). Everything else a layer computes must be per token (norms, projections, residual adds, MLPs, experts
+routed per token): a chunk's output then depends on other chunks only through causal attention, and the streamed
+layer is exact.
 Which layers qualify is the caller's decision (:func:`lightning_fpdt.layers.block.FPDTBlock.forward`,
 :mod:`lightning_fpdt.hf.streamed`); any other layer is recomputed whole (:mod:`lightning_fpdt.offload.recompute`).
 
@@ -23,7 +24,8 @@ Backward, two passes over the chunks in sequence order:
    ``d out_c``, which goes head-sharded into the store (``"do"``);
 2. FPDT's attention backward (:func:`~lightning_fpdt.attention.backward.pipeline_backward`); as chunk ``c``'s dq,
    dk and dv become final, the layer runs on ``x_c`` once more until its attention call, which stops it
-   (:class:`_Captured`), and the per-token work before attention is differentiated: the rest of ``dx_c``.
+   (:class:`~lightning_fpdt.layers.layer_stream.Captured`), and the per-token work before attention is differentiated:
+   the rest of ``dx_c``.
 
 What is sized by the local sequence during a layer's work: its input's gradient being made and its output's
 gradient (two hidden vectors per token; the layer's input too when no layer input store keeps it), and nothing
@@ -34,8 +36,7 @@ attention (norm and q/k/v projections) runs once more in backward.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,104 +45,13 @@ from torch import Tensor, nn
 
 from lightning_fpdt.attention.backward import pipeline_backward
 from lightning_fpdt.attention.blocks import chunk_bounds
-from lightning_fpdt.attention.pipeline import ForwardPass, finish, new_store, rank_sinks, whole_sinks_grad
-from lightning_fpdt.attention.pipeline_options import PipelineOptions
+from lightning_fpdt.attention.pipeline import finish, whole_sinks_grad
+from lightning_fpdt.layers.layer_stream import Captured, ChunkedLayer, LayerStream
 from lightning_fpdt.offload.autocast_state import AutocastState
 from lightning_fpdt.offload.chunk_store import ChunkStore
 from lightning_fpdt.offload.recompute import INPUT_CHUNK_KIND, previous_input
-from lightning_fpdt.parallel.binding import SequenceParallelContext
-from lightning_fpdt.parallel.comm import Exchange, expand_kv_heads, group_size, sum_kv_replicas
+from lightning_fpdt.parallel.comm import sum_kv_replicas
 from lightning_fpdt.profiling import named_range
-
-_STREAM = "_fpdt_stream"  # an attention module's attribute while its decoder layer runs a streamed chunk
-
-ChunkedLayer = Callable[[Tensor, int, int, "LayerStream"], Tensor]
-"""``run_chunk(x_c, lo, hi, stream) -> y_c``: one chunk of a decoder layer (module docstring)."""
-
-
-class _Captured(Exception):
-    """Raised by :meth:`LayerStream.attend` in capture mode, carrying the chunk's q, k, v with their graph."""
-
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor) -> None:
-        super().__init__("captured")
-        self.q, self.k, self.v = q, k, v
-
-
-class LayerStream:
-    """The attention of one streamed call of a decoder layer, fed one chunk at a time.
-
-    Modes: ``"forward"`` (attend, keep nothing), ``"recompute"`` (attend, keep the query side for the
-    backward; the output is a leaf whose gradient the caller takes), ``"capture"`` (stop the layer at its
-    attention call: :class:`_Captured`).
-    """
-
-    def __init__(self, s_local: int, local_chunk_size: int, device: torch.device) -> None:
-        self.s_local, self.local_chunk_size, self.device = s_local, local_chunk_size, device
-        self.mode = "forward"
-        self.opt: PipelineOptions | None = None
-        self.store: ChunkStore | None = None
-        self.passes: ForwardPass | None = None
-        self.chunk = 0  # the next chunk attend computes
-        self.q_dtype: torch.dtype | None = None
-        self.sinks: Tensor | None = None  # the layer's sink logits [n_heads], if any
-        self.local_sinks: Tensor | None = None  # this rank's heads of them
-        self.out: Tensor | None = None  # recompute: the latest chunk's output, a leaf
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, options: Callable[[], PipelineOptions],
-               sinks: Tensor | None = None) -> Tensor:
-        """This chunk's attention output ``[batch, n, heads, v_head_dim]`` from its q ``[batch, n, heads, head_dim]``,
-        k and v ``[batch, n, kv_heads, *]`` (``n`` its local length). ``options()`` is called at the first chunk
-        only: the layer's pipeline options (causal, with this stream's chunk size)."""
-        if self.mode == "capture":
-            raise _Captured(q, k, v)
-        with torch.no_grad():
-            if self.passes is None:
-                self._start(options(), sinks)
-            passes, opt = self.passes, self.opt
-            assert passes is not None and opt is not None
-            i = self.chunk
-            lo, hi = passes.bounds[i]
-            if q.shape[1] != hi - lo:
-                raise RuntimeError(f"streamed layer: chunk {i} has {q.shape[1]} tokens, its bounds {lo}:{hi} say"
-                                   f" {hi - lo}")
-            self.q_dtype = q.dtype
-            u = group_size(opt.group)
-            q_i = passes.receive(i, passes.issue(i, q, expand_kv_heads(k, u), expand_kv_heads(v, u)))
-            pending = passes.send(i, passes.attend(i, q_i, q.dtype))
-            with named_range("fpdt/all_to_all"):
-                out = pending.wait()
-            self.chunk += 1
-        if self.mode == "recompute":
-            self.out = out.requires_grad_()
-        return out
-
-    def _start(self, opt: PipelineOptions, sinks: Tensor | None) -> None:
-        if not opt.causal or opt.local_chunk_size != self.local_chunk_size:
-            raise RuntimeError(
-                f"streamed layer: its attention runs with causal={opt.causal} and local chunks of"
-                f" {opt.local_chunk_size} tokens; streaming needs causal attention in chunks of {self.local_chunk_size}"
-            )
-        opt.check_documents(self.s_local, "streamed layer")
-        self.opt, self.sinks, self.local_sinks = opt, sinks, rank_sinks(sinks, opt.group)
-        self.store = new_store(self.device, opt)
-        self.passes = ForwardPass(opt, self.store, self.s_local, self.mode == "recompute", self.local_sinks,
-                                  keep_lse=False)
-
-    def put_dout(self, i: int, dout: Tensor) -> None:
-        """Chunk ``i``'s output gradient ``[batch, n, heads, v_head_dim]``, head-sharded into the store."""
-        assert self.opt is not None and self.store is not None
-        exchange = Exchange(self.opt.group, overlap=False)
-        with named_range("fpdt/all_to_all"):
-            self.store.put(("do", i), exchange.seq_to_head(dout, f"dout{i}").wait())
-        exchange.close()
-
-    def end_forward(self) -> None:
-        """Close the forward pass (its lse is not needed)."""
-        if self.passes is not None:
-            self.passes.close()
-        if self.mode == "forward" and self.store is not None and self.opt is not None:
-            finish(self.store, self.opt)
-            self.store = None
 
 
 @dataclass
@@ -233,7 +143,7 @@ class _Streamed:
             with torch.enable_grad(), autocast.restore(), named_range(f"fpdt/{self.name}_backward"):
                 try:
                     self.run_chunk(x_c, *self.bounds[c], stream)
-                except _Captured as captured:
+                except Captured as captured:
                     q, k, v = captured.q, captured.k, captured.v
                 else:
                     raise RuntimeError("streamed layer: the layer never called its attention")
@@ -350,32 +260,4 @@ def streamed_layer_call(run_chunk: ChunkedLayer, module: nn.Module, x: Tensor, l
     return _StreamedLayer.apply(call, x, *params)
 
 
-def active_stream(module: nn.Module) -> LayerStream | None:
-    """The stream attention module ``module`` answers from while its decoder layer streams (:func:`streaming_into`),
-    else ``None``."""
-    return module.__dict__.get(_STREAM)
-
-
-@contextmanager
-def streaming_into(modules: Sequence[nn.Module], stream: LayerStream) -> Iterator[None]:
-    """Let each attention module of ``modules`` answer from ``stream`` (:func:`active_stream`) until the block ends."""
-    for m in modules:
-        m.__dict__[_STREAM] = stream
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.__dict__.pop(_STREAM, None)
-
-
-def stream_chunk_size(context: SequenceParallelContext, s_local: int) -> int | None:
-    """The local chunk size (the chunk size over the sequence-parallel degree) a layer of ``s_local`` tokens streams
-    in under ``context``, or ``None``: streaming off (``context.streaming``), or nothing to gain (no chunking, or one
-    chunk: the layer's work is then its whole local sequence anyway)."""
-    if not context.streaming or context.chunk_size is None or context.chunk_size // context.size >= s_local:
-        return None
-    return context.chunk_size // context.size
-
-
-__all__ = ["ChunkedLayer", "LayerStream", "active_stream", "stream_chunk_size", "streamed_layer_call",
-           "streaming_into"]
+__all__ = ["streamed_layer_call"]

@@ -27,7 +27,8 @@ from typing import Protocol, runtime_checkable
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_fpdt.offload.chunk_store import ChunkStore, OffloadStats
+from lightning_fpdt.offload.chunk_store import ChunkStore
+from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.parallel.comm import group_size
 
 

@@ -1,31 +1,26 @@
 """``FPDTStrategy``: data parallel x sequence parallel training with FPDT attention.
 
 A thin layer of Lightning hooks; each hands its concern to the module that owns it (the README's
-"what is where" table): options, batches, planning, sharding, nonfinite, checkpoint_files, run_state,
-resume and launcher.
+"what is where" table): options, batches, planning, sharding, the step guard and the launchers; its checkpoint
+hooks are :class:`~lightning_fpdt.strategy.checkpoint_hooks.CheckpointHooks` (the checkpoint files, run state and
+resume).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_fpdt.checkpoints import files as ckpt
-from lightning_fpdt.checkpoints.resume import resumable, warn_if_saved_at_epoch_end
-from lightning_fpdt.checkpoints.run_state import add_run_state, parallelism_state, restore_run_state
+from lightning_fpdt.checkpoints.resume import resumable
 from lightning_fpdt.errors import PREFIX
 from lightning_fpdt.layers.accumulation import scale_window_gradients
 from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
@@ -43,6 +38,7 @@ from lightning_fpdt.parallel.batches import (
 )
 from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
 from lightning_fpdt.parallel.mesh import SequenceParallelGroups, build_mesh, placement
+from lightning_fpdt.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_fpdt.strategy.launcher import (
     Peer,
     destroy_group_at_exit,
@@ -54,7 +50,7 @@ from lightning_fpdt.strategy.sharding import check_replicated_gradients, setup_s
 from lightning_fpdt.strategy.step_guard import StepGuard
 
 
-class FPDTStrategy(DDPStrategy):
+class FPDTStrategy(CheckpointHooks):
     """Fully Pipelined Distributed Transformer training: Ulysses sequence parallelism with chunked,
     optionally host-offloaded attention, on top of data parallelism.
 
@@ -316,74 +312,6 @@ class FPDTStrategy(DDPStrategy):
             optimizer.zero_grad(set_to_none=True)
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
-
-    # ---- checkpoints ----------------------------------------------------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if not self._options.shard_parameters:
-            return super().lightning_module_state_dict()
-        return ckpt.model_state(self.lightning_module)  # this rank's shards (DTensors)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer state keyed by parameter name (loads into any parallelism); sharded with
-        ``shard_parameters``, else the full state."""
-        return ckpt.optimizer_state(self.lightning_module, optimizer, self._options.shard_parameters)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Atomic: a crash mid-save leaves the previous checkpoint at ``filepath`` usable. A file with
-        replicated weights, a distributed-checkpoint directory with ``shard_parameters``."""
-        add_run_state(checkpoint, self.world_size, self._parallelism())  # a collective: every rank's RNG states
-        target = str(self.broadcast(str(filepath)))
-        own_io = isinstance(self.checkpoint_io, TorchCheckpointIO) and storage_options is None
-        if self._options.shard_parameters:
-            ckpt.save_sharded(checkpoint, target, self.broadcast(ckpt.new_token()), self.barrier, self._on_rank_zero)
-        elif own_io and not ckpt.is_remote(target):
-            self._on_rank_zero(lambda: ckpt.atomic_save(checkpoint, target), f"saving {target}")
-        else:
-            super().save_checkpoint(checkpoint, target, storage_options)  # the CheckpointIO decides
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero and not ckpt.is_remote(str(filepath)) and Path(filepath).is_dir():
-            ckpt.remove(Path(filepath))  # renamed first: a crash mid-delete never leaves a half checkpoint
-        else:
-            super().remove_checkpoint(filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint saved with any parallelism, a file (replicated weights) or a distributed
-        checkpoint directory (sharded), into this run's model and optimizers by parameter name.
-
-        The model and optimizer states are restored here, so :meth:`load_model_state_dict` and
-        :meth:`load_optimizer_state_dict` have nothing left to do (as in Lightning's ModelParallelStrategy).
-        """
-        target, module = str(self.broadcast(str(checkpoint_path))), self.lightning_module
-        fitting = module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
-        parent = super().load_checkpoint  # reads a remote checkpoint through fsspec
-        checkpoint = ckpt.load_states(target, module, optimizers, lambda: parent(target, weights_only=weights_only))
-        restore_run_state(checkpoint, self.global_rank, self._parallelism())
-        if fitting:
-            warn_if_saved_at_epoch_end(checkpoint)
-        return checkpoint
-
-    def _on_rank_zero(self, fn: Callable[[], None], what: str) -> None:
-        ckpt.on_rank_zero(fn, what, self.is_global_zero, self.broadcast)
-
-    def _parallelism(self) -> dict[str, Any]:
-        return parallelism_state(self.data_parallel_size, self.sequence_parallel_size, self.chunk_size,
-                                 self._options.shard_parameters)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # restored by name in load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # restored by name in load_checkpoint
 
     # ---- registration and teardown ----------------------------------------------------------------
 
