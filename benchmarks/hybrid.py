@@ -188,7 +188,7 @@ def _time_layers(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     """Forward + backward seconds of one gated delta-net and one attention layer per length (one process)."""
     import transformers
 
-    from lightning_fpdt.hf.recurrent_install import install_recurrences
+    from lightning_fpdt.hf.mixer_install import install_recurrences
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(hybrid_config(args), attn_implementation="sdpa")

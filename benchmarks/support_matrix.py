@@ -27,7 +27,7 @@ For every model type of ``transformers.models.auto.modeling_auto.MODEL_FOR_CAUSA
    since transformers builds and runs the model; the detail names the innermost ``lightning_fpdt`` frame);
 4. one ``Trainer.fit`` step under ``FPDTStrategy(sequence_parallel_size=2, chunk_size=8, attention_backend="math",
    start_method="fork")`` at ``precision="64-true"`` (32 tokens, 4 chunks per rank, a plain batch of 2 random
-   sequences, weights redrawn with std ``1/sqrt(fan_in)``: ``tests/test_hf_causal_lm.py``'s ``_redraw`` and
+   sequences, weights redrawn with std ``1/sqrt(fan_in)``: ``tests/hf/test_hf_causal_lm.py``'s ``_redraw`` and
    ``_fit``; parameters the plain model's forward never uses frozen, any other that gets no gradient on a rank
    counting as a zero one), against the plain transformers model
    (``_plain``: sdpa, or the float64 eager reference, here also for layers with more keys than queries) in one
@@ -625,7 +625,7 @@ def _oracle(ref: Any, data: Any) -> tuple[Any, dict, bool]:
 
 def _reference_attention(module: Any, q: Any, k: Any, v: Any, attention_mask: Any, scaling: float,
                          softcap: float | None = None, **kwargs: Any) -> tuple[Any, None]:
-    """``tests/test_hf_causal_lm.py``'s float64 eager reference, also where a layer attends to more keys than it
+    """``tests/hf/test_hf_causal_lm.py``'s float64 eager reference, also where a layer attends to more keys than it
     has queries (DeepSeek-V4's compressed keys beside the sequence's): ``[b, h, s, d]`` in, ``[b, s, h, d]`` out."""
     import torch
 
@@ -646,14 +646,14 @@ def _reference_attention(module: Any, q: Any, k: Any, v: Any, attention_mask: An
 
 
 def _reference(module: Any, family: str) -> Any:
-    """The plain transformers model with the module's weights in float64 (``tests.test_hf_causal_lm._plain``; where
+    """The plain transformers model with the module's weights in float64 (``tests.hf.test_hf_causal_lm._plain``; where
     ``AutoModelForCausalLM`` does not map the model's config, the same steps with the model's class itself)."""
     import copy
 
     import torch
     from transformers import AttentionInterface
 
-    from tests.test_hf_causal_lm import _plain
+    from tests.hf.test_hf_causal_lm import _plain
 
     AttentionInterface.register("float64_reference", _reference_attention)  # the tests' one, generalised
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -698,7 +698,7 @@ def check_step(module: Any, result: Result, args: argparse.Namespace) -> None:
     import torch
 
     from tests.helpers import TokenDataset, step_errors
-    from tests.test_hf_causal_lm import Case, _fit, _redraw
+    from tests.hf.test_hf_causal_lm import Case, _fit, _redraw
 
     _capture_without_gradients()
 

@@ -15,6 +15,8 @@ from types import ModuleType
 
 import torch
 
+from lightning_fpdt.errors import FPDTError
+
 BACKENDS = ("auto", "math", "sdpa", "flash_attn")
 
 # flash-attn releases whose private `_flash_attn_forward`/`_flash_attn_backward` have the argument lists and
@@ -74,7 +76,7 @@ def resolve_backend(backend: str, device_type: str, dtype: torch.dtype) -> str:
         ValueError: unknown backend name, or one that cannot run on this device or dtype.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"attention_backend={backend!r} is not one of {BACKENDS}.")
+        raise FPDTError(f"attention_backend={backend!r} is not one of {BACKENDS}.")
     half = dtype in HALF_DTYPES
     if backend == "auto":
         if device_type == "cuda" and half and flash_attn_available():
@@ -83,15 +85,15 @@ def resolve_backend(backend: str, device_type: str, dtype: torch.dtype) -> str:
     if backend != "flash_attn":
         return backend
     if device_type != "cuda":
-        raise ValueError(
+        raise FPDTError(
             f"attention_backend='flash_attn' needs a CUDA device, but this run is on {device_type}."
             " Use attention_backend='sdpa' or 'auto'."
         )
     if not flash_attn_available():
         reason = flash_attn_unavailable_reason() or "the flash-attn package is not installed"
-        raise ValueError(f"attention_backend='flash_attn' but {reason};{FLASH_ATTN_FIX}")
+        raise FPDTError(f"attention_backend='flash_attn' but {reason};{FLASH_ATTN_FIX}")
     if not half:
-        raise ValueError(
+        raise FPDTError(
             f"attention_backend='flash_attn' needs float16/bfloat16 inputs, got {dtype}."
             " Use attention_backend='sdpa' or 'auto'."
         )

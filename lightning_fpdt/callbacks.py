@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.parallel.binding import attention_records
 
@@ -98,8 +99,8 @@ class TokenThroughputMonitor(ThroughputMonitor):
         super().__init__(batch_size_fn=samples_in_batch, length_fn=tokens_in_batch, window_size=window_size,
                          separator=separator)
         if available_flops is not None and not available_flops > 0:
-            raise ValueError(f"TokenThroughputMonitor: available_flops must be a positive peak FLOP/s per device,"
-                             f" got {available_flops!r}; leave it None to use Lightning's table of GPUs.")
+            raise FPDTError(f"TokenThroughputMonitor: available_flops must be a positive peak FLOP/s per device,"
+                            f" got {available_flops!r}; leave it None to use Lightning's table of GPUs.")
         self.peak_flops = available_flops
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_fpdt.checkpoints import files as checkpoint_files
 from lightning_fpdt.data import PasskeyDataModule
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.memory import ModelShape, report
 from lightning_fpdt.models import CausalLM, LlamaLM
 from lightning_fpdt.models.class_paths import class_path_of
@@ -190,19 +192,23 @@ def run(args: list[str] | None = None) -> FPDTCLI:
     )
 
 
-# messages of this package's classes start with the class (or command) name
+# messages of this package's classes start with the class (or command) name: how an FPDTError is recognised once
+# jsonargparse has turned it into text (a strategy given as `str | Strategy` keeps no exception, only its words)
 _OWN_ERROR = re.compile(r"^(FPDTStrategy|fpdt-train|fpdt-eval|[A-Za-z]*Config|[A-Za-z]*DataModule|[A-Za-z]*LM|"
                         r"shard_batch|LongContextEvaluation|[A-Za-z]*Task|Haystack|evaluate): ")
 
 
 def own_message(err: BaseException) -> str | None:
-    """The message a user must read in an error raised while the CLI builds its objects: a strategy's or
-    model's own ``ValueError``/``TypeError`` (jsonargparse wraps those in a usage dump and, for the
-    strategy's ``str | Strategy`` type, in a list of the union's subtypes); ``None`` for other errors."""
+    """The message a user must read in an error raised while the CLI builds its objects or before the ranks start:
+    the package's own (an :class:`~lightning_fpdt.errors.FPDTError` in the chain of causes, or its words where
+    jsonargparse wrapped them in a usage dump and, for the strategy's ``str | Strategy`` type, in a list of the
+    union's subtypes); ``None`` for other errors."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         text = str(err)
+        if isinstance(err, FPDTError) and text.strip():
+            return text.strip().splitlines()[0]
         if "Does not validate against any of the Union subtypes" in text:
             reasons = [line.strip()[2:] for line in text.splitlines()
                        if line.strip().startswith("- ") and not line.strip().startswith("- Expected a")]
@@ -215,17 +221,22 @@ def own_message(err: BaseException) -> str | None:
     return None
 
 
-def main() -> None:
-    """The ``fpdt-train`` console script: LightningCLI on ``sys.argv``, with the errors of the objects it
-    builds (strategy, model, data) and of the refusals made before the ranks start (``NotImplementedError``)
-    printed as their own last line instead of behind a usage dump or a traceback."""
+def console_main(program: str, run: Callable[[], Any]) -> None:
+    """A console script: ``run()``, with the errors of the objects it builds (strategy, model, data) and of the
+    refusals made before the ranks start (:func:`own_message`) printed as one last line, ``{program}: error: ...``,
+    instead of behind a usage dump or a traceback; any other error is raised as it is."""
     try:
         run()
     except (ValueError, TypeError, NotImplementedError) as err:
         message = own_message(err)
         if message is None:
             raise
-        raise SystemExit(f"fpdt-train: error: {message}") from None
+        raise SystemExit(f"{program}: error: {message}") from None
+
+
+def main() -> None:
+    """The ``fpdt-train`` console script: LightningCLI on ``sys.argv`` (:func:`console_main`)."""
+    console_main("fpdt-train", run)
 
 
 __all__ = ["FPDTCLI", "LlamaLM", "PasskeyDataModule", "main", "run"]

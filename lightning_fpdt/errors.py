@@ -2,7 +2,22 @@
 (options, batches, planning, the non-finite guard) begins with :data:`PREFIX`, so a user sees which
 component refused the run, and the CLI (``lightning_fpdt.cli``) can find the message behind a usage dump.
 
-This module imports nothing, so any module can raise in the strategy's name without loading the others.
+This module imports nothing of the package, so any module can raise in the strategy's name (and check a count with
+:func:`is_positive_int`) without loading the others.
 """
 
+from typing import Any
+
 PREFIX = "FPDTStrategy: "
+
+
+class FPDTError(ValueError):
+    """A refusal of this package: a setting, a model, a batch or a file it cannot run as asked. The message is one
+    line that names the component, the numbers and the fix; ``fpdt-train``, ``fpdt-eval`` and ``fpdt-export`` print
+    it as their last line instead of a traceback. A ``ValueError``, so ``except ValueError`` still catches it."""
+
+
+def is_positive_int(value: Any) -> bool:
+    """The one rule for a count a user gives (a size, a number of tiles): an ``int`` above 0, and not a ``bool``
+    (``True`` is an ``int`` to Python, never a count to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -34,7 +34,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_fpdt.backends import BACKENDS, resolve_backend
-from lightning_fpdt.errors import PREFIX
+from lightning_fpdt.errors import PREFIX, FPDTError, is_positive_int
 from lightning_fpdt.parallel.batches import DEFAULT_SEQUENCE_KEYS
 from lightning_fpdt.parallel.binding import SequenceParallelContext, attention_heads
 from lightning_fpdt.parallel.comm import check_heads
@@ -57,16 +57,12 @@ def offload_mode(name: str, value: Any) -> Offload:
         return "on"
     if isinstance(value, str) and value == "emulate":
         return "emulate"
-    raise ValueError(f"{PREFIX}{name} must be True, False or 'emulate', got {value!r}.")
+    raise FPDTError(f"{PREFIX}{name} must be True, False or 'emulate', got {value!r}.")
 
 
 def _argument(value: Offload) -> OffloadArgument:
     """The user's spelling of an offload mode, for messages."""
     return {"off": False, "on": True, "emulate": "emulate"}[value]
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 @dataclass(frozen=True)
@@ -138,40 +134,40 @@ class FPDTOptions:
             raise TypeError(f"{PREFIX}sequence_keys must be a list of batch keys, got {self.sequence_keys!r}.")
         object.__setattr__(self, "sequence_keys", tuple(self.sequence_keys))
         sp = self.sequence_parallel_size
-        if sp != "auto" and not _positive_int(sp):
-            raise ValueError(f"{PREFIX}sequence_parallel_size must be a positive int or 'auto', got {sp!r}.")
-        if self.ring_size != "auto" and not _positive_int(self.ring_size):
-            raise ValueError(f"{PREFIX}ring_size must be a positive int or 'auto', got {self.ring_size!r}.")
+        if sp != "auto" and not is_positive_int(sp):
+            raise FPDTError(f"{PREFIX}sequence_parallel_size must be a positive int or 'auto', got {sp!r}.")
+        if self.ring_size != "auto" and not is_positive_int(self.ring_size):
+            raise FPDTError(f"{PREFIX}ring_size must be a positive int or 'auto', got {self.ring_size!r}.")
         if self.attention_backend not in BACKENDS:
-            raise ValueError(f"{PREFIX}attention_backend={self.attention_backend!r} is not one of {BACKENDS}.")
+            raise FPDTError(f"{PREFIX}attention_backend={self.attention_backend!r} is not one of {BACKENDS}.")
         self._check_chunking()
         if self.offload_checkpoints != "off" and not self.activation_checkpointing:
-            raise ValueError(
+            raise FPDTError(
                 f"{PREFIX}offload_checkpoints={_argument(self.offload_checkpoints)!r} needs"
                 " activation_checkpointing=True (only checkpointed block inputs are offloaded)."
             )
         if self.offload_optimizer and not self.shard_parameters:
-            raise ValueError(
+            raise FPDTError(
                 f"{PREFIX}offload_optimizer=True needs shard_parameters=True (the optimizer state is offloaded"
                 " shard by shard by FSDP2)."
             )
         if self.nonfinite_loss not in ("raise", "skip"):
-            raise ValueError(f"{PREFIX}nonfinite_loss must be 'raise' or 'skip', got {self.nonfinite_loss!r}.")
+            raise FPDTError(f"{PREFIX}nonfinite_loss must be 'raise' or 'skip', got {self.nonfinite_loss!r}.")
         if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
-            raise ValueError(f"{PREFIX}pad_token_id must be a non-negative int, got {self.pad_token_id!r}.")
+            raise FPDTError(f"{PREFIX}pad_token_id must be a non-negative int, got {self.pad_token_id!r}.")
 
     def _check_chunking(self) -> None:
         chunk, budget = self.chunk_size, self.memory_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
-            raise ValueError(f"{PREFIX}memory_budget must be a positive number of GiB, got {budget!r}.")
+            raise FPDTError(f"{PREFIX}memory_budget must be a positive number of GiB, got {budget!r}.")
         if budget is not None and chunk != "auto":
-            raise ValueError(
+            raise FPDTError(
                 f"{PREFIX}memory_budget={budget} only applies to chunk_size='auto', but chunk_size={chunk!r}."
             )
         if chunk is None or chunk == "auto":
             return
-        if not _positive_int(chunk):
-            raise ValueError(f"{PREFIX}chunk_size must be a positive int, None or 'auto', got {chunk!r}.")
+        if not is_positive_int(chunk):
+            raise FPDTError(f"{PREFIX}chunk_size must be a positive int, None or 'auto', got {chunk!r}.")
         # chunk_size against sequence_parallel_size is checked in check_run, after the world size: a size
         # that does not divide the devices must be reported as that, not as a chunk size to change
 
@@ -222,7 +218,7 @@ class FPDTOptions:
         try:
             validate_chunk_size(self.chunk_size, sequence_parallel_size, ring_size)
         except ValueError as err:
-            raise ValueError(f"{PREFIX}{err}") from None
+            raise FPDTError(f"{PREFIX}{err}") from None
 
     def check_run(
         self,
@@ -262,19 +258,19 @@ class FPDTOptions:
         if device_type == "cuda":
             return
         if self.offload == "on":
-            raise ValueError(
+            raise FPDTError(
                 f"{PREFIX}offload=True moves saved attention chunks from device to pinned host memory; on"
                 f" {device_type} there is no device memory to save. Use offload=False, or offload='emulate' to"
                 " run the offload schedule on CPU (as the tests do)."
             )
         if self.offload_checkpoints == "on":
-            raise ValueError(
+            raise FPDTError(
                 f"{PREFIX}offload_checkpoints=True moves checkpointed block inputs from device to pinned host"
                 f" memory; on {device_type} there is no device memory to save. Use offload_checkpoints=False, or"
                 " offload_checkpoints='emulate' to run the offload schedule on CPU (as the tests do)."
             )
         if self.offload_optimizer:
-            raise ValueError(
+            raise FPDTError(
                 f"{PREFIX}offload_optimizer=True moves the sharded optimizer state from the device to host memory;"
                 f" on {device_type} it is there already. Use offload_optimizer=False."
             )
@@ -284,7 +280,7 @@ def check_world_size(world_size: int, num_nodes: int, num_processes: int, sequen
     """Raise if the world (nodes x devices) does not split into whole sequence-parallel groups."""
     if world_size % sequence_parallel_size != 0:
         options = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(
+        raise FPDTError(
             f"{PREFIX}sequence_parallel_size={sequence_parallel_size} does not divide the world size {world_size}"
             f" ({num_nodes} node(s) x {num_processes} device(s)); use one of {options}."
         )
@@ -306,7 +302,7 @@ def check_attention_backend(attention_backend: str, device_type: str, precision:
     """
     dtype = attention_dtype(precision)
     if attention_backend == "flash_attn" and device_type == "cuda" and precision not in HALF_PRECISIONS:
-        raise ValueError(
+        raise FPDTError(
             f"{PREFIX}attention_backend='flash_attn' needs float16/bfloat16 attention inputs, but"
             f" precision={precision!r}. Use precision='bf16-mixed' (or one of {list(HALF_PRECISIONS)}),"
             " or attention_backend='sdpa' or 'auto'."
@@ -314,7 +310,7 @@ def check_attention_backend(attention_backend: str, device_type: str, precision:
     try:
         resolve_backend(attention_backend, device_type, dtype)
     except ValueError as err:
-        raise ValueError(f"{PREFIX}{err}") from None
+        raise FPDTError(f"{PREFIX}{err}") from None
 
 
 def _builds_layers_later(model: torch.nn.Module) -> bool:
@@ -328,7 +324,7 @@ def _builds_layers_later(model: torch.nn.Module) -> bool:
 def check_has_blocks(model: torch.nn.Module, num_blocks: int, sequence_parallel_size: int) -> None:
     """Raise if ``sequence_parallel_size > 1`` and ``model`` has no FPDT block (``num_blocks == 0``)."""
     if num_blocks == 0 and sequence_parallel_size > 1:
-        raise ValueError(
+        raise FPDTError(
             f"{PREFIX}sequence_parallel_size={sequence_parallel_size} but {type(model).__name__} has no"
             " FPDTBlock; without one, attention would only see this rank's shard of the sequence. Build the"
             " model from lightning_fpdt.FPDTBlock (see docs/own-model.md) or use sequence_parallel_size=1."
@@ -357,4 +353,4 @@ def check_model(model: torch.nn.Module | None, sequence_parallel_size: int, ring
         try:
             check_heads(n_heads, n_kv_heads, sequence_parallel_size, ring_size)
         except ValueError as err:
-            raise ValueError(f"{PREFIX}{err} (attention layer '{name}' of {type(model).__name__})") from None
+            raise FPDTError(f"{PREFIX}{err} (attention layer '{name}' of {type(model).__name__})") from None

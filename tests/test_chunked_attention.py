@@ -5,7 +5,7 @@ Blocks no query's attention chunk reaches are skipped, blocks an attention-chunk
 and causal squares: counted here kernel call by kernel call (a block computed whole and masked away fails), then
 ``fpdt_attention`` at sp=1 and sp=2 against a textbook oracle with the chunk mask, forward and backward, plain and
 packed, attention chunks that do not divide the pipeline's chunks. The whole Llama-4 model under FPDT is a case of
-``tests/test_hf_families.py``; here the mask probe's reading of each layer's chunk, and the temperature positions.
+``tests/hf/test_hf_families.py``; here the mask probe's reading of each layer's chunk, and the temperature positions.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from lightning_fpdt.export import HFExport, export, main  # noqa: E402
 from lightning_fpdt.models import GPTLM, GPTConfig, HFCausalLM, LlamaConfig, LlamaLM  # noqa: E402
 from lightning_fpdt.testing import run_in_fork  # noqa: E402
 from tests.helpers import TokenDataset, dataloader  # noqa: E402
+from tests.hf.test_hf import _init  # noqa: E402
 from tests.reference import rel_error  # noqa: E402
-from tests.test_hf import _init  # noqa: E402
 
 pytestmark = pytest.mark.distributed  # the runs fork 2 ranks
 VOCAB = 384  # the toy tokenizer's

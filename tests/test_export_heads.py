@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_fpdt.export.hf_directory import HFExport, export  # noqa: E402
 from lightning_fpdt.models import GPTLM, GPTConfig, HFCausalLM, LlamaConfig, LlamaLM  # noqa: E402
+from tests.hf.test_hf import _init  # noqa: E402
 from tests.reference import rel_error  # noqa: E402
-from tests.test_hf import _init  # noqa: E402
 
 VOCAB = 96
 

@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.memory import EstimateOptions, ModelShape, auto_chunk_size, communication_bytes, estimate
-from lightning_fpdt.memory import report as chunk_planning
+from lightning_fpdt.memory import EstimateOptions, ModelShape, auto_chunk_size, communication_bytes, estimate, sizing
 from lightning_fpdt.memory.__main__ import main, shape_from_config
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from lightning_fpdt.options import FPDTOptions
@@ -101,7 +100,7 @@ def test_auto_chunk_sizes_divide_by_the_layout_multiple(sp: int, ring: int, monk
         tried.append(opts.chunk_size)
         return estimate(shape, seq_len, opts)
 
-    monkeypatch.setattr(chunk_planning, "estimate", spy)  # what auto_chunk_size calls
+    monkeypatch.setattr(sizing, "estimate", spy)  # what auto_chunk_size calls
     with pytest.raises(ValueError, match=rf"the smallest chunk \({multiple}\) still needs"):
         auto_chunk_size(MHA, seq, 0, options)
     assert tried[0] is None and tried[-1] == multiple and len(tried) >= 12, tried

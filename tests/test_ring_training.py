@@ -26,19 +26,19 @@ import torch
 # not an error of the pipeline's
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from tests.helpers import assert_same_step
-from tests.test_hf_causal_lm import Case as HFCase
-from tests.test_hf_causal_lm import Packed as HFPacked
-from tests.test_hf_causal_lm import _fit, gemma_norms_in_float64  # noqa: F401
-from tests.test_hf_families import (
+from tests.hf.test_hf_causal_lm import Case as HFCase
+from tests.hf.test_hf_causal_lm import Packed as HFPacked
+from tests.hf.test_hf_causal_lm import _fit, gemma_norms_in_float64  # noqa: F401
+from tests.hf.test_hf_families import (
     FamilyCase,
     _module,
     assert_fit_step_equals_plain,
     cohere_norm_in_float64,  # noqa: F401
     llama4_in_float64,  # noqa: F401
 )
+from tests.hf.test_recurrent import _hybrid, _oracle, kernels_in_float64  # noqa: F401
+from tests.hf.test_short_conv import _lfm2
 from tests.test_packed_training import PACKING, VOCAB, Case, Packed, each_document_alone, fit_one_step
-from tests.test_recurrent import _hybrid, _oracle, kernels_in_float64  # noqa: F401
-from tests.test_short_conv import _lfm2
 
 RING_CASES = [  # packed, sp=4, chunks of 8, offload emulated, one KV head
     FamilyCase("mistral", packed=True, sp=4, ring_size=2),  # every layer windowed

@@ -20,9 +20,9 @@ from lightning_fpdt.models import HFCausalLM, LlamaLM, llama_from_hf, to_hf
 from lightning_fpdt.models.llama import LlamaConfig
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from tests.helpers import TokenDataset, assert_same_step
+from tests.hf.test_hf_causal_lm import SIZES, VOCAB, Case, _fit, _redraw, each_sample_alone
 from tests.reference import rel_error
 from tests.test_cli import fpdt_train_here
-from tests.test_hf_causal_lm import SIZES, VOCAB, Case, _fit, _redraw, each_sample_alone
 
 ORIGINAL, LONG = 16, 48  # the pre-training context, and a training sequence 3x beyond it
 SCHEDULES: dict[str, dict[str, Any]] = {

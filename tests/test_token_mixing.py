@@ -30,9 +30,9 @@ from lightning_fpdt.layers.token_mixing import PROBE_LENGTH  # noqa: E402
 from lightning_fpdt.models import GPTLM, GPTConfig, HFCausalLM, LlamaConfig, LlamaLM  # noqa: E402
 from lightning_fpdt.parallel.binding import SequenceParallelContext  # noqa: E402
 from tests.helpers import TokenDataset, assert_same_step, dataloader  # noqa: E402
-from tests.test_hf_causal_lm import _redraw, one_process_step  # noqa: E402
-from tests.test_hf_guards import StepMarker  # noqa: E402
-from tests.test_hf_moe import _float64_source, _oracle, _router_in_input_dtype  # noqa: E402
+from tests.hf.test_hf_causal_lm import _redraw, one_process_step  # noqa: E402
+from tests.hf.test_hf_guards import StepMarker  # noqa: E402
+from tests.hf.test_hf_moe import _float64_source, _oracle, _router_in_input_dtype  # noqa: E402
 
 SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8)
@@ -42,7 +42,7 @@ EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, s
 MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8, mamba_expand=2)
 
 # family: (its tiny config's fields, the first module the guard names; "" for a family whose layers run
-# sequence-parallel: tests/test_short_conv.py, tests/test_recurrent.py)
+# sequence-parallel: tests/hf/test_short_conv.py, tests/hf/test_recurrent.py)
 HYBRIDS: dict[str, tuple[dict[str, Any], str]] = {
     "qwen3_5_text": (DELTA_NET, ""),
     "qwen3_5_moe_text": ({**DELTA_NET, **EXPERTS}, ""),
@@ -101,7 +101,7 @@ def test_every_other_hybrid_family_is_refused_by_name_beyond_one_rank(family: st
 
 @pytest.mark.parametrize("family", SEQUENCE_PARALLEL)
 def test_gated_delta_net_and_mamba2_families_run_sequence_parallel(family: str) -> None:
-    """Their recurrences run sequence-parallel (tests/test_recurrent.py) and nothing else mixes: nothing is
+    """Their recurrences run sequence-parallel (tests/hf/test_recurrent.py) and nothing else mixes: nothing is
     refused."""
     module = _quiet(lambda: HFCausalLM(hybrid_config(family)).double())
     assert module.recurrences and module.token_mixers() == []
@@ -110,7 +110,7 @@ def test_gated_delta_net_and_mamba2_families_run_sequence_parallel(family: str) 
 
 @pytest.mark.parametrize("family", ["lfm2", "lfm2_moe"])
 def test_short_convolution_families_run_sequence_parallel(family: str) -> None:
-    """LFM2's short convolutions run sequence-parallel (tests/test_short_conv.py): nothing is refused."""
+    """LFM2's short convolutions run sequence-parallel (tests/hf/test_short_conv.py): nothing is refused."""
     config = AutoConfig.for_model(family, **SIZES, num_hidden_layers=2, layer_types=["conv", "full_attention"],
                                   **({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                                       "num_dense_layers": 1} if family == "lfm2_moe" else {}))
@@ -198,7 +198,7 @@ def test_the_router_loss_counts_the_routers_of_every_layer() -> None:
 def test_qwen3_next_trains_in_one_process_with_the_router_loss_of_every_layer(monkeypatch, fresh_seed: int) -> None:
     """At sequence_parallel_size=1 Qwen3-Next trains exactly: its auxiliary loss over the routers of its
     linear-attention layers too (they were left out: 0.055 off), equal to transformers' own loss (float64, the
-    router's softmax and the auxiliary loss's float32 steps in float64 on both sides, as tests/test_hf_moe.py)."""
+    router's softmax and the auxiliary loss's float32 steps in float64 on both sides, as tests/hf/test_hf_moe.py)."""
     router = next(c for n, c in vars(modeling_qwen3_next).items() if n.endswith("TopKRouter"))
     monkeypatch.setattr(router, "forward", _router_in_input_dtype)
     monkeypatch.setattr(modeling_qwen3_next, "load_balancing_loss_func",

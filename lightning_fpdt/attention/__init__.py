@@ -14,6 +14,7 @@ from lightning_fpdt.attention.merge import update_out_and_lse
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds, check_qkv_shapes
 from lightning_fpdt.attention.ulysses import ulysses_attention
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.parallel.comm import check_heads, expand_kv_heads, group_size, head_to_seq
 from lightning_fpdt.parallel.layout import validate_chunk_size
@@ -99,8 +100,8 @@ def fpdt_attention(
     BlockRules(causal, window, attention_chunk_size=attention_chunk_size)
     check_softcap(softcap)
     if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
-        raise ValueError(f"fpdt_attention: sinks has shape {tuple(sinks.shape)}; it takes one logit per query head,"
-                         f" [n_heads] = [{q.shape[2]}] (all heads, the same on every rank).")
+        raise FPDTError(f"fpdt_attention: sinks has shape {tuple(sinks.shape)}; it takes one logit per query head,"
+                        f" [n_heads] = [{q.shape[2]}] (all heads, the same on every rank).")
     # KV heads fewer than ranks: replicate before the all-to-all (autograd sums the replicas' grads).
     k, v = expand_kv_heads(k, u), expand_kv_heads(v, u)
     opt = attention_options(q, group=group, chunk_size=chunk_size, causal=causal, backend=backend, scale=scale,

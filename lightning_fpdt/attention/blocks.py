@@ -42,6 +42,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_fpdt.errors import FPDTError, is_positive_int
 from lightning_fpdt.parallel.layout import chunk_lengths
 from lightning_fpdt.parallel.packed_documents import PackedDocuments, Segment
 
@@ -92,21 +93,21 @@ class BlockRules:
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
-            raise ValueError(f"fpdt_attention: window={self.window}; a sliding window holds at least 1 token"
-                             " (the query itself). Use None for no window.")
+            raise FPDTError(f"fpdt_attention: window={self.window}; a sliding window holds at least 1 token"
+                            " (the query itself). Use None for no window.")
         if self.window is not None and not self.causal:
-            raise ValueError(f"fpdt_attention: window={self.window} with causal=False; sliding windows are"
-                             " supported for causal attention only (as transformers' sliding_window_causal"
-                             " masks). Use causal=True or window=None.")
+            raise FPDTError(f"fpdt_attention: window={self.window} with causal=False; sliding windows are"
+                            " supported for causal attention only (as transformers' sliding_window_causal"
+                            " masks). Use causal=True or window=None.")
         size = self.attention_chunk_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"fpdt_attention: attention_chunk_size={size!r}; an attention chunk holds at least 1"
-                             " token (a query sees the keys of its own chunk, itself included): give a positive int"
-                             " (Llama-4's config.attention_chunk_size), or None for no chunked attention.")
+        if size is not None and not is_positive_int(size):
+            raise FPDTError(f"fpdt_attention: attention_chunk_size={size!r}; an attention chunk holds at least 1"
+                            " token (a query sees the keys of its own chunk, itself included): give a positive int"
+                            " (Llama-4's config.attention_chunk_size), or None for no chunked attention.")
         if size is not None and not self.causal:
-            raise ValueError(f"fpdt_attention: attention_chunk_size={size} with causal=False; chunked attention is"
-                             " supported for causal attention only (as transformers' chunked_causal masks). Use"
-                             " causal=True or attention_chunk_size=None.")
+            raise FPDTError(f"fpdt_attention: attention_chunk_size={size} with causal=False; chunked attention is"
+                            " supported for causal attention only (as transformers' chunked_causal masks). Use"
+                            " causal=True or attention_chunk_size=None.")
 
     def segmentation(self, lo: int, hi: int) -> PackedDocuments | None:
         """The documents as the block rules see them around tokens ``lo:hi``: ``documents``, each cut every

@@ -59,6 +59,7 @@ from lightning_fpdt.backends import FLASH_ATTN_REQUIREMENT as FLASH_ATTN_REQUIRE
 from lightning_fpdt.backends import FLASH_ATTN_VERSIONS as FLASH_ATTN_VERSIONS
 from lightning_fpdt.backends import flash_attn_available as flash_attn_available
 from lightning_fpdt.backends import flash_attn_unavailable_reason as flash_attn_unavailable_reason
+from lightning_fpdt.errors import FPDTError
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,22 +70,22 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 def check_softcap(softcap: float | None) -> None:
     """Raises ``ValueError`` for an attention-logit cap that is not a positive number (``None``: no cap)."""
     if softcap is not None and not softcap > 0:
-        raise ValueError(f"fpdt_attention: softcap={softcap}; the attention-logit cap must be positive (Gemma-2"
-                         " uses 50.0). Use None for no cap.")
+        raise FPDTError(f"fpdt_attention: softcap={softcap}; the attention-logit cap must be positive (Gemma-2"
+                        " uses 50.0). Use None for no cap.")
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
     if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3] or q.shape[0] != k.shape[0]
             or q.shape[3] != k.shape[3]):
-        raise ValueError(
+        raise FPDTError(
             f"Attention expects q [batch, seq, heads, head_dim], k [batch, seq_k, kv_heads, head_dim] and v"
             f" [batch, seq_k, kv_heads, v_head_dim] (v's width may differ, q's and k's may not); got"
             f" q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
         )
     if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} key/value heads.")
+        raise FPDTError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} key/value heads.")
     if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"A causal block must be square; got seq_q={q.shape[1]}, seq_k={k.shape[1]}.")
+        raise FPDTError(f"A causal block must be square; got seq_q={q.shape[1]}, seq_k={k.shape[1]}.")
 
 
 class AttentionKernel(Protocol):
@@ -260,7 +261,7 @@ class FlashAttnKernel:
         if interface is None:
             interface, problem = load_flash_attn()
             if interface is None:
-                raise ValueError(f"attention_backend='flash_attn' but {problem};{FLASH_ATTN_FIX}")
+                raise FPDTError(f"attention_backend='flash_attn' but {problem};{FLASH_ATTN_FIX}")
         self._fa = interface
 
     def forward(
@@ -306,8 +307,8 @@ def flash_window(s_q: int, s_k: int, causal: bool, lower: int | None) -> tuple[i
         return -1, -1
     left = s_k - s_q - lower
     if left < 0:
-        raise ValueError(f"FlashAttnKernel: a window edge lower={lower} on a {s_q} x {s_k} block leaves its last"
-                         " rows without keys; trim the block to the rows that see one (blocks.BlockRules).")
+        raise FPDTError(f"FlashAttnKernel: a window edge lower={lower} on a {s_q} x {s_k} block leaves its last"
+                        " rows without keys; trim the block to the rows that see one (blocks.BlockRules).")
     return left, -1
 
 

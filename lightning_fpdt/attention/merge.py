@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from lightning_fpdt.attention.kernels import accumulate_dtype
+from lightning_fpdt.errors import FPDTError
 
 
 def update_out_and_lse(
@@ -30,7 +31,7 @@ def update_out_and_lse(
     """
     if out is None or lse is None:
         if block_out is None:
-            raise ValueError("update_out_and_lse: a zero-valued block (a sink) needs a running result to join.")
+            raise FPDTError("update_out_and_lse: a zero-valued block (a sink) needs a running result to join.")
         acc = accumulate_dtype(block_out.dtype)
         return block_out.to(acc), block_lse.to(acc)
     block_lse = block_lse.to(lse.dtype)

@@ -10,6 +10,7 @@ from torch.distributed import ProcessGroup
 from lightning_fpdt.attention.blocks import BlockRules, chunk_bounds, global_ranges
 from lightning_fpdt.attention.kernels import AttentionKernel, check_softcap
 from lightning_fpdt.attention.ring import RingPlan, ring_plan, ring_size_rank
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.parallel.comm import group_size
 from lightning_fpdt.parallel.layout import validate_chunk_size
@@ -63,7 +64,7 @@ class PipelineOptions:
     def check_documents(self, s_local: int, owner: str) -> None:
         """Raises ``ValueError`` unless the documents (if any) cover the ``s_local x P`` tokens of the shards."""
         if self.documents is not None and self.documents.length != s_local * self.sp_size:
-            raise ValueError(
+            raise FPDTError(
                 f"{owner}: documents cover {self.documents.length} tokens, but the shards hold {s_local} x"
                 f" {self.sp_size} = {s_local * self.sp_size}; build them for the padded sequence of this batch."
             )

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.offload.autocast_state import AutocastState
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from lightning_fpdt.parallel.comm import expand_kv_heads, sum_kv_replicas
@@ -65,7 +66,7 @@ def check_qkv_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
                    " differ): project them to one width (multi-head latent attention concatenates the rotary part to"
                    " both)")
     if problem is not None:
-        raise ValueError(
+        raise FPDTError(
             "fpdt_attention expects q [batch, seq_local, n_heads, head_dim], k [batch, seq_local, n_kv_heads,"
             f" head_dim] and v [batch, seq_local, n_kv_heads, v_head_dim]; got q {tuple(q.shape)}, k"
             f" {tuple(k.shape)}, v {tuple(v.shape)}: {problem}."

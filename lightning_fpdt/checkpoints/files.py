@@ -34,6 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.layers.accumulation import optimizer_parameters
+
 META_FILE = "meta.pt"
 
 
@@ -206,7 +209,7 @@ def save_sharded(
         on_rank_zero: runs a function on rank 0 and makes every rank raise if it fails.
     """
     if is_remote(target):
-        raise ValueError(
+        raise FPDTError(
             f"FPDTStrategy: sharded checkpoints are written with torch.distributed.checkpoint to a path every rank"
             f" can see; {target!r} is not a local or shared-filesystem path. Mount it, or save replicated"
             " checkpoints (shard_parameters=False)."
@@ -325,8 +328,8 @@ def _is_sharded(module: torch.nn.Module) -> bool:
 def set_optimizer_state(module: torch.nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
     """Load an optimizer state saved by name (lightning-fpdt) or by position (plain Lightning/DDP)."""
     if state.get("state") and all(isinstance(k, int) for k in state["state"]):  # `optimizer.state_dict()` (ids)
-        if any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
-            raise ValueError(
+        if any(isinstance(p, DTensor) for p in optimizer_parameters(optimizer)):
+            raise FPDTError(
                 "FPDTStrategy: this checkpoint's optimizer state is keyed by parameter position (a plain"
                 " Lightning/DDP checkpoint), which cannot be sharded by name. Resume it once with"
                 " shard_parameters=False and save again (lightning-fpdt saves optimizer states by name),"

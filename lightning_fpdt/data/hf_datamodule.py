@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_fpdt.data import cache, files
 from lightning_fpdt.data.packing import OWNER, DataError, build_samples, fill, has_generation_prompt, hold_out, shared
 from lightning_fpdt.data.tokenizing import check_tokenizer, load_tokenizer, tokenize_rows
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.parallel.batches import input_vocab_size
 
 KEYS = ("input_ids", "labels", "position_ids")
@@ -102,14 +103,14 @@ class HFDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if format not in ("text", "chat"):
-            raise ValueError(f"{OWNER}format={format!r} must be 'text' or 'chat'.")
+            raise FPDTError(f"{OWNER}format={format!r} must be 'text' or 'chat'.")
         if too_long not in ("truncate", "drop"):
-            raise ValueError(f"{OWNER}too_long={too_long!r} must be 'truncate' or 'drop'.")
+            raise FPDTError(f"{OWNER}too_long={too_long!r} must be 'truncate' or 'drop'.")
         if seq_len < 2 or batch_size < 1 or num_proc < 1:
-            raise ValueError(f"{OWNER}seq_len={seq_len} (>= 2), batch_size={batch_size} and num_proc={num_proc}"
-                             " (>= 1) are out of range.")
+            raise FPDTError(f"{OWNER}seq_len={seq_len} (>= 2), batch_size={batch_size} and num_proc={num_proc}"
+                            " (>= 1) are out of range.")
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"{OWNER}val_fraction={val_fraction} must be in [0, 1).")
+            raise FPDTError(f"{OWNER}val_fraction={val_fraction} must be in [0, 1).")
         self.save_hyperparameters()
         self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
         self.format, self.seq_len, self.batch_size = format, seq_len, batch_size

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from lightning_fpdt.errors import FPDTError
+
 IGNORE = -100
 OWNER = "HFDataModule: "
 
@@ -43,7 +45,7 @@ def text_tokens(tokenizer: Any, text: Any) -> list[int]:
         ValueError: ``text`` is not a non-empty string (the caller adds the row).
     """
     if not isinstance(text, str) or not text:
-        raise ValueError(f"has no tokens (the text is {text!r}); remove the row or give it text")
+        raise FPDTError(f"has no tokens (the text is {text!r}); remove the row or give it text")
     ids = list(tokenizer(text)["input_ids"])
     return ids + [tokenizer.eos_token_id]
 
@@ -87,7 +89,7 @@ def _reply_start(tokenizer: Any, messages: list[dict[str, Any]], i: int) -> str:
     one, other = (_text(tokenizer, [*messages[:i], {**messages[i], "content": reply}], False) for reply in "AB")
     start = os.path.commonprefix([one, other])
     if one == other or not start.startswith(before):
-        raise ValueError(
+        raise FPDTError(
             f"has assistant turn {i} whose header cannot be found: the chat template renders nothing for"
             " add_generation_prompt=True, and rendering the turn with two different replies"
             f" {'gives the same text' if one == other else 'does not start with the conversation before it'}."
@@ -115,7 +117,7 @@ def _text_content(message: dict[str, Any], i: int) -> dict[str, Any]:
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             what = f"is of type {kind!r}" if kind not in TEXT_PARTS else f"has no text string ({part.get('text')!r})"
-            raise ValueError(
+            raise FPDTError(
                 f"has message {i} ({message['role']}) whose content part {j} {what}: only text parts"
                 " ({'type': 'text', 'text': ...}) can be tokenized here; remove that part or the row, or give the"
                 " content as a string"
@@ -147,7 +149,7 @@ def chat_tokens(tokenizer: Any, messages: Any) -> tuple[list[int], list[int]] | 
     """
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
-        raise ValueError(f"is not a non-empty list of {{'role': ..., 'content': ...}} messages: {messages!r:.200}")
+        raise FPDTError(f"is not a non-empty list of {{'role': ..., 'content': ...}} messages: {messages!r:.200}")
     messages = [_text_content(m, i) for i, m in enumerate(messages)]
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
@@ -159,7 +161,7 @@ def chat_tokens(tokenizer: Any, messages: Any) -> tuple[list[int], list[int]] | 
         end = _ids(tokenizer, _text(tokenizer, messages[: i + 1], generation_prompt=False))
         for what, part in (("up to its reply", start), ("through it", end)):
             if ids[: len(part)] != part:
-                raise ValueError(
+                raise FPDTError(
                     f"has assistant turn {i} whose rendering of the conversation {what} does not tokenize as the"
                     " start of the whole conversation (the chat template renders a turn differently when it is"
                     " the last one, or the tokenizer merges tokens across the turn's edge), so its tokens cannot"

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fpdt.data.byte_tokenizer import ByteTokenizer
+from lightning_fpdt.errors import FPDTError
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = " What is the pass key? #"
@@ -45,8 +46,8 @@ def passkey_sample(
     needle, question, answer = encode(needle_text(key, key_repeats)), encode(QUESTION), encode(key)
     n_filler = seq_len - len(needle) - len(question) - len(answer)
     if n_filler < 1:
-        raise ValueError(f"passkey_sample: seq_len={seq_len} is too short for the task; use at least"
-                         f" {seq_len - n_filler + 1}.")
+        raise FPDTError(f"passkey_sample: seq_len={seq_len} is too short for the task; use at least"
+                        f" {seq_len - n_filler + 1}.")
     depth = rng.random() if depth is None else depth
     unit = encode(FILLER)
     offset = rng.randrange(len(FILLER)) % len(unit)  # bytes: an offset in characters; other tokenizers: in tokens
@@ -89,17 +90,17 @@ class PasskeyDataset(Dataset):
         loss_on: str = "all", key_repeats: int = 1,
     ) -> None:
         if loss_on not in ("all", "answer"):
-            raise ValueError(f"PasskeyDataset: loss_on={loss_on!r} must be 'all' or 'answer'.")
+            raise FPDTError(f"PasskeyDataset: loss_on={loss_on!r} must be 'all' or 'answer'.")
         if key_repeats < 1:
-            raise ValueError(f"PasskeyDataset: key_repeats={key_repeats} must be at least 1.")
+            raise FPDTError(f"PasskeyDataset: key_repeats={key_repeats} must be at least 1.")
         self.loss_on, self.key_repeats = loss_on, key_repeats
         self.tokenizer = ByteTokenizer()
         self.num_samples, self.seq_len, self.depth, self.digits, self.seed = num_samples, seq_len, depth, digits, seed
         minimum = len(self._tail("0" * digits)) + len(self._needle("0" * digits)) + 1
         if seq_len < minimum:
-            raise ValueError(f"PasskeyDataset: seq_len={seq_len} is too short for the task; use at least {minimum}.")
+            raise FPDTError(f"PasskeyDataset: seq_len={seq_len} is too short for the task; use at least {minimum}.")
         if depth is not None and not 0.0 <= depth <= 1.0:
-            raise ValueError(f"PasskeyDataset: depth={depth} must be in [0, 1].")
+            raise FPDTError(f"PasskeyDataset: depth={depth} must be in [0, 1].")
 
     def _needle(self, key: str) -> list[int]:
         return self.tokenizer.encode(needle_text(key, self.key_repeats))

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fpdt.data.byte_tokenizer import ByteTokenizer
+from lightning_fpdt.errors import FPDTError
 
 
 class PackedTokenDataset(Dataset):
@@ -32,9 +33,9 @@ class PackedTokenDataset(Dataset):
 
     def __init__(self, tokens: Any, seq_len: int, eos_token_id: int | None = None) -> None:
         if seq_len < 2:
-            raise ValueError(f"PackedTokenDataset: seq_len must be >= 2, got {seq_len}.")
+            raise FPDTError(f"PackedTokenDataset: seq_len must be >= 2, got {seq_len}.")
         if len(tokens) < seq_len:
-            raise ValueError(
+            raise FPDTError(
                 f"PackedTokenDataset: {len(tokens)} tokens are fewer than one sample of seq_len={seq_len};"
                 " use a shorter seq_len or more data."
             )
@@ -71,7 +72,7 @@ class _PackedDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction={val_fraction} must be in [0, 1).")
+            raise FPDTError(f"val_fraction={val_fraction} must be in [0, 1).")
         self.seq_len, self.batch_size, self.val_fraction = seq_len, batch_size, val_fraction
         self.eos_token_id, self.num_workers = eos_token_id, num_workers
         self.train_set: Dataset | None = None
@@ -123,13 +124,13 @@ class TokenFileDataModule(_PackedDataModule):
     ) -> None:
         super().__init__(seq_len, batch_size, val_fraction, eos_token_id, num_workers)
         if dtype not in ("uint16", "uint32"):
-            raise ValueError(f"TokenFileDataModule: dtype={dtype!r} must be 'uint16' or 'uint32'.")
+            raise FPDTError(f"TokenFileDataModule: dtype={dtype!r} must be 'uint16' or 'uint32'.")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"TokenFileDataModule: no token file at {path!r}.")
         size = os.path.getsize(path)
         width = np.dtype(dtype).itemsize
         if size % width:
-            raise ValueError(f"TokenFileDataModule: {path!r} has {size} bytes, not a whole number of {dtype} tokens.")
+            raise FPDTError(f"TokenFileDataModule: {path!r} has {size} bytes, not a whole number of {dtype} tokens.")
         self.path, self.dtype = path, dtype
 
     def _tokens(self) -> Any:

@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.evaluation.evaluate import DEFAULT_DEPTHS, evaluate
 from lightning_fpdt.evaluation.images import curve_image, heatmap_image, save_png
 from lightning_fpdt.evaluation.results import EvaluationResult
@@ -75,10 +76,10 @@ class LongContextEvaluation(pl.Callback):
         tile_tokens: int = 1024,
     ) -> None:
         if every_n_validations < 1:
-            raise ValueError(f"LongContextEvaluation: every_n_validations={every_n_validations} must be at least 1.")
+            raise FPDTError(f"LongContextEvaluation: every_n_validations={every_n_validations} must be at least 1.")
         if isinstance(position_data, str) and position_data != "validation":
-            raise ValueError(f"LongContextEvaluation: position_data={position_data!r}; use 'validation', a data set"
-                             " or None.")
+            raise FPDTError(f"LongContextEvaluation: position_data={position_data!r}; use 'validation', a data set"
+                            " or None.")
         self.tasks, self.lengths, self.depths = list(tasks), lengths, list(depths)
         self.samples_per_cell, self.tokenizer, self.batch_size = samples_per_cell, tokenizer, batch_size
         self.position_data, self.position_samples, self.position_buckets = position_data, position_samples, \
@@ -101,8 +102,8 @@ class LongContextEvaluation(pl.Callback):
         if not isinstance(seq_len, int):
             which = "the trainer has no data module" if trainer.datamodule is None else \
                 f"{type(trainer.datamodule).__name__} has none"
-            raise ValueError(f"LongContextEvaluation: lengths=None takes the data module's seq_len, but {which}; give"
-                             " lengths=[...] (tokens).")
+            raise FPDTError(f"LongContextEvaluation: lengths=None takes the data module's seq_len, but {which}; give"
+                            " lengths=[...] (tokens).")
         return sorted({max(1, seq_len // 4), max(1, seq_len // 2), seq_len})
 
     def _documents(self, trainer: pl.Trainer) -> Any:

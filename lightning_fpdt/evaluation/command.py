@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_fpdt.cli import FPDTCLI, check_config_files, own_message
+from lightning_fpdt.cli import FPDTCLI, check_config_files, console_main
 from lightning_fpdt.evaluation.callback import LongContextEvaluation
 from lightning_fpdt.models import CausalLM
 
@@ -37,14 +37,9 @@ def run(args: list[str] | None = None) -> EvaluationCLI:
 
 
 def main(args: list[str] | None = None) -> None:
-    """The ``fpdt-eval`` console script; the errors of the objects it builds printed as their own last line."""
-    try:
-        run(args)
-    except (ValueError, TypeError) as err:
-        message = own_message(err)
-        if message is None:
-            raise
-        raise SystemExit(f"fpdt-eval: error: {message}") from None
+    """The ``fpdt-eval`` console script; the errors of the objects it builds printed as their own last line
+    (:func:`~lightning_fpdt.cli.console_main`)."""
+    console_main("fpdt-eval", lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.evaluation.results import EvaluationResult, bucketed, task_result
 from lightning_fpdt.evaluation.runner import document_items, position_loss_sums, score_samples
 from lightning_fpdt.evaluation.samples import EvalTask, sample_grid
@@ -63,13 +64,13 @@ def evaluate(
         ValueError: an empty grid, a count below 1, a length too short for a task (naming the minimum).
     """
     if not lengths or not depths:
-        raise ValueError(f"evaluate: lengths={list(lengths)} and depths={list(depths)} must both be non-empty.")
+        raise FPDTError(f"evaluate: lengths={list(lengths)} and depths={list(depths)} must both be non-empty.")
     for name, value in (("samples_per_cell", samples_per_cell), ("batch_size", batch_size),
                         ("position_buckets", position_buckets), ("tile_tokens", tile_tokens)):
         if value < 1:
-            raise ValueError(f"evaluate: {name}={value} must be at least 1.")
+            raise FPDTError(f"evaluate: {name}={value} must be at least 1.")
     if position_targets not in ("all", "labels"):
-        raise ValueError(f"evaluate: position_targets={position_targets!r} must be 'all' or 'labels'.")
+        raise FPDTError(f"evaluate: position_targets={position_targets!r} must be 'all' or 'labels'.")
     datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
     encode = encoder(find_tokenizer(tokenizer, datamodule, module))
     training = module.training

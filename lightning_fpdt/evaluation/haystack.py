@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lightning_fpdt.data.passkey import FILLER
+from lightning_fpdt.errors import FPDTError
 
 ESSAY = """\
 The old town sits where two slow rivers meet, and most of its streets still follow the paths that carts once \
@@ -88,7 +89,7 @@ def haystack_text(source: str = "essay") -> str:
             )
         text = path.read_text(encoding="utf-8")
     if not split_sentences(text):
-        raise ValueError(f"Haystack: {source!r} holds no sentence; give a text with some prose in it.")
+        raise FPDTError(f"Haystack: {source!r} holds no sentence; give a text with some prose in it.")
     return text
 
 
@@ -111,7 +112,7 @@ class Haystack:
     def __init__(self, text: str, encode: Callable[[str], list[int]]) -> None:
         self.sentences = [ids for ids in (encode(" " + s) for s in split_sentences(text)) if ids]
         if not self.sentences:
-            raise ValueError("Haystack: every sentence of the text tokenizes to no ids; check the tokenizer.")
+            raise FPDTError("Haystack: every sentence of the text tokenizes to no ids; check the tokenizer.")
 
     def fill(self, n_tokens: int, rng: random.Random) -> list[list[int]]:
         """Sentences from a start drawn with ``rng``, cycling through the text, ``n_tokens`` ids in all.

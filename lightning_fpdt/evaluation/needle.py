@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.evaluation.haystack import Haystack, haystack_text
 from lightning_fpdt.evaluation.samples import EvalSample
 
@@ -97,13 +98,13 @@ class NeedleTask:
                  value_kind: Kind = "numbers", haystack: str = "essay", seed: int = 0, name: str = "niah") -> None:
         for field, value in (("keys", keys), ("values", values), ("queries", queries)):
             if value < 1:
-                raise ValueError(f"NeedleTask: {field}={value} must be at least 1.")
+                raise FPDTError(f"NeedleTask: {field}={value} must be at least 1.")
         if queries > keys:
-            raise ValueError(f"NeedleTask: queries={queries} asks for more keys than the {keys} hidden; use"
-                             f" keys >= {queries}.")
+            raise FPDTError(f"NeedleTask: queries={queries} asks for more keys than the {keys} hidden; use"
+                            f" keys >= {queries}.")
         for field, kind in (("key_kind", key_kind), ("value_kind", value_kind)):
             if kind not in ("words", "numbers", "uuids"):
-                raise ValueError(f"NeedleTask: {field}={kind!r} must be 'words', 'numbers' or 'uuids'.")
+                raise FPDTError(f"NeedleTask: {field}={kind!r} must be 'words', 'numbers' or 'uuids'.")
         self.keys, self.values, self.queries = keys, values, queries
         self.key_kind, self.value_kind, self.haystack, self.seed, self.name = key_kind, value_kind, haystack, seed, name
         self._text = None if haystack == "needles" else haystack_text(haystack)  # a missing file fails here
@@ -138,7 +139,7 @@ class NeedleTask:
                 and the answer (the minimum named).
         """
         if not 0.0 <= depth <= 1.0:
-            raise ValueError(f"NeedleTask: depth={depth} must be in [0, 1].")
+            raise FPDTError(f"NeedleTask: depth={depth} must be in [0, 1].")
         rng = random.Random(f"{self.name}/{self.seed}/{length}/{depth}/{index}")
         keys: list[str] = []
         while len(keys) < self.keys:
@@ -159,8 +160,8 @@ class NeedleTask:
         answer = encode(" " + answer_text)
         fixed = len(header) + sum(map(len, asked + distractors)) + len(question) + len(answer)
         if length < fixed:
-            raise ValueError(f"NeedleTask: length={length} is too short for the header, needles, question and"
-                             f" answer of {self.name!r}; use at least {fixed}.")
+            raise FPDTError(f"NeedleTask: length={length} is too short for the header, needles, question and"
+                            f" answer of {self.name!r}; use at least {fixed}.")
         sentences = self._fill(encode, length - fixed, rng, set(keys))
         ends = [0]
         for s in sentences:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_fpdt.data.passkey import passkey_sample
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.evaluation.needle import RULER_TASKS, NeedleTask
 from lightning_fpdt.evaluation.samples import EvalSample, EvalTask
 
@@ -37,7 +38,7 @@ class PasskeyTask:
                  name: str = "passkey") -> None:
         for field, value in (("digits", digits), ("key_repeats", key_repeats)):
             if value is not None and value < 1:
-                raise ValueError(f"PasskeyTask: {field}={value} must be at least 1 (or None: the data module's).")
+                raise FPDTError(f"PasskeyTask: {field}={value} must be at least 1 (or None: the data module's).")
         self.digits, self.key_repeats, self.seed, self.name = digits, key_repeats, seed, name
 
     def resolved(self, datamodule: Any) -> PasskeyTask:
@@ -54,7 +55,7 @@ class PasskeyTask:
         try:
             ids, answer_len, _, key = passkey_sample(encode, length, rng, depth, task.digits, task.key_repeats)
         except ValueError as err:
-            raise ValueError(f"PasskeyTask: {err}".replace("passkey_sample: ", "")) from None
+            raise FPDTError(f"PasskeyTask: {err}".replace("passkey_sample: ", "")) from None
         return EvalSample(self.name, length, depth, index, tuple(ids), length - answer_len, key, depth)
 
     def __repr__(self) -> str:
@@ -76,7 +77,7 @@ def task_named(task: str | EvalTask) -> EvalTask:
         if task in RULER_TASKS:
             return NeedleTask(name=task, **RULER_TASKS[task])
         known = ", ".join(["passkey", *RULER_TASKS])
-        raise ValueError(f"LongContextEvaluation: unknown task {task!r}; use one of {known}, or a task object.")
+        raise FPDTError(f"LongContextEvaluation: unknown task {task!r}; use one of {known}, or a task object.")
     if not isinstance(task, EvalTask):
         raise TypeError(f"LongContextEvaluation: a task must be a name or an object with `name` and"
                         f" `sample(encode, length, depth, index)`, got {type(task).__name__}.")

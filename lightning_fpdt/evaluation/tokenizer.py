@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_fpdt.data.byte_tokenizer import ByteTokenizer
 from lightning_fpdt.data.tokenizing import load_tokenizer
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.parallel.batches import input_vocab_size
 
 
@@ -47,7 +48,7 @@ def find_tokenizer(tokenizer: Any, datamodule: Any = None, module: nn.Module | N
     vocab = input_vocab_size(module) if module is not None else None
     if vocab == ByteTokenizer.vocab_size:
         return ByteTokenizer()
-    raise ValueError(
+    raise FPDTError(
         f"LongContextEvaluation: no tokenizer: the data module ({type(datamodule).__name__}) names none and the"
         f" model's vocabulary has {vocab} tokens, not the byte tokenizer's 256. Give tokenizer= (a local tokenizer"
         " directory or a tokenizer object) so the samples are written with the model's own tokenizer."

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.export.checks import (
     OWNER,
     TOKENIZER_FILES,
@@ -49,8 +50,8 @@ def adapted_module(module: pl.LightningModule) -> HFCausalLM:
     """
     if not isinstance(module, HFCausalLM) or module.lora is None:
         what = type(module).__name__ if not isinstance(module, HFCausalLM) else "an HFCausalLM without lora"
-        raise ValueError(f"{OWNER}--adapter exports LoRA adapters, but the checkpoint holds {what}; leave --adapter out"
-                         " to export the whole model.")
+        raise FPDTError(f"{OWNER}--adapter exports LoRA adapters, but the checkpoint holds {what}; leave --adapter out"
+                        " to export the whole model.")
     return module
 
 
@@ -114,8 +115,8 @@ def export_adapter(ckpt: str | Path, out: str | Path, config: str | Path | None 
     dtype = export_dtype(dtype)
     path, meta, stored, read = open_checkpoint(ckpt)
     if config is None and not meta.get("hyper_parameters"):
-        raise ValueError(f"{OWNER}{path} has no saved hyper-parameters, so the model it holds is unknown. Pass the"
-                         f" fit's YAML: fpdt-export {ckpt} {out} --adapter --config FIT_YAML.")
+        raise FPDTError(f"{OWNER}{path} has no saved hyper-parameters, so the model it holds is unknown. Pass the"
+                        f" fit's YAML: fpdt-export {ckpt} {out} --adapter --config FIT_YAML.")
     module, yaml_tokenizer = module_for_export(config, meta.get("hyper_parameters"), tokenizer)
     module = adapted_module(module)
     tensors = module.state_dict(keep_vars=True)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_fpdt.checkpoints import files as checkpoint_files
 from lightning_fpdt.checkpoints.files import CheckpointError
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.models.from_config import module_from_hyperparameters, module_from_yaml
 
 OWNER = "fpdt-export: "
@@ -63,8 +64,8 @@ def export_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         return dtype
     if isinstance(dtype, str) and dtype.strip().lower().removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.strip().lower().removeprefix("torch.")]
-    raise ValueError(f"{OWNER}dtype {str(dtype)!r} is not an export dtype; use float32 (fp32), bfloat16 (bf16),"
-                     " float16 (fp16) or float64 (fp64), or leave it out for the trained dtype.")
+    raise FPDTError(f"{OWNER}dtype {str(dtype)!r} is not an export dtype; use float32 (fp32), bfloat16 (bf16),"
+                    " float16 (fp16) or float64 (fp64), or leave it out for the trained dtype.")
 
 
 def shard_bytes(size: int | str) -> int:
@@ -84,7 +85,7 @@ def shard_bytes(size: int | str) -> int:
             return int(float(number) * factor)
     if text.isdigit() and int(text) > 0:
         return int(text)
-    raise ValueError(f"{OWNER}max shard size {size!r} is not a size; give e.g. 5GB, 500MB, 2GiB or a number of bytes.")
+    raise FPDTError(f"{OWNER}max shard size {size!r} is not a size; give e.g. 5GB, 500MB, 2GiB or a number of bytes.")
 
 
 def resolve(ckpt: str | Path) -> Path:
@@ -138,14 +139,14 @@ def module_for_export(config: str | Path | None, hparams: dict[str, Any] | None,
     data_tokenizer = None
     if config is not None:
         if not Path(config).is_file():
-            raise ValueError(f"{OWNER}--config {config}: no such file; pass the fit's LightningCLI YAML (the"
-                             " config.yaml the run saved beside its checkpoints).")
+            raise FPDTError(f"{OWNER}--config {config}: no such file; pass the fit's LightningCLI YAML (the"
+                            " config.yaml the run saved beside its checkpoints).")
         try:
             fit = yaml.safe_load(Path(config).read_text()) or {}
         except yaml.YAMLError as err:
-            raise ValueError(f"{OWNER}--config {config} is not valid YAML ({_line(err)}).") from None
+            raise FPDTError(f"{OWNER}--config {config} is not valid YAML ({_line(err)}).") from None
         if not isinstance(fit, dict):
-            raise ValueError(f"{OWNER}--config {config} is not a LightningCLI config (a mapping with a model section).")
+            raise FPDTError(f"{OWNER}--config {config} is not a LightningCLI config (a mapping with a model section).")
         data_tokenizer = ((fit.get("data") or {}).get("init_args") or {}).get("tokenizer")
         source, fix = f"--config {config}", f"set where it is now in {config}"
         section = fit.get("model")
@@ -160,10 +161,10 @@ def module_for_export(config: str | Path | None, hparams: dict[str, Any] | None,
         else:
             module = module_from_hyperparameters(hparams or {}, on_meta=True)
     except OSError as err:  # transformers' config lookup: a path that is not there, a hub name not reachable
-        raise ValueError(f"{OWNER}the model of {source} cannot be built: {_line(err)} If it names a directory that"
-                         f" moved, {fix}.") from None
+        raise FPDTError(f"{OWNER}the model of {source} cannot be built: {_line(err)} If it names a directory that"
+                        f" moved, {fix}.") from None
     except (ValueError, TypeError, NotImplementedError) as err:
-        raise ValueError(f"{OWNER}the model of {source} cannot be built: {_line(err)}") from None
+        raise FPDTError(f"{OWNER}the model of {source} cannot be built: {_line(err)}") from None
     local = data_tokenizer if isinstance(data_tokenizer, str) and Path(data_tokenizer).is_dir() else None
     return module, local
 
@@ -172,12 +173,12 @@ def _check_sources(args: dict[str, Any], tokenizer: str | None, source: str, fix
     """Refuse a model's arguments (``source``'s) that name a local model directory that is not there any more."""
     model, pretrained = args.get("model"), args.get("hf_checkpoint")
     if isinstance(model, str) and not Path(model).is_dir() and _is_local_path(model):
-        raise ValueError(
+        raise FPDTError(
             f"{OWNER}the model directory {model}, named by {source}, does not exist (moved or deleted?): the"
             f" model's config.json is read from there. Put the directory back, or {fix} (model.init_args.model)."
         )
     if isinstance(pretrained, str) and not Path(pretrained).is_dir() and tokenizer is None:
-        raise ValueError(
+        raise FPDTError(
             f"{OWNER}the pretrained directory {pretrained} (hf_checkpoint), named by {source}, does not exist"
             " (moved or deleted?): its tokenizer files would be missing from the export. Pass --tokenizer DIR (where"
             " they are now), or put the directory back."

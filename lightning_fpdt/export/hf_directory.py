@@ -27,9 +27,9 @@ import lightning.pytorch as pl
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.export.adapter import adapted_module, write_adapter
 from lightning_fpdt.export.checks import (
     OWNER,
@@ -48,6 +48,7 @@ from lightning_fpdt.hf.lora import export_sources
 from lightning_fpdt.models.bundled import BundledLM
 from lightning_fpdt.models.convert import hf_config_of
 from lightning_fpdt.models.family import Weight
+from lightning_fpdt.parallel.dtensors import full_tensor
 
 
 class Part(NamedTuple):
@@ -210,10 +211,10 @@ def export(ckpt: str | Path, out: str | Path, config: str | Path | None = None,
     path, meta, stored, read = open_checkpoint(ckpt)
     out = Path(out)
     if tokenizer is not None and not Path(tokenizer).is_dir():
-        raise ValueError(f"{OWNER}--tokenizer {tokenizer} is not a directory; give the directory that holds the"
-                         " tokenizer files (tokenizer.json, tokenizer_config.json, ...).")
+        raise FPDTError(f"{OWNER}--tokenizer {tokenizer} is not a directory; give the directory that holds the"
+                        " tokenizer files (tokenizer.json, tokenizer_config.json, ...).")
     if config is None and not meta.get("hyper_parameters"):
-        raise ValueError(
+        raise FPDTError(
             f"{OWNER}{path} has no saved hyper-parameters, so the model it holds is unknown. Pass the fit's YAML:"
             f" fpdt-export {ckpt} {out} --config FIT_YAML."
         )
@@ -292,7 +293,7 @@ class HFExport(pl.Callback):
 
         def read(key: str) -> Tensor:
             tensor = tensors[key].detach()
-            return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            return full_tensor(tensor)
 
         plan = plan_for(pl_module, self.tokenizer)
         if self.adapter:

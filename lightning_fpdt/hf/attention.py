@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.attention import attention_options, fpdt_attention
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.hf.masks import attention_chunk_size, check_mask_windows
 from lightning_fpdt.hf.temperature import tuned_queries, tunes_temperature
 from lightning_fpdt.layers.layer_stream import active_stream
@@ -180,7 +181,7 @@ def fpdt_attention_forward(
             " attention cannot be computed under FPDT; this model is not supported."
         )
     if attention_mask is not None:
-        raise ValueError(
+        raise FPDTError(
             f"HFCausalLM: {where} received an attention mask {tuple(attention_mask.shape)}; under FPDT, padding"
             " and packed documents travel as 'attention_mask' / 'position_ids' in the batch dict, which the"
             " strategy turns into documents. Do not pass a mask to the model yourself."
@@ -308,7 +309,7 @@ def check_supported(model: PreTrainedModel) -> bool:
     """
     layers = attention_layers(model)
     if not layers:
-        raise ValueError(
+        raise FPDTError(
             f"HFCausalLM: found no attention layers in {type(model).__name__} (modules named '*Attention' with"
             " a 'layer_idx'); this model family is not supported."
         )

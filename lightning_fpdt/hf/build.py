@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.hf.weights import build_on_meta, pretrained_dtype, unmatched
 from lightning_fpdt.models.class_paths import instantiate
 from lightning_fpdt.models.weight_files import SafetensorsFiles, tensor_names
@@ -37,7 +38,7 @@ def hf_config(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None,
     overrides = overrides or {}
     if isinstance(model, PreTrainedModel):
         if overrides:
-            raise ValueError(
+            raise FPDTError(
                 f"HFCausalLM: config_overrides {sorted(overrides)} cannot apply to a built {type(model).__name__}"
                 " (its RoPE buffers are computed); pass its config, a config dict or its path instead."
             )
@@ -119,7 +120,7 @@ def from_config(config: PretrainedConfig) -> PreTrainedModel:
         unset = [k for k, v in vars(text).items() if v is None and not k.startswith("_")
                  and any(word in k for word in ("num", "size", "experts", "dim", "rank", "group", "top"))]
         hint = f"; the config leaves {', '.join(unset[:6])} unset (None): set them" if unset else ""
-        raise ValueError(
+        raise FPDTError(
             f"HFCausalLM: transformers could not build {type(config).__name__}'s causal LM from this config"
             f" ({type(error).__name__}: {error}){hint}."
         ) from error
@@ -207,7 +208,7 @@ def apply_config_overrides(config: PretrainedConfig, overrides: dict[str, Any]) 
     """
     unknown = [key for key in overrides if not hasattr(config, key)]
     if unknown:
-        raise ValueError(
+        raise FPDTError(
             f"HFCausalLM: config_overrides {unknown} are not attributes of {type(config).__name__}"
             f" (model_type {getattr(config, 'model_type', '?')!r}); check the names in its config.json."
         )
@@ -229,7 +230,7 @@ def _new_rope_parameters(config: PretrainedConfig, new: dict[str, Any], original
     layer_types = list(old)  # a nested schedule: every key is a layer type, used in the model or not
     flat = [key for key in new if key not in layer_types]
     if flat:
-        raise ValueError(
+        raise FPDTError(
             f"HFCausalLM: {type(config).__name__} has one RoPE schedule per layer type {layer_types}; give"
             f" rope_parameters as {{layer_type: {{rope_type: ..., ...}}}}, not the keys {flat}."
         )

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from lightning_fpdt.errors import FPDTError, is_positive_int
 from lightning_fpdt.hf.attention import (
     LayerRecords,
     attention_layers,
@@ -43,11 +44,10 @@ from lightning_fpdt.hf.head_transform import find_head_transform
 from lightning_fpdt.hf.layers import check_decoder_modules, check_recomputable, install_memory_stack
 from lightning_fpdt.hf.lora import AdaptedWeights, AdapterCalls, add_adapters, check_adapter_dropout, merged_state_dict
 from lightning_fpdt.hf.masks import check_mask_windows
+from lightning_fpdt.hf.mixer_install import install_recurrences, install_short_convs, unsupported_release
 from lightning_fpdt.hf.mixing import hf_token_mixers
 from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence
-from lightning_fpdt.hf.recurrent_install import install_recurrences, unsupported_release
 from lightning_fpdt.hf.router_loss import router_loss_for
-from lightning_fpdt.hf.short_conv import install_short_convs
 from lightning_fpdt.hf.streamed import final_norm, norm_skipped
 from lightning_fpdt.hf.weights import PretrainedWeights
 from lightning_fpdt.layers.loss import cross_entropy_sum, tiled_cross_entropy_sum
@@ -112,8 +112,8 @@ class HFCausalLM(CausalLM):
         **kwargs: Any,
     ) -> None:
         super().__init__(loss_tiles=loss_tiles, **kwargs)
-        if mlp_tiles is not None and (isinstance(mlp_tiles, bool) or not isinstance(mlp_tiles, int) or mlp_tiles < 1):
-            raise ValueError(f"HFCausalLM: mlp_tiles must be a positive int or None (automatic), got {mlp_tiles!r}.")
+        if mlp_tiles is not None and not is_positive_int(mlp_tiles):
+            raise FPDTError(f"HFCausalLM: mlp_tiles must be a positive int or None (automatic), got {mlp_tiles!r}.")
         self.model, files = build_model(model, from_pretrained_kwargs, config_overrides)
         if files is not None:  # built on the meta device: read where needed (CausalLM.weights_pending)
             self._pending_weights = PretrainedWeights(self.model, files)

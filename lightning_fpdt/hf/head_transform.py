@@ -23,6 +23,8 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from lightning_fpdt.errors import FPDTError
+
 # A forward that casts its logits to float32 (some families do) is reproduced to float32 rounding per logit;
 # any real transform (a scale, a cap, a bias) differs by far more.
 _TOLERANCE = 1e-6
@@ -70,8 +72,8 @@ def head_name_of(model: PreTrainedModel) -> str:
     head = model.get_output_embeddings()
     head_name = next((name for name, m in model.named_modules() if m is head and name), None)
     if head_name is None:
-        raise ValueError(f"HFCausalLM: {type(model).__name__} has no output embedding module of its own"
-                         " (get_output_embeddings()), from which the loss computes the logits.")
+        raise FPDTError(f"HFCausalLM: {type(model).__name__} has no output embedding module of its own"
+                        " (get_output_embeddings()), from which the loss computes the logits.")
     return head_name
 
 

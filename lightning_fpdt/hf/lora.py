@@ -38,15 +38,17 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.hf.experts import ExpertsForward
 from lightning_fpdt.hf.layers import decoder_modules
 from lightning_fpdt.hf.weights import PretrainedWeights, compute_buffers, named_tensor
+from lightning_fpdt.memory.shape import adapter_part
 from lightning_fpdt.models.weight_files import fill_shard, tensor_names
 from lightning_fpdt.offload.tiling import TiledForward
 from lightning_fpdt.optional import require
+from lightning_fpdt.parallel.dtensors import local_tensor
 
 ADAPTER = "default"  # peft's adapter name: one adapter per model
 # the LoraConfig fields HFCausalLM takes; the others change what a layer computes or trains in ways not tested here
@@ -72,7 +74,7 @@ def lora_config(spec: dict[str, Any]) -> Any:
     fields = set(LoraConfig.__dataclass_fields__)
     unknown = sorted(set(spec) - fields)
     if unknown:
-        raise ValueError(f"HFCausalLM: lora option(s) {unknown} are not LoraConfig options; use {', '.join(OPTIONS)}.")
+        raise FPDTError(f"HFCausalLM: lora option(s) {unknown} are not LoraConfig options; use {', '.join(OPTIONS)}.")
     unsupported = sorted(set(spec) - set(OPTIONS) - {"task_type"})
     if unsupported:
         raise NotImplementedError(
@@ -93,7 +95,7 @@ def lora_config(spec: dict[str, Any]) -> Any:
     try:
         return LoraConfig(**{"task_type": "CAUSAL_LM", **spec})
     except (ValueError, TypeError) as err:
-        raise ValueError(f"HFCausalLM: lora={spec!r}: {err}") from None
+        raise FPDTError(f"HFCausalLM: lora={spec!r}: {err}") from None
 
 
 def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -107,8 +109,9 @@ def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def is_adapter_name(name: str) -> bool:
-    """Whether ``name`` (a parameter's) is one of an adapter's tensors."""
-    return ".lora_A." in name or ".lora_B." in name
+    """Whether ``name`` (a parameter's) is one of an adapter's tensors
+    (:func:`~lightning_fpdt.memory.shape.adapter_part`)."""
+    return adapter_part(name) is not None
 
 
 def add_adapters(model: PreTrainedModel, spec: dict[str, Any] | None) -> Any:
@@ -134,7 +137,7 @@ def add_adapters(model: PreTrainedModel, spec: dict[str, Any] | None) -> Any:
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as err:  # e.g. "Target modules {...} not found in the base model"
-        raise ValueError(f"HFCausalLM: lora={spec!r} cannot be applied to {type(model).__name__}: {err}") from None
+        raise FPDTError(f"HFCausalLM: lora={spec!r} cannot be applied to {type(model).__name__}: {err}") from None
     for name, layer in adapter_layers(model):
         base = layer.base_layer
         where = f"model.{name}"
@@ -258,17 +261,13 @@ def init_adapters(model: nn.Module) -> None:
         for _, layer in layers:
             a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
             if init == "gaussian":
-                _local(a).normal_(std=1 / layer.r[ADAPTER])
+                local_tensor(a).normal_(std=1 / layer.r[ADAPTER])
             else:
-                _local(a).uniform_(-1 / math.sqrt(a.shape[1]), 1 / math.sqrt(a.shape[1]))
+                local_tensor(a).uniform_(-1 / math.sqrt(a.shape[1]), 1 / math.sqrt(a.shape[1]))
             if init is False:
-                _local(b).uniform_(-1 / math.sqrt(b.shape[1]), 1 / math.sqrt(b.shape[1]))
+                local_tensor(b).uniform_(-1 / math.sqrt(b.shape[1]), 1 / math.sqrt(b.shape[1]))
             else:
-                _local(b).zero_()
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                local_tensor(b).zero_()
 
 
 def stored_name(name: str) -> str:

@@ -5,7 +5,7 @@ call that core as module-level kernels: a causal depthwise convolution (``causal
 (``torch_chunk_gated_delta_rule``: Qwen3.5, Qwen3-Next, OLMo-hybrid) or a Mamba-2 selective scan
 (``mamba2_chunk_scan``: Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1, Zamba2), directly or through the family's
 cache-handling wrappers, as plain functions or ``kernels`` modules (:mod:`lightning_fpdt.hf.kernel_binding`: how
-each release binds them). :func:`~lightning_fpdt.hf.recurrent_install.install_recurrences` gives each such
+each release binds them). :func:`~lightning_fpdt.hf.mixer_install.install_recurrences` gives each such
 module its class's own forward with these kernels rebound to sequence-parallel versions
 (:class:`SequenceParallelRecurrence`), so the family's projections, gates and norms run as written and only the
 kernels change:
@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
 from lightning_fpdt.hf.kernel_binding import reached_kernels, rebind
 from lightning_fpdt.hf.short_conv import causal_conv
@@ -311,7 +312,7 @@ def _split(outer: int, outer_name: str, inner: int, inner_name: str, kept: str, 
 
 def _refuse_split(where: str, why: str | None) -> None:
     if why is not None:
-        raise ValueError(f"HFCausalLM: {where} has {why}.")
+        raise FPDTError(f"HFCausalLM: {where} has {why}.")
 
 
 def run_pieces(run: Kernel, lo: int, hi: int, documents: PackedDocuments | None, inputs: list[Tensor],

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.hf.head_transform import head_name_of, stood_in
 
 # The family's loss against the formula on probe logits: float32 steps inside a family's loss function move it by
@@ -86,7 +87,7 @@ class RouterLoss:
         if self.weights is None:
             return x.new_ones(x.shape[:2])
         if tuple(self.weights.shape) != tuple(x.shape[:2]):
-            raise ValueError(
+            raise FPDTError(
                 f"HFCausalLM: an MoE block received hidden states {tuple(x.shape)} but the batch's token weights are"
                 f" {tuple(self.weights.shape)}; keep 'attention_mask' in the strategy's sequence_keys."
             )

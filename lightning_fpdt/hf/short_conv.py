@@ -14,9 +14,9 @@ shape (:func:`_zigzag_causal_conv`). A lag reaching into an earlier document
 (packed documents, padding) contributes nothing: the history restarts at every document start, as each document
 alone computes it.
 
-:func:`install_short_convs` gives each such module this forward, after checking on the module itself (one
-process, random input) that it computes what the module's own forward does; a module that does not pass stays as
-it is, and the token-mixing guard refuses it beyond one rank.
+:func:`~lightning_fpdt.hf.mixer_install.install_short_convs` gives each such module this forward, after checking
+on the module itself (one process, random input) that it computes what the module's own forward does; a module that
+does not pass stays as it is, and the token-mixing guard refuses it beyond one rank.
 """
 
 from __future__ import annotations
@@ -172,36 +172,3 @@ def _history(b: int, s_local: int, p: int, rank: int, chunk_size: int | None, do
         position = (offsets - last_start)[:, index]  # each local token's position in its document
     lags = torch.arange(k - 1, -1, -1, device=device)  # tap j reads lag K - 1 - j
     return position.unsqueeze(-1) >= lags
-
-
-def install_short_convs(model: nn.Module) -> list[str]:
-    """Give every short-convolution module of ``model`` (:func:`is_short_conv`) a
-    :class:`SequenceParallelShortConv` forward where it computes what the module's own forward does (checked on
-    random input in one process, relative 1e-6 in the module's dtype); returns their names."""
-    installed = []
-    for name, module in model.named_modules():
-        if not is_short_conv(module) or isinstance(module.__dict__.get("forward"), SequenceParallelShortConv):
-            continue
-        forward = SequenceParallelShortConv(module)
-        if _agrees(module, forward):
-            module.forward = forward
-            installed.append(name)
-    return installed
-
-
-def _agrees(module: nn.Module, forward: SequenceParallelShortConv) -> bool:
-    param = next(module.parameters())
-    if param.device.type == "meta":
-        return False
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 7, module.in_proj.in_features, generator=generator).to(param.device, param.dtype)
-    with torch.no_grad():
-        try:
-            theirs = type(module).forward(module, x)
-        except Exception:
-            return False
-        ours = forward(x)
-    if not isinstance(theirs, Tensor) or theirs.shape != ours.shape:
-        return False
-    tolerance = 1e-10 if param.dtype == torch.float64 else 1e-5
-    return bool(((ours - theirs).abs().max() <= tolerance * theirs.abs().max().clamp_min(1e-30)).item())

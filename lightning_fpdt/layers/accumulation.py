@@ -26,6 +26,7 @@ the window's token mean so far, so the value standing at the optimizer step is t
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -101,6 +102,16 @@ class TokenWindow:
             return
         for grad in gradients:
             local_tensor(grad).mul_(factor)
+
+
+def optimizer_parameters(optimizer: Any) -> list[Tensor]:
+    """Every parameter ``optimizer`` updates, its groups in order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def optimizer_gradients(optimizer: Any) -> list[Tensor]:
+    """The gradients ``optimizer`` steps with: those of its parameters that have one."""
+    return [p.grad for p in optimizer_parameters(optimizer) if p.grad is not None]
 
 
 def scale_window_gradients(module: nn.Module, gradients: Iterable[Tensor]) -> None:

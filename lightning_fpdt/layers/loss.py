@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.offload.tiling import tiled_call
 from lightning_fpdt.parallel.layout import IGNORE_INDEX
 
@@ -119,7 +120,7 @@ def tiled_cross_entropy_sum(
         ValueError: ``num_tiles`` below 1.
     """
     if num_tiles is not None and num_tiles < 1:
-        raise ValueError(f"tiled_cross_entropy_sum: num_tiles must be >= 1 or None, got {num_tiles}.")
+        raise FPDTError(f"tiled_cross_entropy_sum: num_tiles must be >= 1 or None, got {num_tiles}.")
     b, s, h = hidden.shape  # s = this rank's tokens
     acc = torch.promote_types(hidden.dtype, torch.float32)
 

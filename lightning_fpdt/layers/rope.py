@@ -10,6 +10,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import FPDTError
+
 RopeType = Literal["linear", "llama3", "yarn"]
 # the fields each type reads (besides rope_type); the first ones listed are required
 _REQUIRED: dict[str, tuple[str, ...]] = {
@@ -63,21 +65,21 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if self.rope_type not in _REQUIRED:
-            raise ValueError(f"RopeScaling: rope_type {self.rope_type!r} is not one of {sorted(_REQUIRED)}.")
+            raise FPDTError(f"RopeScaling: rope_type {self.rope_type!r} is not one of {sorted(_REQUIRED)}.")
         required, optional = _REQUIRED[self.rope_type], _OPTIONAL[self.rope_type]
         missing = [name for name in required if getattr(self, name) is None]
         if missing:
-            raise ValueError(f"RopeScaling: rope_type {self.rope_type!r} needs {missing}.")
+            raise FPDTError(f"RopeScaling: rope_type {self.rope_type!r} needs {missing}.")
         unused = [f.name for f in fields(self)
                   if f.name not in ("rope_type", *required, *optional) and getattr(self, f.name) is not None]
         if unused:
-            raise ValueError(
+            raise FPDTError(
                 f"RopeScaling: rope_type {self.rope_type!r} does not read {unused}; it reads {[*required, *optional]}."
             )
         if self.factor < 1:
-            raise ValueError(f"RopeScaling: factor must be >= 1 (an extension), got {self.factor}.")
+            raise FPDTError(f"RopeScaling: factor must be >= 1 (an extension), got {self.factor}.")
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError(
+            raise FPDTError(
                 f"RopeScaling: llama3 needs high_freq_factor > low_freq_factor, got {self.high_freq_factor}"
                 f" and {self.low_freq_factor}."
             )
@@ -210,7 +212,7 @@ class RotaryEmbedding(nn.Module):
         if inv_freq is None:  # the default schedule; scaled variants (e.g. Llama 3) come in as inv_freq
             inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if inv_freq.shape != (head_dim // 2,):
-            raise ValueError(
+            raise FPDTError(
                 f"RotaryEmbedding: inv_freq has shape {tuple(inv_freq.shape)}, expected ({head_dim // 2},)."
             )
         self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)

@@ -42,8 +42,8 @@ ring's point-to-point parts (``benchmarks/ring.py`` measures them).
 from lightning_fpdt.memory.communication import communication_bytes
 from lightning_fpdt.memory.estimate_options import EstimateOptions
 from lightning_fpdt.memory.estimator import GIB, MemoryEstimate, estimate, format_bytes
-from lightning_fpdt.memory.report import auto_chunk_size, report
 from lightning_fpdt.memory.shape import ModelShape
+from lightning_fpdt.memory.sizing import auto_chunk_size, report
 
 __all__ = ["GIB", "EstimateOptions", "MemoryEstimate", "ModelShape", "auto_chunk_size", "communication_bytes",
            "estimate", "format_bytes", "report"]

@@ -22,6 +22,7 @@ import torch
 import yaml
 from torch import nn
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.memory import EstimateOptions, ModelShape, communication_bytes, format_bytes, report
 from lightning_fpdt.models import GPTConfig, LlamaConfig
 from lightning_fpdt.models.convert import FAMILIES
@@ -116,9 +117,9 @@ def _module_from_yaml(model: dict[str, Any]) -> nn.Module:
     try:
         return module_from_yaml(model, on_meta=True)
     except (ImportError, AttributeError, TypeError, ValueError, OSError) as err:
-        raise ValueError(f"model {model.get('class_path', 'LlamaLM')!r} cannot be built from the YAML's init_args on"
-                         f" the meta device ({err}); give the model's sizes as flags instead (--hidden, --layers,"
-                         " ...).") from None
+        raise FPDTError(f"model {model.get('class_path', 'LlamaLM')!r} cannot be built from the YAML's init_args on"
+                        f" the meta device ({err}); give the model's sizes as flags instead (--hidden, --layers,"
+                        " ...).") from None
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from lightning_fpdt.errors import FPDTError, is_positive_int
 from lightning_fpdt.options import FPDTOptions
 
 # Lightning precision string -> (parameter bytes, activation bytes)
@@ -81,18 +82,18 @@ class EstimateOptions:
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISION_BYTES:
-            raise ValueError(f"precision={self.precision!r} is not one of {sorted(PRECISION_BYTES)}.")
+            raise FPDTError(f"precision={self.precision!r} is not one of {sorted(PRECISION_BYTES)}.")
         if self.optimizer not in OPTIMIZER_STATES:
-            raise ValueError(f"optimizer={self.optimizer!r} is not one of {sorted(OPTIMIZER_STATES)}.")
+            raise FPDTError(f"optimizer={self.optimizer!r} is not one of {sorted(OPTIMIZER_STATES)}.")
         for name in ("batch_size", "sequence_parallel_size", "data_parallel_size", "ring_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+            if not is_positive_int(value):
+                raise FPDTError(f"{name} must be a positive int, got {value!r}.")
         if self.sequence_parallel_size % self.ring_size:
             sp = self.sequence_parallel_size
             divisors = [r for r in range(1, sp + 1) if sp % r == 0]
-            raise ValueError(f"EstimateOptions: ring_size={self.ring_size} does not divide sequence_parallel_size={sp}"
-                             f" (the group is ulysses x ring ranks); use one of {divisors}.")
+            raise FPDTError(f"EstimateOptions: ring_size={self.ring_size} does not divide sequence_parallel_size={sp}"
+                            f" (the group is ulysses x ring ranks); use one of {divisors}.")
 
     @property
     def ulysses_size(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.memory.estimate_options import OPTIMIZER_STATES, PRECISION_BYTES, EstimateOptions
 from lightning_fpdt.memory.shape import LayerKind, ModelShape
 from lightning_fpdt.offload.tiling import largest_tile, mlp_tile_tokens
@@ -65,7 +66,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     """
     options = options or EstimateOptions()
     if options.chunk_size == "auto":
-        raise ValueError("estimate needs a chunk size: resolve chunk_size='auto' with auto_chunk_size() first.")
+        raise FPDTError("estimate needs a chunk size: resolve chunk_size='auto' with auto_chunk_size() first.")
     batch_size, chunk_size = options.batch_size, options.chunk_size
     pe, e = PRECISION_BYTES[options.precision]
     p, r, u = options.sequence_parallel_size, options.ring_size, options.ulysses_size  # p = u x r

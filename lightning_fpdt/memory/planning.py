@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_fpdt.errors import PREFIX
+from lightning_fpdt.errors import PREFIX, FPDTError
 from lightning_fpdt.memory import GIB, EstimateOptions, ModelShape, auto_chunk_size, estimate, format_bytes
 
 BUDGET_FRACTION = 0.9  # of the free memory: the rest is the allocator's fragmentation and the CUDA context
@@ -104,7 +104,7 @@ class ChunkPlanner:
         try:
             chunk = auto_chunk_size(shape, seq_len, self.budget_bytes, options)
         except ValueError as err:
-            raise ValueError(f"{PREFIX}{err}") from None
+            raise FPDTError(f"{PREFIX}{err}") from None
         peak = estimate(shape, seq_len, options.replace(chunk_size=chunk)).device_peak
         self._chosen[key] = chunk
         rank_zero_info(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.memory.experts import read_experts
 from lightning_fpdt.offload.tiling import configured_tiles
 from lightning_fpdt.parallel.binding import DecoderLayer, SequenceMixerMemory, decoder_layers
@@ -140,7 +141,7 @@ class ModelShape:
         name = type(module).__name__
         layers = decoder_layers(module)
         if not layers:
-            raise ValueError(
+            raise FPDTError(
                 f"{name} has no FPDTBlock and no Hugging Face decoder layer (HFCausalLM), so its memory cannot be"
                 f" estimated (the memory model reads the layer shapes from them): build its layers from FPDTBlock,"
                 f" or {_EXPLICIT}."
@@ -149,7 +150,7 @@ class ModelShape:
         shapes = sorted({dims for dims, _, _, _ in read})
         mlps = sorted({mlp for _, mlp, _, _ in read if mlp is not None})
         if len(shapes) > 1 or len(mlps) > 1:
-            raise ValueError(
+            raise FPDTError(
                 f"{name}: its decoder layers differ in shape (hidden, heads, kv heads, head_dim, v_head_dim, norm"
                 f" extras: {shapes}; intermediate, MLP projections, experts per token: {mlps}); the memory model"
                 f" assumes one attention shape and one MLP shape: {_EXPLICIT}."
@@ -171,7 +172,7 @@ class ModelShape:
         elif embeddings:
             vocab, tied = embeddings[0].num_embeddings, True
         else:
-            raise ValueError(
+            raise FPDTError(
                 f"{name} has neither an output projection (an nn.Linear from hidden_size={hidden} outside the"
                 f" decoder layers) nor a token embedding (an nn.Embedding of width {hidden}), so its vocabulary"
                 f" size, and with it the loss's memory, cannot be read: {_EXPLICIT}."
@@ -183,13 +184,14 @@ class ModelShape:
         head_trainable = head.weight.requires_grad if heads_out else embeddings[0].weight.requires_grad
         mlp_tiles = {configured_tiles(layer.module) for layer, kind in zip(layers, kinds) if kind.mlp} or {1}
         if len(mlp_tiles) > 1:
-            raise ValueError(f"{name}: its decoder layers' MLPs run in different tile counts ({mlp_tiles}); the"
-                             f" memory model assumes one: {_EXPLICIT}.")
+            raise FPDTError(f"{name}: its decoder layers' MLPs run in different tile counts ({mlp_tiles}); the"
+                            f" memory model assumes one: {_EXPLICIT}.")
         mlp_count, loss_count = mlp_tiles.pop(), _loss_tiles(module)
         # LoRA's B on projections into the intermediate: a tile's backward holds one more intermediate-wide value per
-        # token for every two of them (measured: tests/test_lora.py)
+        # token for every two of them (measured: tests/hf/test_lora.py)
         adapted = [m for layer in layers if layer.mlp is not None for name, m in layer.mlp.named_modules()
-                   if isinstance(m, nn.Linear) and ".lora_B." in f".{name}." and inter and m.out_features % inter == 0]
+                   if isinstance(m, nn.Linear) and adapter_part(name) == "lora_B" and inter
+                   and m.out_features % inter == 0]
         adapter_values = sum(m.out_features // inter for m in adapted) // len(layers) // 2 if adapted else 0
         shape = cls(hidden, len(layers), heads, kv_heads, inter, vocab, num_params, tied, head_dim, projections,
                     block_params, norm_extras, all(layer.chunked_projections for layer in layers),
@@ -215,13 +217,13 @@ def _read_layer(layer: DecoderLayer) -> tuple[tuple[int, ...], tuple[int, int, i
     if mlp is None:
         if layer.attention or layer.mixers:  # a hybrid's attention-only or mixer-only layer (Nemotron-H)
             return dims, None, params, layer.mlp_tiled
-        raise ValueError(f"{layer.name} has no 'mlp' module, so its intermediate size cannot be read: {_EXPLICIT}.")
+        raise FPDTError(f"{layer.name} has no 'mlp' module, so its intermediate size cannot be read: {_EXPLICIT}.")
     adapters = {id(m) for m in _adapter_linears(mlp)}  # LoRA's A and B: not the MLP's projections
     linears = [m for m in mlp.modules() if isinstance(m, nn.Linear) and id(m) not in adapters]
     back = [m for m in linears if m.out_features == hidden]
     experts = read_experts(mlp, hidden, layer.experts_per_token)
     if not back and experts is None:
-        raise ValueError(
+        raise FPDTError(
             f"{layer.name}: its MLP ({type(mlp).__name__}) has no nn.Linear back to hidden_size={hidden}, so its"
             f" intermediate size cannot be read: {_EXPLICIT}."
         )
@@ -247,8 +249,16 @@ def _loss_tiles(module: nn.Module) -> int | None:
     return 1
 
 
+ADAPTER_PARTS = ("lora_A", "lora_B")  # peft's names of a LoRA layer's two adapter projections
+
+
+def adapter_part(name: str) -> str | None:
+    """``"lora_A"`` or ``"lora_B"`` where ``name`` (a module's or a parameter's) lies inside that adapter projection
+    of a LoRA layer (peft's names; :mod:`lightning_fpdt.hf.lora` reads the same rule), else ``None``."""
+    return next((part for part in ADAPTER_PARTS if f".{part}." in f".{name}."), None)
+
+
 def _adapter_linears(module: nn.Module) -> list[nn.Module]:
     """The ``nn.Linear`` s inside LoRA layers that are the adapters' ``lora_A`` / ``lora_B`` (peft's), not a layer's
     base projection."""
-    return [m for name, m in module.named_modules() if isinstance(m, nn.Linear)
-            and (".lora_A." in f".{name}." or ".lora_B." in f".{name}.")]
+    return [m for name, m in module.named_modules() if isinstance(m, nn.Linear) and adapter_part(name) is not None]

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.layers.accumulation import TokenWindow, scale_window_gradients
+from lightning_fpdt.errors import FPDTError, is_positive_int
+from lightning_fpdt.layers.accumulation import TokenWindow, optimizer_gradients, scale_window_gradients
 from lightning_fpdt.layers.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
 from lightning_fpdt.layers.token_mixing import TokenMixer, refusal
 from lightning_fpdt.models.class_paths import class_path_of
@@ -62,9 +63,8 @@ class CausalLM(PendingWeightsModule):
         min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
-        if loss_tiles is not None and (isinstance(loss_tiles, bool) or not isinstance(loss_tiles, int)
-                                       or loss_tiles < 1):
-            raise ValueError(
+        if loss_tiles is not None and not is_positive_int(loss_tiles):
+            raise FPDTError(
                 f"{type(self).__name__}: loss_tiles must be a positive int or None (automatic), got {loss_tiles!r}."
             )
         self.loss_tiles = loss_tiles
@@ -147,7 +147,7 @@ class CausalLM(PendingWeightsModule):
         """
         if not isinstance(batch, dict) or "input_ids" not in batch:
             keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
-            raise ValueError(
+            raise FPDTError(
                 f"{type(self).__name__} expects dict batches with 'input_ids' [batch, seq]; got {keys}."
             )
         if "shift_labels" in batch and "documents" in batch:
@@ -184,7 +184,7 @@ class CausalLM(PendingWeightsModule):
         if not anywhere:
             return
         where = "this batch holds" if packed else "another rank's batch holds"
-        raise ValueError(
+        raise FPDTError(
             f"{type(self).__name__}: {where} packed documents (position_ids restarting at 0 inside a sample, or"
             f" right padding), but {type(self.model).__name__}.hidden_states takes no 'documents', so its attention"
             f" would cross document boundaries. Add a parameter hidden_states(input_ids, position_ids,"
@@ -244,8 +244,7 @@ class CausalLM(PendingWeightsModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Finish the accumulation window's gradient (before clipping), unless ``FPDTStrategy`` already did
         (before the step guard): the path for every other strategy. An override must call this."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        scale_window_gradients(self, grads)
+        scale_window_gradients(self, optimizer_gradients(optimizer))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         batch = self.prepared(batch)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lightning_fpdt.errors import FPDTError
+
 
 def resolve_class(class_path: str, default_module: str | None = None) -> type:
     """The class ``class_path`` names (``"package.module.Class"``; a bare ``"Class"`` is looked up in
@@ -21,8 +23,8 @@ def resolve_class(class_path: str, default_module: str | None = None) -> type:
     try:
         return getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"class_path {class_path!r} names no importable class ({err}); give the full dotted path,"
-                         " e.g. lightning_fpdt.models.LlamaLM.") from None
+        raise FPDTError(f"class_path {class_path!r} names no importable class ({err}); give the full dotted path,"
+                        " e.g. lightning_fpdt.models.LlamaLM.") from None
 
 
 _PUBLIC_PATH = "__fpdt_public_path__"  # set on a class by publish(), read from the class's own __dict__
@@ -49,7 +51,7 @@ def class_path_of(cls: type, within: type = object) -> str:
         module = importlib.import_module(base.__module__)
         if getattr(module, base.__qualname__, None) is base:
             return f"{base.__module__}.{base.__qualname__}"
-    raise ValueError(f"{cls.__qualname__} and its base classes cannot be imported by name.")
+    raise FPDTError(f"{cls.__qualname__} and its base classes cannot be imported by name.")
 
 
 def instantiate(value: Any) -> Any:

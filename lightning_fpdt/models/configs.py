@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
+from lightning_fpdt.errors import FPDTError
+
 Config = TypeVar("Config")
 
 
@@ -20,8 +22,8 @@ def with_overrides(config: Config, overrides: dict[str, Any] | None, owner: str)
     names = [f.name for f in dataclasses.fields(config)]
     unknown = [key for key in overrides if key not in names]
     if unknown:
-        raise ValueError(f"{owner}: config_overrides {unknown} are not fields of {type(config).__name__}; its fields"
-                         f" are {names}.")
+        raise FPDTError(f"{owner}: config_overrides {unknown} are not fields of {type(config).__name__}; its fields"
+                        f" are {names}.")
     return dataclasses.replace(config, **overrides)
 
 
@@ -37,7 +39,7 @@ def config_and_options(config: dict[str, Any], options: dict[str, Any]) -> tuple
     config = dict(config)
     tiles = config.pop("loss_tiles")
     if "loss_tiles" in options and options["loss_tiles"] != tiles:
-        raise ValueError(
+        raise FPDTError(
             f"CausalLM: loss_tiles={options['loss_tiles']!r} and config.loss_tiles={tiles!r} disagree; loss_tiles"
             " is the LightningModule's option: give it once, outside the model config."
         )

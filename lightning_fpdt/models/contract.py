@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 OWN_MODEL_DOC = "docs/own-model.md"
@@ -109,7 +110,7 @@ def check_decoder_model(model: nn.Module, owner: str, loss_tiles: int | None) ->
             f" nn.Linear(hidden, vocab) (tied to the token embedding or not) ({OWN_MODEL_DOC})."
         )
     if head.bias is not None and loss_tiles != 1:
-        raise ValueError(
+        raise FPDTError(
             f"{owner}: {name}.lm_head has a bias, which the tiled loss (loss_tiles={loss_tiles}) does not add;"
             " build lm_head with bias=False, or set loss_tiles=1 (full logits)."
         )

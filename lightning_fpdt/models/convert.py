@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.models import gpt, llama
 from lightning_fpdt.models.family import Family, check_table
 from lightning_fpdt.models.gpt import GPT
@@ -152,6 +153,6 @@ def _resolve(model: Any, expected: str) -> Any:
 
 def _copy(dst: Tensor, src: Tensor, name: str) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"Hugging Face weight {name}: shape {tuple(src.shape)} does not fit {tuple(dst.shape)}.")
+        raise FPDTError(f"Hugging Face weight {name}: shape {tuple(src.shape)} does not fit {tuple(dst.shape)}.")
     with torch.no_grad():
         dst.copy_(src.to(dst.dtype))

@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningArgumentParser
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.models.bundled import BundledLM
 from lightning_fpdt.models.causal_lm import CausalLM
 from lightning_fpdt.models.class_paths import resolve_class
@@ -53,7 +54,7 @@ def module_from_yaml(section: dict[str, Any] | None, on_meta: bool = False) -> p
     try:
         config = parser.parse_object({"model": section or MODEL_DEFAULT})
     except (ArgumentError, TypeError, ValueError) as err:
-        raise ValueError(f"the YAML's model section cannot be read as fpdt-train reads it: {err}") from None
+        raise FPDTError(f"the YAML's model section cannot be read as fpdt-train reads it: {err}") from None
     with torch.device("meta") if on_meta else nullcontext():
         return parser.instantiate(config).model
 
@@ -75,8 +76,8 @@ def saved_class(hparams: dict[str, Any]) -> type[CausalLM]:
         for module in BundledLM.__subclasses__():
             if module.family is family:
                 return module
-    raise ValueError(f"saved hyper-parameters {sorted(hparams)} name no LightningModule (_class_path) and are not"
-                     " those of HFCausalLM, LlamaLM or GPTLM; pass the fit's YAML instead.")
+    raise FPDTError(f"saved hyper-parameters {sorted(hparams)} name no LightningModule (_class_path) and are not"
+                    " those of HFCausalLM, LlamaLM or GPTLM; pass the fit's YAML instead.")
 
 
 def module_from_hyperparameters(hparams: dict[str, Any], on_meta: bool = False) -> CausalLM:

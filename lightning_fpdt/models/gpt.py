@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.layers.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layers.rope import RotaryEmbedding
 from lightning_fpdt.models.bundled import BundledLM
@@ -59,9 +60,9 @@ class GPTConfig:
         if self.n_inner is None:
             self.n_inner = 4 * self.n_embd
         if self.n_embd % self.n_head != 0:
-            raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}.")
+            raise FPDTError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}.")
         if self.position_embedding not in ("learned", "rotary"):
-            raise ValueError(
+            raise FPDTError(
                 f"GPTConfig.position_embedding must be 'learned' or 'rotary', got {self.position_embedding!r}."
             )
 
@@ -139,7 +140,7 @@ class GPT(nn.Module):
             # global positions (the strategy adds them before sharding), so learned positions shard too
             longest = int(position_ids.max()) + 1 if position_ids.numel() else 0
             if longest > self.config.n_positions:
-                raise ValueError(
+                raise FPDTError(
                     f"GPT: position {longest - 1} is beyond n_positions={self.config.n_positions} learned"
                     " positions; shorten the sequence, raise n_positions, or use position_embedding='rotary'."
                 )

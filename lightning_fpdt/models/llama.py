@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.layers.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layers.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_theta_of
 from lightning_fpdt.models.bundled import BundledLM
@@ -81,19 +82,19 @@ class LlamaConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "max_position_embeddings"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}.")
+                raise FPDTError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}.")
         if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
+            raise FPDTError(
                 f"LlamaConfig: hidden_size={self.hidden_size} is not divisible by"
                 f" num_attention_heads={self.num_attention_heads}."
             )
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
+            raise FPDTError(
                 f"LlamaConfig: num_attention_heads={self.num_attention_heads} is not a multiple of"
                 f" num_key_value_heads={self.num_key_value_heads}."
             )
         if self.norm_compute_dtype not in (None, "float32", "float64"):
-            raise ValueError(
+            raise FPDTError(
                 "LlamaConfig.norm_compute_dtype must be None, 'float32' or 'float64', got"
                 f" {self.norm_compute_dtype!r}."
             )

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.models.configs import with_overrides
 from lightning_fpdt.models.family import Family, Weight, check_table
 from lightning_fpdt.models.weight_files import SafetensorsFiles, fill_shard, tensor_names
@@ -116,7 +117,7 @@ class TableWeights:
                 problems.append(f"{w.name} (stored {list(shapes[w.name])} gives {ours} {list(got)}, the model has"
                                 f" {list(w.ours.shape)})")
         if problems:
-            raise ValueError(
+            raise FPDTError(
                 f"{self.owner}: {self.files.directory} does not hold the weights of this"
                 f" {type(self.model).__name__} ({len(problems)} tensors, e.g. {problems[:3]}); the config must be the"
                 " checkpoint's: drop config_overrides (or a given config) that change sizes, the vocabulary, tied"

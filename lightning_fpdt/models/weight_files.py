@@ -20,6 +20,8 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_fpdt.errors import FPDTError
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -54,8 +56,8 @@ class SafetensorsFiles:
             try:
                 weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{owner}: {directory / INDEX_FILE} is not a safetensors index ({type(err).__name__}:"
-                                 f" {err}); save the model again with save_pretrained, or download it again.") from None
+                raise FPDTError(f"{owner}: {directory / INDEX_FILE} is not a safetensors index ({type(err).__name__}:"
+                                f" {err}); save the model again with save_pretrained, or download it again.") from None
             return cls(directory, dict(weight_map), owner)
         if (directory / SINGLE_FILE).is_file():
             files = cls(directory, {}, owner)
@@ -80,9 +82,9 @@ class SafetensorsFiles:
         except (SafetensorError, OSError) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             size = f"; {path.stat().st_size} bytes" if path.is_file() else ""
-            raise ValueError(f"{self.owner}: the safetensors file {path} cannot be read ({reason}{size}): it is"
-                             " truncated or corrupt. Copy or download it again, or save the model again with"
-                             " save_pretrained.") from None
+            raise FPDTError(f"{self.owner}: the safetensors file {path} cannot be read ({reason}{size}): it is"
+                            " truncated or corrupt. Copy or download it again, or save the model again with"
+                            " save_pretrained.") from None
         with handle as f:
             yield f
 
@@ -104,7 +106,7 @@ class SafetensorsFiles:
             ValueError: both ``rows`` and ``columns``.
         """
         if rows is not None and columns is not None:
-            raise ValueError(f"SafetensorsFiles.read({key!r}): give rows or columns, not both.")
+            raise FPDTError(f"SafetensorsFiles.read({key!r}): give rows or columns, not both.")
         with self.open(self.files[key]) as f:
             if rows is not None:
                 return f.get_slice(key)[rows[0]:rows[1]]
@@ -149,14 +151,14 @@ def owned_rows(tensor: Tensor, name: str, owner: str) -> tuple[int, int] | None:
     if not isinstance(tensor, DTensor):
         return None
     if tensor.device_mesh.ndim != 1 or tensor.placements != (Shard(0),):
-        raise ValueError(f"{owner}: {name} is sharded as {tensor.placements} over a mesh of shape"
-                         f" {tuple(tensor.device_mesh.shape)}; loading reads shards of dim 0 on one mesh dimension"
-                         " (FSDP2's fully_shard) only.")
+        raise FPDTError(f"{owner}: {name} is sharded as {tensor.placements} over a mesh of shape"
+                        f" {tuple(tensor.device_mesh.shape)}; loading reads shards of dim 0 on one mesh dimension"
+                        " (FSDP2's fully_shard) only.")
     rows, world = tensor.shape[0], tensor.device_mesh.size()
     rank = tensor.device_mesh.get_local_rank()
     per_rank = -(-rows // world)
     start, end = min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
     if tensor.to_local().shape[0] != end - start:
-        raise ValueError(f"{owner}: {name}: this rank's shard has {tensor.to_local().shape[0]} rows, but"
-                         f" ceil({rows} / {world}) chunks give rank {rank} rows {start}:{end}.")
+        raise FPDTError(f"{owner}: {name}: this rank's shard has {tensor.to_local().shape[0]} rows, but"
+                        f" ceil({rows} / {world}) chunks give rank {rank} rows {start}:{end}.")
     return start, end

@@ -52,6 +52,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.offload.copy_engine import copy_engine
 from lightning_fpdt.offload.stats import OffloadStats
 from lightning_fpdt.profiling import named_range
@@ -111,7 +112,7 @@ class ChunkStore:
         """
         self._purge()
         if key in self._entries:
-            raise ValueError(
+            raise FPDTError(
                 f"ChunkStore: chunk {key!r} is already stored; replacing it would lose a chunk its owner still"
                 " needs. Delete it first, or take a fresh key from new_key(kind)."
             )

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.offload.autocast_state import AutocastState
 from lightning_fpdt.offload.chunk_store import ChunkStore, Key
 from lightning_fpdt.profiling import named_range
@@ -94,7 +95,7 @@ def recomputed_call(
         ValueError: a ``store`` with tiles.
     """
     if store is not None and tiles is not None:
-        raise ValueError(f"recomputed_call: a store keeps an untiled input; got tiles={tiles!r}.")
+        raise FPDTError(f"recomputed_call: a store keeps an untiled input; got tiles={tiles!r}.")
     call = _Call(fn, params, store, None if tiles is None else list(tiles), tile_grad, name, len(inputs))
     if not needs_backward(inputs, params):  # nothing will come back for the inputs: keep nothing
         return call.run(inputs)

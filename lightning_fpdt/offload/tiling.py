@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.offload.recompute import Params, TileGrad, recomputed_call
 
 MIN_TILE_TOKENS = 1024
@@ -100,7 +101,7 @@ class TiledMLP(nn.Module):
     def __init__(self, mlp: nn.Module, num_tiles: int | None = None) -> None:
         super().__init__()
         if num_tiles is not None and num_tiles < 1:
-            raise ValueError(f"TiledMLP: num_tiles must be >= 1 or None, got {num_tiles}.")
+            raise FPDTError(f"TiledMLP: num_tiles must be >= 1 or None, got {num_tiles}.")
         self.mlp = mlp
         self.num_tiles = num_tiles
 

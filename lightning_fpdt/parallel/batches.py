@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.errors import PREFIX
+from lightning_fpdt.errors import PREFIX, FPDTError
 from lightning_fpdt.parallel.layout import (
     IGNORE_INDEX,
     default_position_ids,
@@ -102,7 +102,7 @@ def check_tokens(batch: Any, vocab_size: int | None) -> None:
                 f" torch.long tensors from your dataset (e.g. torch.tensor(ids, dtype=torch.long))."
             )
         if x.numel() == 0:
-            raise ValueError(
+            raise FPDTError(
                 f"{PREFIX}batch[{key!r}] is empty (shape {tuple(x.shape)}). Drop empty samples in your dataset or"
                 " collate function; a batch needs at least one token per sequence-parallel rank."
             )
@@ -114,7 +114,7 @@ def check_tokens(batch: Any, vocab_size: int | None) -> None:
         low, high = int(valid.min()), int(valid.max())
         if low < 0 or high >= vocab_size:
             allowed = f"[0, {vocab_size})" + ("" if key == "input_ids" else f" or {IGNORE_INDEX} (ignored)")
-            raise ValueError(
+            raise FPDTError(
                 f"{PREFIX}batch[{key!r}] holds values from {low} to {high}, but the model's vocabulary has"
                 f" {vocab_size} tokens: allowed are {allowed}. Check the tokenizer against the model's vocab_size."
             )
@@ -155,8 +155,8 @@ def _check_sequence_keys(batch: Mapping[str, Any], sequence_keys: Sequence[str],
         expected = f"[{b}, {s}]" if exact else f"[{b}, {s}, ...]"
         fix = ("it marks each target token to train on (1) or ignore (0): give it the length and padding of"
                " 'input_ids'" if exact else "remove it from `sequence_keys` if it is not per token")
-        raise ValueError(f"{owner}: sequence key {key!r} has shape {shape}, expected {expected} like 'input_ids';"
-                         f" {fix}.")
+        raise FPDTError(f"{owner}: sequence key {key!r} has shape {shape}, expected {expected} like 'input_ids';"
+                        f" {fix}.")
 
 
 def shard_batch(
@@ -197,7 +197,7 @@ def shard_batch(
             f" to shard; got a {type(batch).__name__}."
         )
     if "input_ids" not in batch:
-        raise ValueError(
+        raise FPDTError(
             f"{owner}: the batch has no 'input_ids'; its keys are {sorted(batch)}. Return a dict with"
             " 'input_ids' [batch, seq] (and optionally 'labels', 'position_ids') from your dataset."
         )
@@ -205,11 +205,11 @@ def shard_batch(
     ids = out["input_ids"]
     if not isinstance(ids, Tensor) or ids.dim() != 2:
         shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
-        raise ValueError(f"{owner}: 'input_ids' must be a [batch, seq] tensor, got {shape}.")
+        raise FPDTError(f"{owner}: 'input_ids' must be a [batch, seq] tensor, got {shape}.")
     b, s = ids.shape
     if s < sp_size:
         smaller = f" (at most {s})" if s > 0 else ""
-        raise ValueError(
+        raise FPDTError(
             f"{owner}: the sequence length {s} is shorter than sequence_parallel_size={sp_size}: every rank of"
             f" the sequence-parallel group needs at least one token of each sample. Use samples of at least"
             f" {sp_size} tokens (pad or drop shorter ones), or a smaller sequence_parallel_size{smaller}."
@@ -275,12 +275,12 @@ class BatchGate:
         if error is not None:
             raise error
         if any(r[-1] for r in table):
-            raise ValueError(
+            raise FPDTError(
                 f"{PREFIX}another data-parallel group's batch was refused (its ranks raised the reason); stopping"
                 " every rank."
             )
         if any(self._disagrees(table, start) for start in range(0, self.world_size, self.sp)):
-            raise ValueError(
+            raise FPDTError(
                 f"{PREFIX}the ranks of another sequence-parallel group hold different batches (its ranks raised the"
                 " reason); stopping every rank."
             )
@@ -297,7 +297,7 @@ class BatchGate:
         shapes = ", ".join(f"rank {r}: {table[r][1:3] if table[r][0] >= 0 else 'no input_ids tensor'}" for r in ranks)
         same_shape = len({tuple(table[r][:3]) for r in ranks}) == 1
         what = "different token ids (same shape)" if same_shape else "different input_ids shapes"
-        raise ValueError(
+        raise FPDTError(
             f"{PREFIX}the ranks {list(ranks)} of one sequence-parallel group hold {what} ({shapes}). Every rank"
             " of a group must get the same batch: shard the data by data_parallel_rank only (Lightning's"
             " DistributedSampler does this with this strategy; a custom sampler or an IterableDataset must use"

@@ -24,6 +24,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_fpdt.errors import FPDTError
+
 
 def group_size(group: ProcessGroup | None) -> int:
     """Number of ranks in ``group``; ``None`` means one process."""
@@ -47,7 +49,7 @@ def _seq_to_head_send(x: Tensor, p: int) -> tuple[Tensor, Callable[[Tensor], Ten
     """The send buffer of :func:`seq_to_head` and the map from the received buffer to its result."""
     b, s_local, h, d = x.shape
     if h % p != 0:
-        raise ValueError(f"seq_to_head: {h} heads cannot be split over {p} sequence-parallel ranks.")
+        raise FPDTError(f"seq_to_head: {h} heads cannot be split over {p} sequence-parallel ranks.")
     # [P (destination rank = head group), b, s_local, h/P, d]
     send = x.reshape(b, s_local, p, h // p, d).permute(2, 0, 1, 3, 4).contiguous()
     # received: [P (source rank = sequence slice), b, s_local, h/P, d]
@@ -58,7 +60,7 @@ def _head_to_seq_send(x: Tensor, p: int) -> tuple[Tensor, Callable[[Tensor], Ten
     """The send buffer of :func:`head_to_seq` and the map from the received buffer to its result."""
     b, s, h_local, d = x.shape
     if s % p != 0:
-        raise ValueError(f"head_to_seq: sequence length {s} cannot be split over {p} ranks.")
+        raise FPDTError(f"head_to_seq: sequence length {s} cannot be split over {p} ranks.")
     # [P (destination rank = sequence slice), b, s/P, h_local, d]
     send = x.reshape(b, p, s // p, h_local, d).transpose(0, 1).contiguous()
     # received: [P (source rank = head group), b, s/P, h_local, d]
@@ -228,7 +230,7 @@ def check_heads(n_heads: int, n_kv_heads: int, sp_size: int, ring_size: int = 1)
     (``U % n_kv_heads == 0``). The message names the ring sizes that would fit.
     """
     if n_heads % n_kv_heads != 0:
-        raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}.")
+        raise FPDTError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}.")
     u = sp_size // ring_size
     if heads_fit(n_heads, n_kv_heads, u):
         return
@@ -239,11 +241,11 @@ def check_heads(n_heads: int, n_kv_heads: int, sp_size: int, ring_size: int = 1)
     fix = (f"Use ring_size={rings[0]} (Ulysses {sp_size // rings[0]} x ring {rings[0]}; ring_size='auto' picks it),"
            f" or any ring_size in {rings}; plain Ulysses needs a sequence_parallel_size in {sizes}")
     if n_heads % u != 0:
-        raise ValueError(
+        raise FPDTError(
             f"n_heads={n_heads} is not divisible by {degree}: Ulysses gives each rank of its group n_heads / {u}"
             f" heads. {fix}."
         )
-    raise ValueError(
+    raise FPDTError(
         f"n_kv_heads={n_kv_heads} and {degree}: KV heads must either divide evenly over the Ulysses ranks or be"
         f" replicated evenly (a Ulysses degree that is a multiple of n_kv_heads). {fix}."
     )

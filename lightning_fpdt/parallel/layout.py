@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_fpdt.errors import FPDTError, is_positive_int
+
 IGNORE_INDEX = -100  # the target id that trains nothing (torch's cross-entropy default, Hugging Face's labels)
 
 
@@ -39,11 +41,11 @@ def chunk_lengths(seq_len: int, chunk_size: int | None) -> list[int]:
         chunk_size: global tokens per chunk ``C``; ``None`` means one chunk of ``S`` tokens.
     """
     if seq_len <= 0:
-        raise ValueError(f"The sequence length must be positive, got {seq_len}.")
+        raise FPDTError(f"The sequence length must be positive, got {seq_len}.")
     if chunk_size is None or chunk_size >= seq_len:
         return [seq_len]
     if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}.")
+        raise FPDTError(f"chunk_size must be a positive number of tokens, got {chunk_size}.")
     full, rest = divmod(seq_len, chunk_size)
     return [chunk_size] * full + ([rest] if rest else [])
 
@@ -68,12 +70,12 @@ def validate_chunk_size(chunk_size: int | None, sp_size: int, ring_size: int = 1
     """Raise if ``chunk_size`` cannot be cut into ``sp_size`` equal sub-chunks (and, with a ring, ``2 x ring_size``
     equal pieces)."""
     if ring_size < 1 or sp_size % ring_size != 0:
-        raise ValueError(f"ring_size={ring_size} does not divide sequence_parallel_size={sp_size}: the group is"
-                         f" ulysses x ring ranks. Use a ring_size that divides {sp_size}.")
+        raise FPDTError(f"ring_size={ring_size} does not divide sequence_parallel_size={sp_size}: the group is"
+                        f" ulysses x ring ranks. Use a ring_size that divides {sp_size}.")
     if chunk_size is None:
         return
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
+    if not is_positive_int(chunk_size):
+        raise FPDTError(f"chunk_size must be a positive int or None, got {chunk_size!r}.")
     multiple = layout_multiple(sp_size, ring_size)
     if chunk_size % multiple != 0:
         lower = max(multiple, chunk_size // multiple * multiple)
@@ -84,8 +86,8 @@ def validate_chunk_size(chunk_size: int | None, sp_size: int, ring_size: int = 1
             divisor = f"{multiple} (sequence_parallel_size={sp_size}, ring_size={ring_size})"
             why = (f"each chunk is split into {sp_size} equal sub-chunks, one per rank, and {2 * ring_size} equal"
                    " pieces, two per ring rank")
-        raise ValueError(f"chunk_size={chunk_size} is not divisible by {divisor}: {why}. Use a multiple of {multiple},"
-                         f" e.g. {lower} or {lower + multiple}.")
+        raise FPDTError(f"chunk_size={chunk_size} is not divisible by {divisor}: {why}. Use a multiple of {multiple},"
+                        f" e.g. {lower} or {lower + multiple}.")
 
 
 def ring_pieces(start: int, length: int, ring_size: int, ring_rank: int) -> tuple[tuple[int, int], ...]:
@@ -112,7 +114,7 @@ def fpdt_permutation(seq_len: int, sp_size: int, chunk_size: int | None = None, 
     validate_chunk_size(chunk_size, sp_size, ring_size)
     if seq_len % layout_multiple(sp_size, ring_size) != 0:
         sizes = f"sequence_parallel_size={sp_size}" + (f" and 2 x ring_size={2 * ring_size}" if ring_size > 1 else "")
-        raise ValueError(
+        raise FPDTError(
             f"The sequence length {seq_len} is not divisible by {sizes}; pad it to"
             f" {padded_length(seq_len, sp_size, ring_size=ring_size)} first (FPDTStrategy does this for you)."
         )
@@ -161,7 +163,7 @@ def shard_indices(seq_len: int, sp_size: int, sp_rank: int, chunk_size: int | No
                   ring_size: int = 1) -> Tensor:
     """Global token indices held by ``sp_rank``, in local order. ``[seq_len // sp_size]`` int64."""
     if not 0 <= sp_rank < sp_size:
-        raise ValueError(f"sp_rank={sp_rank} is outside [0, {sp_size}).")
+        raise FPDTError(f"sp_rank={sp_rank} is outside [0, {sp_size}).")
     return fpdt_permutation(seq_len, sp_size, chunk_size, ring_size).view(sp_size, -1)[sp_rank]
 
 
@@ -197,7 +199,7 @@ def pad_sequence(x: Tensor, length: int, value: float | int, dim: int = 1) -> Te
     """Pad ``x`` at the end of ``dim`` to ``length`` with ``value``."""
     missing = length - x.shape[dim]
     if missing < 0:
-        raise ValueError(f"Cannot pad a sequence of length {x.shape[dim]} down to {length}.")
+        raise FPDTError(f"Cannot pad a sequence of length {x.shape[dim]} down to {length}.")
     if missing == 0:
         return x
     shape = list(x.shape)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_fpdt.errors import PREFIX
+from lightning_fpdt.errors import PREFIX, FPDTError
 from lightning_fpdt.parallel.comm import heads_fit
 
 
@@ -41,8 +41,8 @@ def resolve_ring_size(ring_size: int | Literal["auto"], sp: int, devices_per_nod
     if ring_size != "auto":
         if sp % ring_size != 0:
             divisors = [r for r in range(1, sp + 1) if sp % r == 0]
-            raise ValueError(f"{PREFIX}ring_size={ring_size} does not divide sequence_parallel_size={sp} (the group is"
-                             f" ulysses x ring ranks); use one of {divisors}, or ring_size='auto'.")
+            raise FPDTError(f"{PREFIX}ring_size={ring_size} does not divide sequence_parallel_size={sp} (the group is"
+                            f" ulysses x ring ranks); use one of {divisors}, or ring_size='auto'.")
         return ring_size
     for u in range(min(sp, max(1, devices_per_node)), 0, -1):  # u = 1 always qualifies
         if sp % u == 0 and devices_per_node % u == 0 and all(heads_fit(h, kv, u) for h, kv in heads):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_fpdt.errors import FPDTError
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -46,7 +48,7 @@ class PackedDocuments:
         """Documents start where the global ``position_ids`` ``[batch, S]`` restart at 0 (and at 0);
         ``None`` when every sample is a single document (the plain path, with no segmentation)."""
         if position_ids.dim() != 2:
-            raise ValueError(f"position_ids must be [batch, seq], got shape {tuple(position_ids.shape)}.")
+            raise FPDTError(f"position_ids must be [batch, seq], got shape {tuple(position_ids.shape)}.")
         restarts = position_ids[:, 1:] == 0
         if not bool(restarts.any()):
             return None
@@ -133,7 +135,7 @@ def find_documents(
     if attention_mask is None:
         return documents
     if attention_mask.dim() != 2 or attention_mask.shape != position_ids.shape:
-        raise ValueError(
+        raise FPDTError(
             f"{owner}: 'attention_mask' has shape {tuple(attention_mask.shape)}; only the Hugging Face 2-D padding"
             f" mask [batch, seq] = {list(position_ids.shape)} (1 = token, 0 = padding) is supported. For packed"
             " documents give position_ids that restart at 0 at each document; other masks (4-D, custom) cannot"
@@ -144,7 +146,7 @@ def find_documents(
     right = torch.arange(keep.shape[1], device=keep.device).unsqueeze(0) < lengths.unsqueeze(1)
     if not torch.equal(keep, right):
         rows = (keep != right).any(dim=1).nonzero().flatten().tolist()
-        raise ValueError(
+        raise FPDTError(
             f"{owner}: 'attention_mask' is not right-padded in sample(s) {rows[:8]} (padding before or between"
             " tokens). Pad on the right (tokenizer padding_side='right'), or pack the samples as documents with"
             " restarting position_ids instead of padding."

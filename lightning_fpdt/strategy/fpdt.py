@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_fpdt.checkpoints.resume import resumable
 from lightning_fpdt.errors import PREFIX
-from lightning_fpdt.layers.accumulation import scale_window_gradients
+from lightning_fpdt.layers.accumulation import optimizer_gradients, scale_window_gradients
 from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.memory import EstimateOptions, ModelShape
 from lightning_fpdt.memory.planning import ChunkPlanner, resolve_budget
@@ -303,10 +303,9 @@ class FPDTStrategy(CheckpointHooks):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         result = closure()  # training_step and backward first: the policy needs the loss and the gradients
-        parameters = [p for group in optimizer.param_groups for p in group["params"]]
         step = self.lightning_module.trainer.global_step if self.lightning_module._trainer else -1
         check_replicated_gradients(self.lightning_module, step, not self.shard_parameters and self.world_size > 1)
-        grads = [p.grad for p in parameters if p.grad is not None]
+        grads = optimizer_gradients(optimizer)
         scale_window_gradients(self.lightning_module, grads)  # the window's token mean, before guard and clipping
         if not self._guard.allows_step(grads, step, self.global_rank, self.world_size, self.root_device):
             optimizer.zero_grad(set_to_none=True)

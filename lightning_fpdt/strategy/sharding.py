@@ -31,7 +31,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from lightning_fpdt.errors import PREFIX
+from lightning_fpdt.errors import PREFIX, FPDTError
 from lightning_fpdt.parallel.binding import decoder_layers
 
 # Lightning calls these instead of forward: FSDP must gather the root's parameters around them
@@ -76,15 +76,15 @@ def load_shards_of(module: pl.LightningModule, device: torch.device) -> None:
     """
     load = getattr(module, "load_sharded_weights", None)
     if load is None:
-        raise ValueError(
+        raise FPDTError(
             f"{PREFIX}{type(module).__name__} has parameters on the meta device and no load_sharded_weights(device)"
             " to fill its shards with; build it with real tensors (or give it that method)."
         )
     load(device)
     left = [name for name, p in module.named_parameters() if p.is_meta]
     if left:
-        raise ValueError(f"{PREFIX}{type(module).__name__}.load_sharded_weights left {len(left)} parameter(s) on the"
-                         f" meta device, e.g. {left[:3]}.")
+        raise FPDTError(f"{PREFIX}{type(module).__name__}.load_sharded_weights left {len(left)} parameter(s) on the"
+                        f" meta device, e.g. {left[:3]}.")
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:

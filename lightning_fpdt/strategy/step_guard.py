@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_fpdt.errors import PREFIX
+from lightning_fpdt.errors import PREFIX, FPDTError
 from lightning_fpdt.parallel.dtensors import local_tensor
 
 Policy = Literal["raise", "skip"]
@@ -59,7 +59,7 @@ class StepGuard:
             ValueError: ``"skip"`` with manual optimization.
         """
         if self.policy == "skip" and not automatic_optimization:
-            raise ValueError(
+            raise FPDTError(
                 f"{PREFIX}nonfinite_loss='skip' needs automatic optimization (with manual optimization your"
                 " training_step steps the optimizer before the strategy sees the loss). Check the loss yourself"
                 " or use nonfinite_loss='raise'."

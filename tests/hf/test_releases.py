@@ -33,14 +33,14 @@ from lightning_fpdt.hf.recurrent_memory import mixer_memory  # noqa: E402
 from lightning_fpdt.hf.versions import TESTED_TRANSFORMERS  # noqa: E402
 from lightning_fpdt.memory import EstimateOptions, ModelShape, estimate  # noqa: E402
 from tests.helpers import TokenDataset, dataloader  # noqa: E402
-from tests.test_recurrent import _hybrid  # noqa: E402
+from tests.hf.test_recurrent import _hybrid  # noqa: E402
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 UNTESTED = "5.99.0"
 
 

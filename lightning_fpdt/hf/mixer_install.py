@@ -1,4 +1,6 @@
-"""Which gated delta-net and Mamba-2 layers get their sequence-parallel forward, and why the others do not.
+"""Which token-mixing layers get their sequence-parallel forward, and why the others do not: gated delta-nets and
+Mamba-2 mixers (:mod:`lightning_fpdt.hf.recurrent`), short convolutions (:mod:`lightning_fpdt.hf.short_conv`), one
+install loop for both.
 
 :func:`install_recurrences` gives each module :func:`~lightning_fpdt.hf.recurrent.recurrence_core` recognises a
 :class:`~lightning_fpdt.hf.recurrent.SequenceParallelRecurrence` forward, once a check in one process shows it
@@ -12,13 +14,15 @@ family's own forward.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.hf.kernel_binding import reached_kernels
 from lightning_fpdt.hf.recurrent import CONV, DELTA_RULE, SCAN, SequenceParallelRecurrence, recurrence_core
+from lightning_fpdt.hf.short_conv import SequenceParallelShortConv, is_short_conv
 from lightning_fpdt.hf.versions import TESTED_TRANSFORMERS, installed_transformers, untested_release_fix
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 
@@ -26,7 +30,7 @@ SEQUENCE_PARALLEL_LAYERS = frozenset({
     "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet",
     "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer", "Zamba2MambaMixer",
 })
-"""The recurrent layers the suite shows exact at sp=2 against plain transformers (tests/test_recurrent.py) with the
+"""The recurrent layers the suite shows exact at sp=2 against plain transformers (tests/hf/test_recurrent.py) with the
 releases of :data:`~lightning_fpdt.hf.versions.TESTED_TRANSFORMERS`. Only the wording of a refusal reads it: a
 layer of these classes that :func:`install_recurrences` cannot install is refused naming the installed release,
 not as an unknown token mixer."""
@@ -52,20 +56,47 @@ def install_recurrences(model: nn.Module) -> tuple[list[str], dict[str, NotInsta
         not installed stays as it is: beyond one rank it is refused (:func:`unsupported_release`, or the
         token-mixing guard).
     """
-    installed, failed = [], {}
-    for name, module in model.named_modules():
-        if isinstance(module.__dict__.get("forward"), SequenceParallelRecurrence):
-            continue
+    def make(module: nn.Module) -> SequenceParallelRecurrence | str | None:
         core = recurrence_core(module)
         if core is None:
-            if type(module).__name__ in SEQUENCE_PARALLEL_LAYERS:
-                failed[name] = NotInstalled(type(module).__name__, _unrecognised(module))
+            return _unrecognised(module) if type(module).__name__ in SEQUENCE_PARALLEL_LAYERS else None
+        return SequenceParallelRecurrence(module, core)
+
+    return _install(model, make, _disagreement)
+
+
+def install_short_convs(model: nn.Module) -> list[str]:
+    """Give every short-convolution module of ``model`` (:func:`~lightning_fpdt.hf.short_conv.is_short_conv`) a
+    :class:`~lightning_fpdt.hf.short_conv.SequenceParallelShortConv` forward where it computes what the module's own
+    forward does (checked on random input in one process, relative 1e-6 in the module's dtype); returns their names.
+    A module that does not pass stays as it is, and the token-mixing guard refuses it beyond one rank."""
+    installed, _ = _install(model, lambda m: SequenceParallelShortConv(m) if is_short_conv(m) else None,
+                            _short_conv_disagreement)
+    return installed
+
+
+Forward = Any  # a sequence-parallel forward: SequenceParallelRecurrence or SequenceParallelShortConv
+
+
+def _install(model: nn.Module, make: Callable[[nn.Module], Forward | str | None],
+             disagreement: Callable[[nn.Module, Forward], str | None]) -> tuple[list[str], dict[str, NotInstalled]]:
+    """The one install loop: for each module of ``model`` without an installed forward, ``make(module)`` gives its
+    sequence-parallel forward, why it cannot have one (a string), or ``None`` (not such a module); a forward is
+    installed where ``disagreement`` finds none (a module on the meta device waits for its weights)."""
+    installed, failed = [], {}
+    for name, module in model.named_modules():
+        if hasattr(module.__dict__.get("forward"), "position_wise"):  # installed already (hf/mixing.py's switch)
+            continue
+        forward = make(module)
+        if forward is None:
+            continue
+        if isinstance(forward, str):
+            failed[name] = NotInstalled(type(module).__name__, forward)
             continue
         param = next(module.parameters(), None)
         if param is None or param.device.type == "meta":
             continue
-        forward = SequenceParallelRecurrence(module, core)
-        why = _disagreement(module, forward)
+        why = disagreement(module, forward)
         if why is None:
             module.forward = forward
             installed.append(name)
@@ -124,3 +155,21 @@ def _disagreement(module: nn.Module, forward: SequenceParallelRecurrence) -> str
         return None
     return (f"its sequence-parallel forward differs from the module's own by {error:.2g} of the output's largest"
             f" value (allowed: {tolerance:g}) on one process in chunks of 4 tokens")
+
+
+def _short_conv_disagreement(module: nn.Module, forward: SequenceParallelShortConv) -> str | None:
+    """``None`` where ``forward`` computes what the short convolution's own forward does; else why not."""
+    param = next(module.parameters())
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, module.in_proj.in_features, generator=generator).to(param.device, param.dtype)
+    with torch.no_grad():
+        try:
+            theirs = type(module).forward(module, x)
+        except Exception as err:  # a module whose own forward takes other inputs: not such a layer after all
+            return f"its own forward raised {type(err).__name__} on a plain input"
+        ours = forward(x)
+    if not isinstance(theirs, Tensor) or theirs.shape != ours.shape:
+        return "its own forward returns another shape"
+    tolerance = 1e-10 if param.dtype == torch.float64 else 1e-5
+    error = ((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30)).item()
+    return None if error <= tolerance else f"its sequence-parallel forward differs from its own by {error:.2g}"

@@ -6,7 +6,7 @@ chunks), the released softcaps, and the released mix of sliding and full layers 
 per-layer rule: Gemma-3's local RoPE base, Cohere2's RoPE on sliding layers only, EXAONE-4's global layers without
 RoPE; Llama-4's chunked attention, 6-token attention chunks, with NoPE layers whose query scale depends on
 position). One ``Trainer.fit`` step under ``FPDTStrategy`` equals plain transformers in one process (float64, loss
-and every gradient within 1e-10), with the oracle of ``tests/test_hf_causal_lm.py``: sdpa where the family has it,
+and every gradient within 1e-10), with the oracle of ``tests/hf/test_hf_causal_lm.py``: sdpa where the family has it,
 else eager attention in float64 with transformers' own masks, so the window the FPDT path reads from the layer's
 call is checked against the mask transformers builds, not against itself.
 """
@@ -42,7 +42,7 @@ from lightning_fpdt.hf import attention as hf_attention
 from lightning_fpdt.hf.masks import MaskRule, read_mask_rule
 from lightning_fpdt.models import HFCausalLM
 from tests.helpers import TokenDataset, assert_same_step, in_float64
-from tests.test_hf_causal_lm import (
+from tests.hf.test_hf_causal_lm import (
     HEADS,
     SEQ,
     SIZES,

@@ -27,7 +27,7 @@ from lightning_fpdt.data.toy import build_tokenizer, conversations, documents, s
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.testing import run_in_fork
 from tests.helpers import CaptureStep, assert_same_step, step_errors
-from tests.test_hf_causal_lm import _config, _mean_ce, _plain, _redraw
+from tests.hf.test_hf_causal_lm import _config, _mean_ce, _plain, _redraw
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ FULL = ["full_attention", "full_attention"]
 
 def _config(family: str, kv_heads: int = 2, **overrides: Any) -> PretrainedConfig:
     """A tiny random config of ``family`` with full causal attention in every layer (unless overridden); the
-    released forms, windows and softcaps on, are in ``tests/test_hf_families.py``."""
+    released forms, windows and softcaps on, are in ``tests/hf/test_hf_families.py``."""
     gqa = dict(SIZES, num_key_value_heads=kv_heads)
     configs: dict[str, Callable[[], PretrainedConfig]] = {
         "llama": lambda: LlamaConfig(**gqa),
@@ -413,7 +413,7 @@ def test_model_from_a_local_path(tmp_path, fresh_seed: int) -> None:
     module = _module(Case("llama", sp=1, chunk_size=None), fresh_seed)
     module.save_pretrained(str(tmp_path))
     again = HFCausalLM(str(tmp_path), from_pretrained_kwargs={"local_files_only": True})
-    assert again.weights_pending  # built on the meta device (tests/test_hf_weights.py): read on demand
+    assert again.weights_pending  # built on the meta device (tests/hf/test_hf_weights.py): read on demand
     again.load_weights()
     for (n, p), (_, q) in zip(module.named_parameters(), again.named_parameters(), strict=True):
         assert torch.equal(p, q), n
@@ -421,7 +421,7 @@ def test_model_from_a_local_path(tmp_path, fresh_seed: int) -> None:
 
 # ---- refused features: a clear error at construction, naming the feature and the layer ----------------------
 
-REFUSED = {  # sliding windows, attention softcapping and sinks are computed: tests/test_hf_families.py
+REFUSED = {  # sliding windows, attention softcapping and sinks are computed: tests/hf/test_hf_families.py
     "bidirectional": lambda: _config("gemma3", use_bidirectional_attention=True, sliding_window=512),
     "attention dropout": lambda: _config("llama", attention_dropout=0.1),
 }
@@ -438,7 +438,7 @@ def test_unsupported_feature_raises_naming_it_and_the_layer(feature: str) -> Non
 
 
 def test_experts_without_a_declared_router_are_refused_naming_the_layer() -> None:
-    """Mixtral, Qwen3-MoE and OLMoE train (tests/test_hf_moe.py); experts whose router the model does not
+    """Mixtral, Qwen3-MoE and OLMoE train (tests/hf/test_hf_moe.py); experts whose router the model does not
     declare (no router_logits output) cannot have their routing checked."""
     model = AutoModelForCausalLM.from_config(_config("llama"))
     model.model.layers[0].mlp.experts = type("SparseExperts", (torch.nn.Module,), {})()

@@ -21,8 +21,8 @@ from transformers.models.gemma4 import modeling_gemma4
 
 from lightning_fpdt.models import HFCausalLM
 from tests.helpers import TokenDataset, float32_classes, in_float64
-from tests.test_hf_causal_lm import SEQ, VOCAB, _fit, _redraw
-from tests.test_hf_families import FamilyCase, assert_fit_step_equals_plain
+from tests.hf.test_hf_causal_lm import SEQ, VOCAB, _fit, _redraw
+from tests.hf.test_hf_families import FamilyCase, assert_fit_step_equals_plain
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 VARIANTS: dict[str, dict[str, Any]] = {

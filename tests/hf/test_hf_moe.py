@@ -53,7 +53,7 @@ from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from tests.helpers import TokenDataset, assert_same_step, dataloader, float32_classes, in_float64, step_errors
-from tests.test_hf_causal_lm import SEQ, SIZES, VOCAB, CaptureStack, Packed, _plain, _redraw
+from tests.hf.test_hf_causal_lm import SEQ, SIZES, VOCAB, CaptureStack, Packed, _plain, _redraw
 
 COEF = 0.3  # large enough that a wrong auxiliary loss or gradient shows far above 1e-10
 MOE = dict(output_router_logits=True, router_aux_loss_coef=COEF, num_experts_per_tok=2)

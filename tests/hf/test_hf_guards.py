@@ -5,7 +5,7 @@ StableLM's decoder layers call their attention without the forward's keywords: t
 the attention layers (in the forward and in the checkpointed recomputation) and StableLM trains exactly.
 Granite divides its logits by ``logits_scaling`` after the output embedding: the transform is found from the
 model's forward and applied in the tiled loss, and Granite trains exactly. Both against plain transformers in
-one process, with the oracle of ``tests/test_hf_causal_lm.py`` (float64, sdpa, loss and every gradient within
+one process, with the oracle of ``tests/hf/test_hf_causal_lm.py`` (float64, sdpa, loss and every gradient within
 1e-10). Families that cannot be reproduced (an attention that computes itself or calls the registered
 function with another module and no keywords; a head whose logits are no per-logit function of the output
 embedding's) are refused with the guard's message.
@@ -47,7 +47,7 @@ from lightning_fpdt.parallel.batches import shard_batch
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from lightning_fpdt.testing import run_on_ranks
 from tests.helpers import TokenDataset, assert_same_step, dataloader
-from tests.test_hf_causal_lm import (
+from tests.hf.test_hf_causal_lm import (
     SEQ,
     SIZES,
     VOCAB,

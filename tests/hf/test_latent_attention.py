@@ -7,7 +7,7 @@ padded with zero columns to a common width, the padded columns sliced off after.
 
 The oracles: textbook attention on the whole sequence (``tests/reference.py``, ``tests/test_attention_variants.py``
 for windows, softcaps, sinks and documents), and plain transformers in one process for DeepSeek-V3 and MiniCPM3
-(``tests/test_hf_causal_lm.py``'s machinery). ``flash_attn`` runs on a fake of flash-attn 2's private interface
+(``tests/hf/test_hf_causal_lm.py``'s machinery). ``flash_attn`` runs on a fake of flash-attn 2's private interface
 that computes in float64 from the lse it is handed, as the real one does: that lse is float32 (the kernel's
 contract), so it is checked bitwise against v zero-padded by hand (the equal-width path), and against the oracle
 to float32 rounding.
@@ -36,10 +36,7 @@ from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.parallel.layout import shard_sequence, unshard_sequence
 from lightning_fpdt.testing import run_on_ranks
 from tests.helpers import TokenDataset, assert_same_step
-from tests.reference import naive_attention, rel_error
-from tests.test_attention_variants import DOCS, _check, _documents, _reference, _step, _visible
-from tests.test_cuda_calls import BACKWARD_OF, EFF, FLASH, _bind, _check_fed_as_autograd_does, _Recorder
-from tests.test_hf_causal_lm import (
+from tests.hf.test_hf_causal_lm import (
     SEQ,
     SIZES,
     VOCAB,
@@ -53,6 +50,9 @@ from tests.test_hf_causal_lm import (
     each_sample_alone,
     one_process_step,
 )
+from tests.reference import naive_attention, rel_error
+from tests.test_attention_variants import DOCS, _check, _documents, _reference, _step, _visible
+from tests.test_cuda_calls import BACKWARD_OF, EFF, FLASH, _bind, _check_fed_as_autograd_does, _Recorder
 
 HEADS, HEAD_DIM, BATCH = 4, 8, 2
 SCALE = HEAD_DIM**-0.5

@@ -56,7 +56,7 @@ from tests.helpers import (  # noqa: E402
     float32_functions,
     in_float64,
 )
-from tests.test_hf_causal_lm import (  # noqa: E402
+from tests.hf.test_hf_causal_lm import (  # noqa: E402
     LOSS_TILES,
     MLP_TILES,
     SEQ,
@@ -68,7 +68,7 @@ from tests.test_hf_causal_lm import (  # noqa: E402
     _plain,
     _redraw,
 )
-from tests.test_hf_moe import _float64_source, _router_in_input_dtype  # noqa: E402
+from tests.hf.test_hf_moe import _float64_source, _router_in_input_dtype  # noqa: E402
 
 DELTA_RULE_MODULES = [modeling_qwen3_5, modeling_qwen3_5_moe, modeling_qwen3_next, modeling_olmo_hybrid]
 SCAN_MODULES = [modeling_nemotron_h, modeling_granitemoehybrid, modeling_bamba, modeling_falcon_h1, modeling_zamba2]

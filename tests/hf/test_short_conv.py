@@ -20,12 +20,13 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import Lfm2Config, Lfm2MoeConfig  # noqa: E402
 
-from lightning_fpdt.hf.short_conv import causal_conv, install_short_convs, is_short_conv  # noqa: E402
+from lightning_fpdt.hf.mixer_install import install_short_convs  # noqa: E402
+from lightning_fpdt.hf.short_conv import causal_conv, is_short_conv  # noqa: E402
 from lightning_fpdt.models import HFCausalLM  # noqa: E402
 from lightning_fpdt.parallel.binding import SequenceParallelContext  # noqa: E402
 from lightning_fpdt.parallel.packed_documents import PackedDocuments  # noqa: E402
 from tests.helpers import TokenDataset, assert_same_step  # noqa: E402
-from tests.test_hf_causal_lm import (  # noqa: E402
+from tests.hf.test_hf_causal_lm import (  # noqa: E402
     LOSS_TILES,
     MLP_TILES,
     SEQ,

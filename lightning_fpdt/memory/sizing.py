@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.memory.estimate_options import EstimateOptions
 from lightning_fpdt.memory.estimator import GIB, estimate, format_bytes
 from lightning_fpdt.memory.shape import ModelShape
@@ -36,7 +37,7 @@ def auto_chunk_size(
         if smallest.device_peak <= budget_bytes:
             return candidate
     assert smallest is not None
-    raise ValueError(
+    raise FPDTError(
         f"chunk_size='auto': nothing fits a budget of {format_bytes(budget_bytes)} per rank at {seq_len} tokens; the"
         f" smallest chunk ({candidates[-1]}) still needs {format_bytes(smallest.device_peak)} (saved activations"
         f" {format_bytes(smallest.saved_activations)}, parameters+gradients+optimizer"

@@ -40,7 +40,7 @@ from lightning_fpdt.parallel.dtensors import full_tensor
 from lightning_fpdt.strategy.sharding import shard_module
 from lightning_fpdt.testing import run_in_fork, run_on_ranks
 from tests.helpers import TokenDataset, assert_same_step, dataloader, step_errors, training_step_peak
-from tests.test_hf_causal_lm import SEQ, SIZES, VOCAB, _redraw
+from tests.hf.test_hf_causal_lm import SEQ, SIZES, VOCAB, _redraw
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = dict(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
@@ -406,7 +406,7 @@ def test_a_pretrained_directory_reads_its_base_under_transformers_names(tmp_path
 def test_the_qwen3_recipe_builds_its_adapters(tmp_path: Path) -> None:
     """examples/configs/lora_qwen3_8b_128k.yaml's model section, its model a tiny Qwen3 config: adapters on every
     attention and MLP projection, the rest frozen; its strategy fills one 8-GPU node."""
-    fit = yaml.safe_load((Path(__file__).parents[1] / "examples" / "configs" / "lora_qwen3_8b_128k.yaml").read_text())
+    fit = yaml.safe_load((Path(__file__).parents[2] / "examples" / "configs" / "lora_qwen3_8b_128k.yaml").read_text())
     Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8).save_pretrained(tmp_path)
     section = copy.deepcopy(fit["model"])

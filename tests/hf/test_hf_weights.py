@@ -42,8 +42,8 @@ from lightning_fpdt.strategy import launcher
 from lightning_fpdt.strategy.sharding import load_shards_of, shard_module
 from lightning_fpdt.testing import run_on_ranks
 from tests.helpers import TokenDataset, assert_same_step
+from tests.hf.test_hf_causal_lm import SEQ, VOCAB, Case, _config, _fit, _plain, _redraw, each_sample_alone
 from tests.reference import rel_error
-from tests.test_hf_causal_lm import SEQ, VOCAB, Case, _config, _fit, _plain, _redraw, each_sample_alone
 
 SIZES = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
