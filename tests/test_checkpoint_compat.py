@@ -1,0 +1,50 @@
+"""A checkpoint written before the package's modules moved into folders (issue 41) loads after it.
+
+``tests/data/checkpoint_before_the_move.ckpt`` was written by the code at commit 8458161 (``tests/data/
+make_checkpoint.py`` says how). It names its model by the public path (``lightning_fpdt.models.LlamaLM``) and holds
+no object of the package (it loads with ``weights_only=True``); here its class is found again from its
+hyper-parameters, and a ``Trainer.fit`` resumed from it restores the model's weights and optimizer state exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_fpdt import FPDTStrategy
+from lightning_fpdt.models import LlamaLM
+from lightning_fpdt.models.from_config import module_from_hyperparameters, saved_class
+from tests.helpers import TokenDataset
+
+OLD = Path(__file__).resolve().parent / "data" / "checkpoint_before_the_move.ckpt"
+
+
+def test_a_checkpoint_from_before_the_move_names_a_class_that_still_resolves() -> None:
+    checkpoint = torch.load(OLD, map_location="cpu", weights_only=True)  # no object of the package inside
+    assert checkpoint["hyper_parameters"]["_class_path"] == "lightning_fpdt.models.LlamaLM"
+    assert saved_class(checkpoint["hyper_parameters"]) is LlamaLM
+    assert isinstance(module_from_hyperparameters(checkpoint["hyper_parameters"]), LlamaLM)
+
+
+def test_a_fit_resumes_from_a_checkpoint_from_before_the_move(tmp_path: Path) -> None:
+    checkpoint = torch.load(OLD, map_location="cpu", weights_only=True)
+    module = module_from_hyperparameters(checkpoint["hyper_parameters"])
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                        strategy=FPDTStrategy(chunk_size=8))
+    restored: dict[str, torch.Tensor] = {}
+
+    class Capture(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+            restored.update({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+            restored["_steps"] = torch.tensor(len(trainer.optimizers[0].state))
+
+    trainer.callbacks.append(Capture())
+    trainer.fit(module, DataLoader(TokenDataset(2, 16, 32, seed=1), batch_size=2), ckpt_path=str(OLD))
+    assert trainer.global_step == 2  # one step after the checkpoint's
+    for name, value in checkpoint["state_dict"].items():
+        assert torch.equal(restored[name], value), name
+    assert int(restored["_steps"]) == len(checkpoint["optimizer_states"][0]["state"]) > 0
