@@ -57,31 +57,31 @@ class MemoryEstimate:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = None) -> MemoryEstimate:
-    """Per-rank memory of one training step of ``shape`` on sequences of ``seq_len`` tokens under ``options``
-    (default: ``EstimateOptions()``; see the module docstring for what is counted).
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes per rank of the model's state: ``params``, ``grads`` and ``opt`` (AdamW's moments) as the rank holds them
+    between steps (everything, or ``1 / shards`` of it under FSDP2), DDP's gradient ``buckets``; under FSDP2 the
+    ``gathered`` parameters of the units in use and the ``unsharded_grads`` of a block in its backward; the output
+    projection's gradient made in the loss's backward (``out_proj_grad``); ``trained`` and ``layer_trained`` parameter
+    counts (LoRA: the adapters'); and notes for the report."""
 
-    Raises:
-        ValueError: ``options.chunk_size`` is ``"auto"`` (resolve it with :func:`auto_chunk_size`).
-    """
-    options = options or EstimateOptions()
-    if options.chunk_size == "auto":
-        raise FPDTError("estimate needs a chunk size: resolve chunk_size='auto' with auto_chunk_size() first.")
-    batch_size, chunk_size = options.batch_size, options.chunk_size
-    pe, e = PRECISION_BYTES[options.precision]
-    p, r, u = options.sequence_parallel_size, options.ring_size, options.ulysses_size  # p = u x r
-    s_pad = padded_length(seq_len, p, ring_size=r)
-    t = batch_size * s_pad // p  # tokens per rank
-    h, hd = shape.hidden_size, shape.head_dim or shape.hidden_size // shape.num_heads
-    vd = shape.v_head_dim or hd  # v's head width (multi-head latent attention: narrower than q's and k's)
-    qd, od = shape.num_heads * hd, shape.num_heads * vd  # widths of q and of the attention output (need not be h)
-    kv_heads = max(shape.num_kv_heads, u)  # KV heads are replicated up to the Ulysses degree (comm.expand_kv_heads)
-    # q, out, k and v kept per token of the rank: a rank holds heads / u of its ring part (S / r tokens) of q and out,
-    # and k/v of the whole sequence at heads / u (its ring peers' parts join its store: lightning_fpdt.attention.ring)
-    qkvo = qd + od + r * kv_heads * (hd + vd)
-    chunk = s_pad if chunk_size is None else min(chunk_size, s_pad)
-    chunk_tokens_rank = batch_size * chunk // p  # one chunk, per rank
+    params: int
+    grads: int
+    buckets: int
+    opt: int
+    gathered: int
+    unsharded_grads: int
+    out_proj_grad: int
+    trained: int
+    layer_trained: int
+    shards: int
+    notes: tuple[str, ...]
 
+
+def model_state(shape: ModelShape, options: EstimateOptions) -> ModelState:
+    """The model's parameters, gradients and optimizer state per rank (:class:`ModelState`)."""
+    pe = PRECISION_BYTES[options.precision][0]
+    p, h = options.sequence_parallel_size, shape.hidden_size
     # replicated: every rank holds everything; sharded (FSDP2): 1/world of it, plus the gathered
     # parameters of the units in use (the root's embeddings and output projection, and two blocks:
     # the current one and the prefetched next one)
@@ -112,6 +112,38 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
         unsharded_grads = layer_trained * (compute + (4 if mixed else pe))
         if options.offload_optimizer:  # sharded parameters, gradients and optimizer state live on the host
             notes.append(f"offload_optimizer: {format_bytes(params + grads + opt)} of sharded state in host memory")
+    return ModelState(params, grads, buckets, opt, gathered, unsharded_grads, out_proj_grad, trained, layer_trained,
+                      shards, tuple(notes))
+
+
+def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = None) -> MemoryEstimate:
+    """Per-rank memory of one training step of ``shape`` on sequences of ``seq_len`` tokens under ``options``
+    (default: ``EstimateOptions()``; see the module docstring for what is counted).
+
+    Raises:
+        ValueError: ``options.chunk_size`` is ``"auto"`` (resolve it with :func:`auto_chunk_size`).
+    """
+    options = options or EstimateOptions()
+    if options.chunk_size == "auto":
+        raise FPDTError("estimate needs a chunk size: resolve chunk_size='auto' with auto_chunk_size() first.")
+    batch_size, chunk_size = options.batch_size, options.chunk_size
+    pe, e = PRECISION_BYTES[options.precision]
+    p, r, u = options.sequence_parallel_size, options.ring_size, options.ulysses_size  # p = u x r
+    s_pad = padded_length(seq_len, p, ring_size=r)
+    t = batch_size * s_pad // p  # tokens per rank
+    h, hd = shape.hidden_size, shape.head_dim or shape.hidden_size // shape.num_heads
+    vd = shape.v_head_dim or hd  # v's head width (multi-head latent attention: narrower than q's and k's)
+    qd, od = shape.num_heads * hd, shape.num_heads * vd  # widths of q and of the attention output (need not be h)
+    kv_heads = max(shape.num_kv_heads, u)  # KV heads are replicated up to the Ulysses degree (comm.expand_kv_heads)
+    # q, out, k and v kept per token of the rank: a rank holds heads / u of its ring part (S / r tokens) of q and out,
+    # and k/v of the whole sequence at heads / u (its ring peers' parts join its store: lightning_fpdt.attention.ring)
+    qkvo = qd + od + r * kv_heads * (hd + vd)
+    chunk = s_pad if chunk_size is None else min(chunk_size, s_pad)
+    chunk_tokens_rank = batch_size * chunk // p  # one chunk, per rank
+
+    state = model_state(shape, options)
+    params, grads, buckets, opt = state.params, state.grads, state.buckets, state.opt
+    notes = list(state.notes)
 
     # what one layer saves between its forward and its backward (bytes), by what it has (a hybrid's layers differ)
     pipeline_saved = t * e * qkvo + t * shape.num_heads * 4  # q, out, k, v chunks + lse
@@ -242,12 +274,13 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # output projection's gradient, every block's activations) or the first (every block's gradients too, one
     # block's activations). The input embedding's gradient comes after the first block's backward (under FSDP2
     # the root's sharded gradients too: it reduce-scatters the root's at the very end).
-    layer_grads = 0 if grads == 0 else shape.num_layers * layer_trained * pe // shards
+    layer_grads = 0 if grads == 0 else shape.num_layers * state.layer_trained * pe // state.shards
     kept_final = 0 if streams and options.loss_tiled else final  # the loss's input dies in its backward
-    backward_phase = unsharded_grads + kept_final + recompute + out_proj_grad + max(all_stored, layer_grads + stored)
+    backward_phase = (state.unsharded_grads + kept_final + recompute + state.out_proj_grad
+                      + max(all_stored, layer_grads + stored))
     # gradients are created during backward; AdamW's update adds about half a parameter set
-    device_peak = gathered + buckets + max(params + grads + opt + trained * pe // 2 // shards,
-                                           params + opt + max(loss_phase, backward_phase))
+    device_peak = state.gathered + buckets + max(params + grads + opt + state.trained * pe // 2 // state.shards,
+                                                 params + opt + max(loss_phase, backward_phase))
     if u > 1 and not heads_fit(shape.num_heads, shape.num_kv_heads, u):
         degree = f"sp={p}" if r == 1 else f"the Ulysses degree {u} (sp={p} / ring_size={r})"
         notes.append(f"num_heads={shape.num_heads}, num_kv_heads={shape.num_kv_heads} cannot be sharded over {degree}:"
@@ -256,4 +289,4 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
         notes.append(f"ring_size={r} with token mixers besides attention (a gated delta-net, Mamba-2, a short"
                      " convolution): the run will be refused")
     return MemoryEstimate(params, grads + buckets, opt, saved, chunk_buffers, transient, host, device_peak, notes,
-                          gathered, ring_buffers)
+                          state.gathered, ring_buffers)
