@@ -677,7 +677,7 @@ def _capture_without_gradients() -> None:
     zeros (the reference's are zeros where its loss does not reach the parameter), their names recorded."""
     import torch
 
-    from tests import test_hf_causal_lm
+    from tests.hf import test_hf_causal_lm
 
     class CaptureNoneAsZero(test_hf_causal_lm.CaptureStack):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -769,7 +769,7 @@ def _limit_memory(gb: float) -> Any:
 def covering_tests(config_class: str, model_type: str) -> str:
     """The test files that construct ``config_class`` (or build ``model_type`` through ``AutoConfig.for_model``)."""
     hits = []
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):  # tests/ and tests/hf/
         text = path.read_text()
         if re.search(rf"\b{re.escape(config_class)}\b", text) or (
                 "AutoConfig.for_model(" in text and re.search(rf"[\"']{re.escape(model_type)}[\"']\s*:", text)):

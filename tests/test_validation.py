@@ -40,7 +40,9 @@ class RecordingStrategy(FPDTStrategy):
         # global_rank is only set inside setup_environment, so compute it as Lightning will
         rank = self.node_rank * self.num_processes + self.local_rank
         initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-        (self.error_dir / f"{rank}.txt").write_text(f"{type(err).__name__}: {err}\nprocess group: {initialized}")
+        # the built-in kind of the error (the package's FPDTError is a ValueError)
+        kind = next(c.__name__ for c in type(err).__mro__ if c.__module__ == "builtins")
+        (self.error_dir / f"{rank}.txt").write_text(f"{kind}: {err}\nprocess group: {initialized}")
         try:
             self.error_barrier.wait(timeout=30)
         except threading.BrokenBarrierError:
