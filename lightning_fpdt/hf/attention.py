@@ -26,10 +26,12 @@ rescales it to the tokens' own.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
@@ -130,6 +132,16 @@ def receives_keywords(module: nn.Module) -> bool:
     return is_attention_layer(module) or getattr(module.__dict__.get("forward"), "fpdt_keywords", False)
 
 
+def kernel_dtype(*tensors: Tensor) -> torch.dtype:
+    """The one dtype q, k and v go into the pipeline's kernels in: autocast's where it is on for their device (as
+    transformers' own attention functions get them: a rotary embedding in float32 promotes q and k, not v), else
+    their common type (float64 oracles stay float64)."""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+
+
 def fpdt_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -193,7 +205,8 @@ def fpdt_attention_forward(
     # [b, h, s_local, d] -> [b, s_local, h, d]: the pipeline's layout (s_local = S // sp)
     if tunes_temperature(module):  # Llama-4's NoPE layers scaled q at local positions: at the tokens' own instead
         query = tuned_queries(module, query, ctx, documents)
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    dtype = kernel_dtype(query, key, value)
+    q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))
     options = dict(
         group=ctx.attention_group, ring_group=ctx.ring_group, chunk_size=ctx.chunk_size, causal=True,
         backend=ctx.attention_backend, scale=scaling, offload=ctx.offload, documents=documents,

@@ -155,18 +155,27 @@ def tiled_cross_entropy_sum(
         """The tile's ``d hidden`` ``[1, tile, hidden]`` (``None`` unless ``h`` needs one); the head weight's
         gradient added into ``d_params[0]``."""
         h_tile = h[0]
+        logits = F.linear(h_tile, weight)  # [tile, vocab] in the compute dtype (autocast's under mixed precision)
+        compute = logits.dtype
         # d(sum of -log softmax[target]) / d logits = softmax - onehot(target), 0 on ignored rows; the softmax
         # overwrites the logits, so one [tile, vocab] tensor is alive (not the logits beside their softmax)
-        d_logits = _softmax_in_place(F.linear(h_tile, weight).to(acc))
+        d_logits = _softmax_in_place(logits.to(acc))
+        del logits
         valid = t != ignore_index
         d_logits[valid, t[valid]] -= 1
         d_logits[~valid] = 0
         d_logits *= grad
-        d_hidden = (d_logits.to(weight.dtype) @ weight).unsqueeze(0) if h.requires_grad else None
-        if weight.requires_grad:  # in place, no [vocab, hidden] temporary per tile
+        # the products in the compute dtype (a float32 product under bf16-mixed runs without tensor cores), the
+        # head's gradient accumulated in float32 or wider; in float32 and float64 exactly as before
+        d_compute = d_logits if compute == acc else d_logits.to(compute)
+        d_hidden = (d_compute @ weight.to(compute)).to(h.dtype).unsqueeze(0) if h.requires_grad else None
+        if weight.requires_grad:
             if d_params[0] is None:
                 d_params[0] = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-            d_params[0].addmm_(d_logits.T, h_tile.detach().to(acc))
+            if compute == acc:  # in place, no [vocab, hidden] temporary per tile
+                d_params[0].addmm_(d_logits.T, h_tile.detach().to(acc))
+            else:  # a [vocab, hidden] product in the compute dtype, added into the accumulator
+                d_params[0].add_(d_compute.T @ h_tile.detach().to(compute))
         return d_hidden
 
     # every token is one position of one long sequence: the tiles run over batch x seq
