@@ -34,13 +34,21 @@ SEED_VARIABLE = "FPDT_TEST_SEED"
 
 @pytest.fixture(autouse=True)
 def fork_safe_test_process() -> Iterator[None]:
-    """Keep the pytest process safe to fork after each test: one intra-op thread (see above), and no process group.
+    """Keep the pytest process safe to fork after each test: one intra-op thread (see above), no process group, and
+    the environment as it was.
 
     Destroys a process group a test left in the pytest process (an in-process ``Trainer.fit`` under a DDP-style
     strategy initializes one and Lightning keeps it). A rank forked later would inherit it, and freeing a gloo
     group whose threads did not survive the fork blocks forever (seen: ``init_process_group`` in a forked rank
-    hung in ``~ProcessGroupGloo``)."""
+    hung in ``~ProcessGroupGloo``). Restores the environment variables: Lightning's ``popen`` launcher writes
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` and others into the process it runs in (even for one device), and
+    a later test's ``fpdt-train`` subprocess on two devices inherited them and waited for a rank nobody started (seen:
+    ``test_fit_logs_to_tensorboard_and_profiles`` timing out after an in-process one-device fit)."""
+    environment = dict(os.environ)
     yield
+    for name in set(os.environ) - set(environment):
+        del os.environ[name]
+    os.environ.update(environment)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
         gc.collect()  # its groups freed here, where their threads run, never in a forked child (testing._after_fork)
