@@ -179,7 +179,7 @@ class HFCausalLM(CausalLM):
     def refuse_token_mixers(self, sequence_parallel_size: int) -> None:
         """:meth:`CausalLM.refuse_token_mixers <lightning_fpdt.models.CausalLM.refuse_token_mixers>`, first refusing
         the gated delta-net and Mamba-2 layers that could not be given their sequence-parallel forward
-        (:func:`~lightning_fpdt.hf.recurrent.install_recurrences`) with the reason, the installed transformers
+        (:func:`~lightning_fpdt.hf.mixer_install.install_recurrences`) with the reason, the installed transformers
         release and the tested range.
 
         Raises:
