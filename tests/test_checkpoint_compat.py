@@ -22,6 +22,22 @@ from tests.helpers import TokenDataset
 OLD = Path(__file__).resolve().parent / "data" / "checkpoint_before_the_move.ckpt"
 
 
+class Capture(L.Callback):
+    """The model's state and the optimizer's number of parameter states as the first resumed step starts, and the
+    step the fit ended at, written to ``out/restored.pt``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.restored = out, {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        if not self.restored:
+            self.restored = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            self.restored["_steps"] = torch.tensor(len(trainer.optimizers[0].state))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.save({**self.restored, "_global_step": torch.tensor(trainer.global_step)}, self.out / "restored.pt")
+
+
 def test_a_checkpoint_from_before_the_move_names_a_class_that_still_resolves() -> None:
     checkpoint = torch.load(OLD, map_location="cpu", weights_only=True)  # no object of the package inside
     assert checkpoint["hyper_parameters"]["_class_path"] == "lightning_fpdt.models.LlamaLM"
@@ -32,19 +48,14 @@ def test_a_checkpoint_from_before_the_move_names_a_class_that_still_resolves() -
 def test_a_fit_resumes_from_a_checkpoint_from_before_the_move(tmp_path: Path) -> None:
     checkpoint = torch.load(OLD, map_location="cpu", weights_only=True)
     module = module_from_hyperparameters(checkpoint["hyper_parameters"])
+    # a forked rank (the house's way to fit in a test: no launcher thread or process group left in pytest's process);
+    # it writes what it restored, and the step it reached, to a file
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
-                        strategy=FPDTStrategy(chunk_size=8))
-    restored: dict[str, torch.Tensor] = {}
-
-    class Capture(L.Callback):
-        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
-            restored.update({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
-            restored["_steps"] = torch.tensor(len(trainer.optimizers[0].state))
-
-    trainer.callbacks.append(Capture())
+                        strategy=FPDTStrategy(chunk_size=8, start_method="fork"), callbacks=[Capture(tmp_path)])
     trainer.fit(module, DataLoader(TokenDataset(2, 16, 32, seed=1), batch_size=2), ckpt_path=str(OLD))
-    assert trainer.global_step == 2  # one step after the checkpoint's
+    restored = torch.load(tmp_path / "restored.pt")
+    assert int(restored["_global_step"]) == 2  # one step after the checkpoint's
     for name, value in checkpoint["state_dict"].items():
         assert torch.equal(restored[name], value), name
     assert int(restored["_steps"]) == len(checkpoint["optimizer_states"][0]["state"]) > 0

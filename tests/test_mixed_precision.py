@@ -11,6 +11,7 @@ on a product with a float32 operand.
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -45,16 +46,18 @@ class ProductDtypes(TorchDispatchMode):
 
 class RecordStep(L.Callback):
     """One training step (its batch start to its end: forward, backward, optimizer step) under
-    :class:`ProductDtypes`."""
+    :class:`ProductDtypes`; the counts written to ``out/products.pt`` (the rank is a forked process)."""
 
-    def __init__(self) -> None:
-        self.mode = ProductDtypes()
+    def __init__(self, out: Path) -> None:
+        self.out, self.mode = out, ProductDtypes()
 
     def on_train_batch_start(self, *args: Any) -> None:
         self.mode.__enter__()
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.mode.__exit__(None, None, None)
+        torch.save({(op, tuple(str(d) for d in dtypes)): n for (op, dtypes), n in self.mode.seen.items()},
+                   self.out / "products.pt")
 
 
 def _own_llama() -> L.LightningModule:
@@ -73,15 +76,15 @@ def _hf_llama() -> L.LightningModule:
 
 
 @pytest.mark.parametrize("build", [_own_llama, _hf_llama], ids=["own-llama", "hf-llama"])
-def test_a_bf16_mixed_step_multiplies_no_float32_operands(build: Any) -> None:
+def test_a_bf16_mixed_step_multiplies_no_float32_operands(build: Any, tmp_path: Path) -> None:
     torch.manual_seed(0)
-    record = RecordStep()
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[record],
-                        strategy=FPDTStrategy(chunk_size=16, activation_checkpointing=True, attention_backend="sdpa"))
+                        callbacks=[RecordStep(tmp_path)],
+                        strategy=FPDTStrategy(chunk_size=16, activation_checkpointing=True, attention_backend="sdpa",
+                                              start_method="fork"))
     trainer.fit(build(), dataloader(TokenDataset(2, 64, 128, seed=0), 2))
-    seen = record.mode.seen
+    seen = torch.load(tmp_path / "products.pt")
     assert sum(seen.values()) > 20, seen  # the step ran under the recorder: the projections, attention, the head
-    float32 = {op: n for op, n in seen.items() if torch.float32 in op[1]}
+    float32 = {op: n for op, n in seen.items() if str(torch.float32) in op[1]}
     assert not float32, f"matrix products with a float32 operand in a bf16-mixed step: {float32}"
