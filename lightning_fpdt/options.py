@@ -103,6 +103,11 @@ class FPDTOptions:
     offload_checkpoints: Offload = "off"
     """With ``activation_checkpointing``: keep those block inputs in host memory and prefetch the previous
     block's input during backward. ``True`` needs CUDA; ``"emulate"`` runs anywhere."""
+    keep_attention: bool | Literal["auto"] = "auto"
+    """With ``activation_checkpointing``: each recomputed layer keeps its attention's output and log-sum-exp from its
+    forward (host memory with ``offload``) and answers its recomputation from them, so attention's forward runs once
+    per step (:mod:`lightning_fpdt.attention.kept_answers`). ``"auto"``: on for each batch shape where the memory
+    model says they fit (said once where not); ``True`` / ``False`` force it."""
     sequence_keys: tuple[str, ...] = field(default=DEFAULT_SEQUENCE_KEYS)
     """Batch keys that are ``[batch, seq, ...]`` tensors to pad and shard; other keys pass through."""
     pad_token_id: int = 0
@@ -151,6 +156,8 @@ class FPDTOptions:
                 f"{PREFIX}offload_optimizer=True needs shard_parameters=True (the optimizer state is offloaded"
                 " shard by shard by FSDP2)."
             )
+        if not (isinstance(self.keep_attention, bool) or self.keep_attention == "auto"):
+            raise FPDTError(f"{PREFIX}keep_attention must be True, False or 'auto', got {self.keep_attention!r}.")
         if self.nonfinite_loss not in ("raise", "skip"):
             raise FPDTError(f"{PREFIX}nonfinite_loss must be 'raise' or 'skip', got {self.nonfinite_loss!r}.")
         if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
@@ -193,14 +200,16 @@ class FPDTOptions:
         return max(1, num_nodes * processes_per_node // sp), sp
 
     def context(self, group: Any, chunk_size: int | None, layer_input_store: Any,
-                ring: SequenceParallelGroups | None = None) -> SequenceParallelContext:
+                ring: SequenceParallelGroups | None = None, keep_attention: bool = False) -> SequenceParallelContext:
         """The :class:`~lightning_fpdt.parallel.binding.SequenceParallelContext` the strategy binds to the attention
-        layers: ``"on"`` and ``"emulate"`` both run the offload schedule."""
+        layers: ``"on"`` and ``"emulate"`` both run the offload schedule; ``keep_attention`` as resolved for the
+        batch shape."""
         return SequenceParallelContext(
             group=group, chunk_size=chunk_size, attention_backend=self.attention_backend,
             offload=self.offload_attention, activation_checkpointing=self.activation_checkpointing,
             layer_input_store=layer_input_store, ulysses_group=None if ring is None else ring.ulysses_group,
             ring_group=None if ring is None else ring.ring_group,
+            keep_attention=self.activation_checkpointing and keep_attention,
         )
 
     def resolved_ring_size(self, sequence_parallel_size: int, processes_per_node: int,

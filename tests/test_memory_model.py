@@ -270,12 +270,13 @@ def _measured_and_estimated(rank: int, world: int, seq: int, full: bool, model: 
 
 
 def _measured_step(module: Any, shape: ModelShape, tiling: dict[str, bool], rank: int, world: int, seq: int,
-                   full: bool) -> tuple[int, int]:
+                   full: bool, keep: bool = False) -> tuple[int, int]:
     """The measured peak of live tensors of one training step of ``module`` at sp=``world`` (chunks of a quarter
-    of the sequence and checkpointing when ``full``, else plain Ulysses), and the estimate's device peak."""
+    of the sequence and checkpointing when ``full``, else plain Ulysses; ``keep``: recomputed layers keep their
+    attention answers), and the estimate's device peak."""
     chunk = seq // 4 if full else None
     context = SequenceParallelContext(group=dist.group.WORLD, chunk_size=chunk, attention_backend="sdpa",
-                                      activation_checkpointing=full)
+                                      activation_checkpointing=full, keep_attention=keep)
     bind(module, context)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     ids = torch.randint(0, shape.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
@@ -283,8 +284,29 @@ def _measured_step(module: Any, shape: ModelShape, tiling: dict[str, bool], rank
 
     measured = training_step_peak(module, batch, optimizer)
     estimated = estimate(shape, seq, EstimateOptions(sequence_parallel_size=world, chunk_size=chunk,
-                                                     activation_checkpointing=full, **tiling)).device_peak
+                                                     activation_checkpointing=full, keep_attention=keep,
+                                                     **tiling)).device_peak
     return measured, estimated
+
+
+def _kept_answers_step(rank: int, world: int, seq: int, keep: bool) -> tuple[int, int]:
+    torch.manual_seed(0)
+    module = LlamaLM(LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, mlp_tiles=None), loss_tiles=None)
+    shape, tiling = ModelShape.from_module(module)
+    return _measured_step(module, shape, tiling, rank, world, seq, True, keep)
+
+
+@pytest.mark.distributed
+def test_estimate_counts_the_kept_attention_answers() -> None:
+    """Attention answers kept on the device (no offload) for four checkpointed layers at sp=2: the measured peak with
+    them matches the estimate with them, and what they add is what the estimate says they add."""
+    seq = 4096
+    kept = run_on_ranks(_kept_answers_step, 2, seq, True)[0]
+    recomputed = run_on_ranks(_kept_answers_step, 2, seq, False)[0]
+    assert abs(kept[1] / kept[0] - 1) <= 0.15, (kept[0] / 2**20, kept[1] / 2**20)
+    added, estimated_added = kept[0] - recomputed[0], kept[1] - recomputed[1]
+    assert estimated_added > 0 and abs(added / estimated_added - 1) <= 0.3, (added / 2**20, estimated_added / 2**20)
 
 
 @pytest.mark.distributed

@@ -1,11 +1,17 @@
-"""No matrix product of a bf16-mixed training step multiplies float32 operands (issue 42).
+"""No waste in a bf16-mixed training step (issue 42): no float32 matrix product, each weight cast once, attention
+computed once.
 
 Under ``precision="bf16-mixed"`` every product runs in the compute dtype (bfloat16: tensor cores on a GPU) and only
 accumulations are float32: a float32 product runs without tensor cores (on an H200 the tiled loss's head gradient,
-a float32 ``addmm_``, was 15% of a step). A ``TorchDispatchMode`` records every matrix-product op of one
-``Trainer.fit`` step (forward, recomputation, backward, optimizer step) of the own Llama and of a transformers Llama,
-through the whole stack (chunked attention, checkpointed and streamed layers, tiled MLP and loss), and the test fails
-on a product with a float32 operand.
+a float32 ``addmm_``, was 15% of a step). A weight is cast to bfloat16 at most once per forward and once per
+recomputation of its layer, not once per chunk, MLP tile or loss tile (Lightning's autocast keeps no cast cache). And
+a recomputed layer answers its attention from what its forward kept: attention's forward kernel runs as often as its
+backward kernel.
+
+A ``TorchDispatchMode`` records every op of one ``Trainer.fit`` step (forward, recomputation, backward, optimizer
+step) of the own Llama and of a transformers Llama, through the whole stack (chunked attention, checkpointed and
+streamed layers, tiled MLP and loss): the dtypes of every matrix product's operands, every cast of a parameter, and
+attention's forward and backward kernel calls.
 """
 
 from __future__ import annotations
@@ -30,34 +36,54 @@ PRODUCTS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "addbmm", "matmul", "line
             "_scaled_dot_product_cudnn_attention"}
 
 
-class ProductDtypes(TorchDispatchMode):
-    """Counts each matrix-product op by the dtypes of its tensor operands."""
+ATTENTION_FORWARD = "_scaled_dot_product_flash_attention_for_cpu"  # the sdpa backend's kernel on CPU
+ATTENTION_BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
+CASTS = {"_to_copy", "to", "copy_"}
 
-    def __init__(self) -> None:
+
+class StepOps(TorchDispatchMode):
+    """Counts each matrix-product op by the dtypes of its tensor operands, each cast of a parameter (an op of
+    :data:`CASTS` reading a parameter's storage) by the parameter's name, and attention's kernel calls."""
+
+    def __init__(self, parameters: dict[int, str]) -> None:
         super().__init__()
-        self.seen: collections.Counter[tuple[str, tuple[torch.dtype, ...]]] = collections.Counter()
+        self.parameters = parameters  # data pointer -> name
+        self.products: collections.Counter[tuple[str, tuple[str, ...]]] = collections.Counter()
+        self.casts: collections.Counter[str] = collections.Counter()
+        self.attention: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = func.overloadpacket.__name__
         if name in PRODUCTS:
-            self.seen[(name, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))] += 1
+            self.products[(name, tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor)))] += 1
+        if name in (ATTENTION_FORWARD, ATTENTION_BACKWARD):
+            self.attention[name] += 1
+        source = args[-1] if name == "copy_" else args[0]
+        if name in CASTS and isinstance(source, torch.Tensor) and source.dtype == torch.float32:
+            found = self.parameters.get(source.untyped_storage().data_ptr())
+            if found is not None:
+                self.casts[found] += 1
         return func(*args, **(kwargs or {}))
 
 
 class RecordStep(L.Callback):
-    """One training step (its batch start to its end: forward, backward, optimizer step) under
-    :class:`ProductDtypes`; the counts written to ``out/products.pt`` (the rank is a forked process)."""
+    """One training step (its batch start to its end: forward, backward, optimizer step) under :class:`StepOps`;
+    what it counted written to ``out/step.pt`` (the rank is a forked process). The optimizer's own casts (none
+    under AdamW) would count too: they read the parameters after the step's backward."""
 
     def __init__(self, out: Path) -> None:
-        self.out, self.mode = out, ProductDtypes()
+        self.out = out
+        self.mode: StepOps | None = None
 
-    def on_train_batch_start(self, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        self.mode = StepOps({p.untyped_storage().data_ptr(): name for name, p in module.named_parameters()})
         self.mode.__enter__()
 
     def on_train_batch_end(self, *args: Any) -> None:
+        assert self.mode is not None
         self.mode.__exit__(None, None, None)
-        torch.save({(op, tuple(str(d) for d in dtypes)): n for (op, dtypes), n in self.mode.seen.items()},
-                   self.out / "products.pt")
+        torch.save({"products": dict(self.mode.products), "casts": dict(self.mode.casts),
+                    "attention": dict(self.mode.attention)}, self.out / "step.pt")
 
 
 def _own_llama() -> L.LightningModule:
@@ -75,16 +101,42 @@ def _hf_llama() -> L.LightningModule:
     return HFCausalLM(config, learning_rate=1e-3, warmup_steps=1, loss_tiles=2, mlp_tiles=2)
 
 
-@pytest.mark.parametrize("build", [_own_llama, _hf_llama], ids=["own-llama", "hf-llama"])
-def test_a_bf16_mixed_step_multiplies_no_float32_operands(build: Any, tmp_path: Path) -> None:
+def _fit_one_step(build: Any, out: Path) -> dict[str, Any]:
+    """One bf16-mixed step of four chunks, checkpointed layers (streamed), tiled MLP and loss, on one CPU process."""
     torch.manual_seed(0)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[RecordStep(tmp_path)],
+                        callbacks=[RecordStep(out)],
                         strategy=FPDTStrategy(chunk_size=16, activation_checkpointing=True, attention_backend="sdpa",
                                               start_method="fork"))
     trainer.fit(build(), dataloader(TokenDataset(2, 64, 128, seed=0), 2))
-    seen = torch.load(tmp_path / "products.pt")
+    return torch.load(out / "step.pt")
+
+
+@pytest.mark.parametrize("build", [_own_llama, _hf_llama], ids=["own-llama", "hf-llama"])
+def test_a_bf16_mixed_step_multiplies_no_float32_operands(build: Any, tmp_path: Path) -> None:
+    seen = _fit_one_step(build, tmp_path)["products"]
     assert sum(seen.values()) > 20, seen  # the step ran under the recorder: the projections, attention, the head
     float32 = {op: n for op, n in seen.items() if str(torch.float32) in op[1]}
     assert not float32, f"matrix products with a float32 operand in a bf16-mixed step: {float32}"
+
+
+@pytest.mark.parametrize("build", [_own_llama, _hf_llama], ids=["own-llama", "hf-llama"])
+def test_a_bf16_mixed_step_casts_each_weight_once_per_forward_and_recomputation(build: Any, tmp_path: Path) -> None:
+    """Every layer is checkpointed: its weights are cast in its forward and in its recomputation, at most twice a
+    step, however many chunks and tiles; the output layer (untied, not recomputed as a layer) in the loss's forward
+    and its backward."""
+    casts = _fit_one_step(build, tmp_path)["casts"]
+    linear = [name for name in casts if "proj" in name or "lm_head" in name or "output" in name]
+    assert len(linear) >= 8, casts  # the recorder saw the projections' casts (q, k, v, o, gate, up, down, the head)
+    over = {name: n for name, n in casts.items() if n > 2}
+    assert not over, f"weights cast more than once per forward and once per recomputation: {over}"
+
+
+@pytest.mark.parametrize("build", [_own_llama, _hf_llama], ids=["own-llama", "hf-llama"])
+def test_a_bf16_mixed_step_computes_attention_once(build: Any, tmp_path: Path) -> None:
+    """Checkpointed layers answer their recomputation from the attention their forward kept: as many forward kernel
+    calls as backward ones (one per block of every layer)."""
+    calls = _fit_one_step(build, tmp_path)["attention"]
+    assert calls.get(ATTENTION_BACKWARD, 0) > 0, calls
+    assert calls.get(ATTENTION_FORWARD, 0) == calls[ATTENTION_BACKWARD], calls

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 class ChunkSource(Protocol):
@@ -57,6 +57,12 @@ class PipelineEnds(Protocol):
     Holds no tensors itself: the autograd context keeps it until backward, and a reference to a
     whole q or k there would keep its storage alive.
     """
+
+    @property
+    def weights(self) -> nn.Module | tuple[()]:
+        """The module whose weights the source multiplies by (cast once per forward under mixed precision:
+        :mod:`lightning_fpdt.offload.weight_casts`), or ``()``."""
+        ...
 
     def source(self, *inputs: Tensor) -> ChunkSource:
         """The forward's chunk source over ``inputs``."""

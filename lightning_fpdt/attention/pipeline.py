@@ -46,10 +46,12 @@ from torch.distributed import ProcessGroup
 from lightning_fpdt.attention.backward import pipeline_backward
 from lightning_fpdt.attention.block_calls import block_forward
 from lightning_fpdt.attention.ends import ChunkSource, PipelineEnds
+from lightning_fpdt.attention.kept_answers import ANSWER_KINDS, active_keeper
 from lightning_fpdt.attention.merge import merge_sink, update_out_and_lse
 from lightning_fpdt.attention.pipeline_options import PipelineOptions
 from lightning_fpdt.attention.ring import PendingParts, exchange_parts, pack, unpack
 from lightning_fpdt.offload.chunk_store import ChunkStore
+from lightning_fpdt.offload.weight_casts import weights_cast_once
 from lightning_fpdt.parallel.comm import Exchange, PendingAllToAll, group_rank, group_size
 from lightning_fpdt.profiling import named_range
 
@@ -66,17 +68,23 @@ class ForwardPass:
     :meth:`attend` (the blocks ``(i, m)`` in order, merged, sinks joined), :meth:`send` the output chunk back.
     Every rank issues the same collectives in the same order. ``save_for_backward``: the query side (q, out, lse)
     stays in ``store`` for :func:`pipeline_backward`.
+
+    ``answers``: ``"keep"`` leaves each chunk's output and lse in ``store`` (a recomputed layer's first run:
+    :mod:`lightning_fpdt.attention.kept_answers`); ``"recall"`` takes them from ``store``, where that run left them,
+    instead of computing attention (its recomputation: no kernel runs; the all-to-alls and the k/v parts still do).
     """
 
     def __init__(self, opt: PipelineOptions, store: ChunkStore, s_local: int, save_for_backward: bool = True,
-                 sinks: Tensor | None = None, keep_lse: bool = True) -> None:
+                 sinks: Tensor | None = None, keep_lse: bool = True, answers: str | None = None) -> None:
         self.opt, self.store, self.save, self.sinks, self.keep_lse = opt, store, save_for_backward, sinks, keep_lse
+        self.answers = answers
         self.bounds, self.plan = opt.plan(s_local)
         self.exchange = Exchange(opt.group, overlap=opt.overlap_comm)
         # skipped blocks are dropped here: no prefetch, copy, move or kernel for them (the diagonal always stays)
         self.orders = [self.plan.key_parts(i, opt.causal) for i in range(len(self.bounds))]
         self.next_key = [m for order in self.orders for m in order][1:] + [None]  # the key part after each block
-        store.stats.count_blocks(len(self.next_key), self.plan.candidates)
+        if answers != "recall":
+            store.stats.count_blocks(len(self.next_key), self.plan.candidates)
         self.lses: list[Tensor] = []
         self.moving: dict[int, tuple[PendingParts, tuple[torch.Size, ...]]] = {}  # chunk -> peers' parts coming
         self.block = 0  # index of the current block in the sequence of all blocks
@@ -124,6 +132,8 @@ class ForwardPass:
 
     def attend(self, i: int, q_i: Tensor, dtype: torch.dtype) -> Tensor:
         """Query chunk ``i``'s output ``[b, C_i / R, h/U, d_v]`` in ``dtype``, over every key block it sees."""
+        if self.answers == "recall":
+            return self.recall(i, q_i)
         store, plan, opt = self.store, self.plan, self.opt
         out_i = lse_i = None
         for m in self.orders[i]:
@@ -152,8 +162,31 @@ class ForwardPass:
             self.lses.append(lse_i)
         if self.save:
             store.put(("q", i), q_i)
+        if self.save or self.answers == "keep":
             store.put(("o", i), out_i)
             store.put(("lse", i), lse_i)
+        return out_i
+
+    def recall(self, i: int, q_i: Tensor) -> Tensor:
+        """Query chunk ``i``'s output as the layer's first run left it in the store (``answers="recall"``): no kernel.
+        The chunk's k/v parts (own and the ring peers') join the store for the backward, as :meth:`attend` leaves
+        them."""
+        store = self.store
+        self.land(i, set())
+        for m in self.orders[i]:
+            if m // self.plan.size == i:  # this chunk's parts arrived with it: off the device until backward
+                store.evict(("k", m))
+                store.evict(("v", m))
+        self.block += len(self.orders[i])
+        if ("o", i + 1) in store:  # the next chunk's answer comes while this one is sent back
+            store.prefetch(("o", i + 1))
+        out_i = store.get(("o", i))
+        store.evict(("o", i))
+        if self.keep_lse:
+            self.lses.append(store.get(("lse", i)))
+            store.evict(("lse", i))
+        if self.save:
+            store.put(("q", i), q_i)
         return out_i
 
     def send(self, i: int, out_i: Tensor) -> PendingAllToAll:
@@ -170,13 +203,14 @@ class ForwardPass:
 
 def pipeline_forward(
     source: ChunkSource, opt: PipelineOptions, store: ChunkStore, save_for_backward: bool = True,
-    sinks: Tensor | None = None,
+    sinks: Tensor | None = None, answers: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention output ``[b, s_local, h, d_v]`` (``d_v`` v's head width) and lse ``[b, h/P, S]`` (head-sharded,
     layout order; with the ``sinks`` ``[h/P]`` of this rank's heads joined to every row, when given).
 
     With ``save_for_backward`` the query-side chunks (q, out, lse) stay in ``store`` for
     :func:`pipeline_backward`; without it only k/v pass through the store, for this forward's own use.
+    ``answers``: keep or recall the chunks' outputs and lse (:class:`ForwardPass`).
 
     Overlap: query chunk ``i + 1``'s all-to-alls are issued before chunk ``i``'s attention and waited
     for after it, and chunk ``i``'s output all-to-all is waited for after chunk ``i + 1``'s attention.
@@ -184,7 +218,7 @@ def pipeline_forward(
     while the current one computes, also across query chunks.
     """
     b, s_local, h, d = source.q_shape  # s_local = S // P; h = all query heads
-    fp = ForwardPass(opt, store, s_local, save_for_backward, sinks)
+    fp = ForwardPass(opt, store, s_local, save_for_backward, sinks, answers=answers)
     bounds, n = fp.bounds, len(fp.bounds)
     out: Tensor | None = None  # [b, s_local, h, d]: chunks are written in as they arrive
 
@@ -240,11 +274,19 @@ class PipelineFunction(torch.autograd.Function):
         ctx: Any, ends: PipelineEnds, opt: PipelineOptions, needs_backward: bool, sinks: Tensor | None,
         *inputs: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        store = new_store(inputs[0].device, opt)
+        keeper = active_keeper()  # a recomputed layer's: its first run keeps the answers, its second recalls them
+        kept = keeper.replay() if keeper is not None and keeper.mode == "replay" and needs_backward else None
+        keep = keeper is not None and keeper.mode == "record" and not needs_backward
+        store = kept if kept is not None else new_store(inputs[0].device, opt)
         source = ends.source(*inputs)
         local_sinks = rank_sinks(sinks, opt.group)
-        out, lse = pipeline_forward(source, opt, store, save_for_backward=needs_backward, sinks=local_sinks)
-        if not needs_backward:  # inference: nothing to keep
+        with weights_cast_once(ends.weights, inputs[0].device.type):  # the projections' weights, not once per chunk
+            out, lse = pipeline_forward(source, opt, store, save_for_backward=needs_backward, sinks=local_sinks,
+                                        answers="recall" if kept is not None else "keep" if keep else None)
+        if keep:
+            answers_only(store)
+            keeper.record(store)  # type: ignore[union-attr]
+        elif not needs_backward:  # inference: nothing to keep
             finish(store, opt)
         ctx.ends, ctx.opt, ctx.store, ctx.q_dtype = ends, opt, store, source.dtype
         ctx.sinks = local_sinks
@@ -299,6 +341,13 @@ def run_pipeline(
 
 def new_store(device: torch.device, opt: PipelineOptions) -> ChunkStore:
     return ChunkStore(device, offload=opt.offload, groups={**KV_KINDS, **QUERY_KINDS})
+
+
+def answers_only(store: ChunkStore) -> None:
+    """Drop everything but the chunks' outputs and lse (the k/v a forward pass leaves behind)."""
+    for key in list(store):
+        if key[0] not in ANSWER_KINDS:
+            store.delete(key)
 
 
 def finish(store: ChunkStore, opt: PipelineOptions) -> None:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.offload.autocast_state import AutocastState
+from lightning_fpdt.offload.weight_casts import original
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from lightning_fpdt.parallel.comm import expand_kv_heads, sum_kv_replicas
 
@@ -118,6 +119,7 @@ class TensorEnds:
 
     kv_heads: int
     head_dim: int | None = None
+    weights: tuple[()] = ()
 
     def source(self, q: Tensor, k: Tensor, v: Tensor) -> TensorChunkSource:
         return TensorChunkSource(q, k, v)
@@ -166,6 +168,15 @@ class ProjectionChunkSink:
         acc = torch.promote_types(x.dtype, torch.float32)
         self.dx = torch.zeros(x.shape, dtype=acc, device=x.device)
         self.grads: dict[str, Tensor] = {}
+        self.casts: dict[str, Tensor] = {}  # each weight in the forward's compute dtype, cast once per backward
+
+    def _weight(self, name: str, proj: nn.Linear) -> Tensor:
+        weight, autocast = proj.weight, self.autocast
+        if not autocast.enabled or weight.dtype in (autocast.dtype, torch.float64):
+            return weight
+        if name not in self.casts:
+            self.casts[name] = weight.detach().to(autocast.dtype)
+        return self.casts[name]
 
     def _linear_backward(self, name: str, proj: nn.Linear, dy: Tensor, lo: int, hi: int) -> None:
         b, n = dy.shape[:2]
@@ -175,7 +186,7 @@ class ProjectionChunkSink:
             if not self.autocast.enabled:
                 dy2 = dy2.to(x2.dtype)
             dw = dy2.t() @ x2
-            dx = dy2 @ proj.weight
+            dx = dy2 @ self._weight(name, proj)
         self.dx[:, lo:hi] += dx.view(b, n, -1)
         acc = self.dx.dtype
         self.grads[f"{name}.weight"] = self.grads.get(f"{name}.weight", 0) + dw.to(acc)
@@ -203,7 +214,7 @@ class ProjectionChunkSink:
 
 def projection_params(attn: ProjectedAttention) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of the q/k/v projections, in the order the pipeline takes them as inputs."""
-    return [(f"{name}.{kind}", getattr(getattr(attn, name), kind)) for name in ("q_proj", "k_proj", "v_proj")
+    return [(f"{name}.{kind}", original(getattr(getattr(attn, name), kind))) for name in ("q_proj", "k_proj", "v_proj")
             for kind in ("weight", "bias") if getattr(getattr(attn, name), kind) is not None]
 
 
@@ -216,6 +227,10 @@ class ProjectionEnds:
 
     attn: ProjectedAttention
     autocast: AutocastState
+
+    @property
+    def weights(self) -> nn.Module:
+        return self.attn  # type: ignore[return-value]
 
     def source(self, x: Tensor, position_ids: Tensor, *params: Tensor) -> ProjectionChunkSource:
         return ProjectionChunkSource(self.attn, x, position_ids)

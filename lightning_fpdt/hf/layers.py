@@ -134,7 +134,8 @@ class CheckpointedForward:
         if chunk is not None and stream_refusal(self.layer, hidden, args, kwargs, bool(with_grad),
                                                 self.router_loss is not None) is None:
             return streamed_layer_call(chunked_layer(self.layer, run, hidden, args, kwargs), self.layer, hidden, chunk,
-                                       context.layer_input_store if backward else None)
+                                       context.layer_input_store if backward else None,
+                                       keep_answers=context.keep_attention)
         if not backward:
             return run(hidden, *args, **kwargs)
         for key, value in [*enumerate(args), *kwargs.items()]:
@@ -167,7 +168,8 @@ class CheckpointedForward:
             return torch.cat([out, *(p.to(out.dtype) for p in captured)], dim=-1)
 
         extras = [args[key] if isinstance(key, int) else kwargs[key] for key in with_grad]
-        y = recomputed_layer_call(self.layer, layer_forward, hidden, context.layer_input_store, *extras)
+        y = recomputed_layer_call(self.layer, layer_forward, hidden, context.layer_input_store, *extras,
+                                  keep_answers=context.keep_attention)
         return y if loss is None or not widths else split_captured(y, hidden.shape[-1], widths, loss)
 
     def _refuse_hidden_state(self, key: int | str, value: Any) -> None:

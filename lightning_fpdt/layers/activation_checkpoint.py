@@ -18,8 +18,9 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from lightning_fpdt.attention.kept_answers import AnswerKeeper
 from lightning_fpdt.offload.chunk_store import ChunkStore
-from lightning_fpdt.offload.recompute import INPUT_CHUNK_KIND, INPUT_KIND, recomputed_call
+from lightning_fpdt.offload.recompute import INPUT_CHUNK_KIND, INPUT_KIND, needs_backward, recomputed_call
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
@@ -55,11 +56,12 @@ def recomputed_block_forward(
     ``x`` ``[batch, s_local, hidden]``, ``position_ids`` ``[batch, s_local]``; returns like ``x``.
     """
     return recomputed_layer_call(block, lambda t: block.block_forward(t, position_ids, documents), x,
-                                 block.context.layer_input_store)
+                                 block.context.layer_input_store, keep_answers=block.context.keep_attention)
 
 
 def recomputed_layer_call(
-    module: nn.Module, run: Callable[..., Tensor], x: Tensor, store: ChunkStore | None = None, *extras: Tensor
+    module: nn.Module, run: Callable[..., Tensor], x: Tensor, store: ChunkStore | None = None, *extras: Tensor,
+    keep_answers: bool = False,
 ) -> Tensor:
     """``run(x, *extras)`` keeping only ``x`` (in ``store`` when given, else in the autograd graph) and ``extras``
     (in the graph) for backward, and recomputing ``run`` there.
@@ -68,5 +70,10 @@ def recomputed_layer_call(
     reducer and FSDP's hooks expect); anything else ``run`` reads (position ids, rotary tables, documents)
     must need no gradient and stay unchanged until backward. ``x`` ``[batch, s_local, hidden]``; ``extras``:
     other inputs with a gradient (Gemma-4's per-layer input); ``run`` returns one tensor.
+
+    ``keep_answers``: the forward keeps its attention's answers and the recomputation reads them instead of computing
+    attention again (:mod:`lightning_fpdt.attention.kept_answers`).
     """
+    if keep_answers and needs_backward((x, *extras), module):
+        run = AnswerKeeper().wrap(run)
     return recomputed_call(run, x, *extras, params=module, store=store, name="decoder_layer")

@@ -181,7 +181,8 @@ class FPDTBlock(nn.Module):
             def run_chunk(x_c: Tensor, lo: int, hi: int, stream: LayerStream) -> Tensor:
                 return self.chunk_forward(x_c, position_ids[:, lo:hi], stream, documents)
 
-            return streamed_layer_call(run_chunk, self, x, chunk, context.layer_input_store)
+            return streamed_layer_call(run_chunk, self, x, chunk, context.layer_input_store,
+                                       keep_answers=context.keep_attention)
         if recompute:
             return recomputed_block_forward(self, x, position_ids, documents)
         return self.block_forward(x, position_ids, documents)

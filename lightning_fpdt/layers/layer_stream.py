@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.attention.pipeline import ForwardPass, finish, new_store, rank_sinks
+from lightning_fpdt.attention.pipeline import ForwardPass, answers_only, finish, new_store, rank_sinks
 from lightning_fpdt.attention.pipeline_options import PipelineOptions
 from lightning_fpdt.offload.chunk_store import ChunkStore
 from lightning_fpdt.parallel.binding import SequenceParallelContext
@@ -51,6 +51,10 @@ class LayerStream:
         self.sinks: Tensor | None = None  # the layer's sink logits [n_heads], if any
         self.local_sinks: Tensor | None = None  # this rank's heads of them
         self.out: Tensor | None = None  # recompute: the latest chunk's output, a leaf
+        # attention once per step (lightning_fpdt.attention.kept_answers): the forward keeps each chunk's output and
+        # lse in its store (keep_answers), left there for the recomputation, which answers from it (answers)
+        self.keep_answers = False
+        self.answers: ChunkStore | None = None
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, options: Callable[[], PipelineOptions],
                sinks: Tensor | None = None) -> Tensor:
@@ -88,9 +92,11 @@ class LayerStream:
             )
         opt.check_documents(self.s_local, "streamed layer")
         self.opt, self.sinks, self.local_sinks = opt, sinks, rank_sinks(sinks, opt.group)
-        self.store = new_store(self.device, opt)
+        recall = self.answers is not None and self.mode == "recompute"
+        self.store = self.answers if recall else new_store(self.device, opt)
+        kept = "recall" if recall else "keep" if self.keep_answers and self.mode == "forward" else None
         self.passes = ForwardPass(opt, self.store, self.s_local, self.mode == "recompute", self.local_sinks,
-                                  keep_lse=False)
+                                  keep_lse=False, answers=kept)
 
     def put_dout(self, i: int, dout: Tensor) -> None:
         """Chunk ``i``'s output gradient ``[batch, n, heads, v_head_dim]``, head-sharded into the store."""
@@ -101,10 +107,14 @@ class LayerStream:
         exchange.close()
 
     def end_forward(self) -> None:
-        """Close the forward pass (its lse is not needed)."""
+        """Close the forward pass (its lse is not needed); a forward that keeps its answers leaves them in
+        :attr:`store`, nothing else."""
         if self.passes is not None:
             self.passes.close()
         if self.mode == "forward" and self.store is not None and self.opt is not None:
+            if self.keep_answers:
+                answers_only(self.store)
+                return
             finish(self.store, self.opt)
             self.store = None
 

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.offload.tiling import tiled_call
+from lightning_fpdt.offload.weight_casts import autocast_weight
 from lightning_fpdt.parallel.layout import IGNORE_INDEX
 
 
@@ -129,7 +130,7 @@ def tiled_cross_entropy_sum(
     def tile_loss(h_tile: Tensor, t_tile: Tensor) -> Tensor:  # [1, tile, hidden], [1, tile] -> a scalar
         if norm is not None:
             h_tile = norm(h_tile)
-        logits = F.linear(h_tile[0], weight).to(acc)  # [tile, vocab]: never all tokens at once
+        logits = F.linear(h_tile[0], autocast_weight(weight)).to(acc)  # [tile, vocab]: never all tokens at once
         if torch.is_grad_enabled() and logits.requires_grad:  # one tile (num_tiles=1): autograd keeps what it needs
             return F.cross_entropy(logits, t_tile[0], ignore_index=ignore_index, reduction="sum")
         return _cross_entropy_sum_in_place(logits, t_tile[0], ignore_index)
@@ -155,7 +156,8 @@ def tiled_cross_entropy_sum(
         """The tile's ``d hidden`` ``[1, tile, hidden]`` (``None`` unless ``h`` needs one); the head weight's
         gradient added into ``d_params[0]``."""
         h_tile = h[0]
-        logits = F.linear(h_tile, weight)  # [tile, vocab] in the compute dtype (autocast's under mixed precision)
+        w = autocast_weight(weight)  # cast once for every tile under mixed precision (offload.weight_casts)
+        logits = F.linear(h_tile, w)  # [tile, vocab] in the compute dtype (autocast's under mixed precision)
         compute = logits.dtype
         # d(sum of -log softmax[target]) / d logits = softmax - onehot(target), 0 on ignored rows; the softmax
         # overwrites the logits, so one [tile, vocab] tensor is alive (not the logits beside their softmax)
@@ -168,7 +170,7 @@ def tiled_cross_entropy_sum(
         # the products in the compute dtype (a float32 product under bf16-mixed runs without tensor cores), the
         # head's gradient accumulated in float32 or wider; in float32 and float64 exactly as before
         d_compute = d_logits if compute == acc else d_logits.to(compute)
-        d_hidden = (d_compute @ weight.to(compute)).to(h.dtype).unsqueeze(0) if h.requires_grad else None
+        d_hidden = (d_compute @ w.to(compute)).to(h.dtype).unsqueeze(0) if h.requires_grad else None
         if weight.requires_grad:
             if d_params[0] is None:
                 d_params[0] = torch.zeros(weight.shape, dtype=acc, device=weight.device)

@@ -49,7 +49,8 @@ from lightning_fpdt.attention.pipeline import finish, whole_sinks_grad
 from lightning_fpdt.layers.layer_stream import Captured, ChunkedLayer, LayerStream
 from lightning_fpdt.offload.autocast_state import AutocastState
 from lightning_fpdt.offload.chunk_store import ChunkStore
-from lightning_fpdt.offload.recompute import INPUT_CHUNK_KIND, previous_input
+from lightning_fpdt.offload.recompute import INPUT_CHUNK_KIND, add_param_grads, previous_input
+from lightning_fpdt.offload.weight_casts import original, weights_cast_once, with_casts
 from lightning_fpdt.parallel.comm import sum_kv_replicas
 from lightning_fpdt.profiling import named_range
 
@@ -64,18 +65,22 @@ class _Streamed:
     local_chunk_size: int
     store: ChunkStore | None
     name: str
+    keep_answers: bool = False
 
     def stream(self, x: Tensor) -> LayerStream:
         return LayerStream(x.shape[1], self.local_chunk_size, x.device)
 
     def params(self) -> list[Tensor]:
-        return [p for p in self.module.parameters() if p.requires_grad]
+        return [original(p) for p in self.module.parameters() if p.requires_grad]
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``y`` ``[batch, s_local, hidden]``, chunk by chunk, without a graph."""
+    def forward(self, x: Tensor, keep_answers: bool = False) -> tuple[Tensor, ChunkStore | None]:
+        """``y`` ``[batch, s_local, hidden]``, chunk by chunk, without a graph; with ``keep_answers``, the store
+        holding each chunk's attention output and lse for the recomputation
+        (:mod:`lightning_fpdt.attention.kept_answers`)."""
         stream = self.stream(x)
+        stream.keep_answers = keep_answers
         y: Tensor | None = None
-        with torch.no_grad():
+        with torch.no_grad(), weights_cast_once(self.module, x.device.type):  # not once per chunk
             for lo, hi in self.bounds:
                 with named_range(f"fpdt/{self.name}"):
                     y_c = self.run_chunk(x[:, lo:hi], lo, hi, stream)
@@ -84,16 +89,24 @@ class _Streamed:
                 y[:, lo:hi] = y_c
         stream.end_forward()
         assert y is not None
-        return y
+        return y, stream.store if keep_answers else None
 
     def backward(self, dy: Tensor, chunk: Callable[[int], Tensor], x_shape: torch.Size, x_dtype: torch.dtype,
-                 want_dx: bool, autocast: AutocastState) -> list[Tensor | None]:
-        """``[dx, *parameter gradients]`` from the output gradient ``dy`` (module docstring, passes 1 and 2)."""
+                 want_dx: bool, autocast: AutocastState, answers: ChunkStore | None = None) -> list[Tensor | None]:
+        """``[dx, *parameter gradients]`` from the output gradient ``dy`` (module docstring, passes 1 and 2);
+        ``answers``: what the forward kept of its attention, answered from in pass 1 instead of attention's kernels."""
+        with autocast.restore(), weights_cast_once(self.module, dy.device.type):  # once for both passes' chunks
+            return self._backward(dy, chunk, x_shape, x_dtype, want_dx, autocast, answers)
+
+    def _backward(self, dy: Tensor, chunk: Callable[[int], Tensor], x_shape: torch.Size, x_dtype: torch.dtype,
+                  want_dx: bool, autocast: AutocastState, answers: ChunkStore | None) -> list[Tensor | None]:
         params = self.params()  # read now: FSDP2 has swapped in the unsharded ones
+        casts = with_casts(params)
         d_params: list[Tensor | None] = [None] * len(params)
         dx = dy.new_empty(x_shape, dtype=x_dtype) if want_dx else None
         stream = self.stream(dy)
         stream.mode = "recompute"
+        stream.answers = answers
 
         def differentiate(outputs: Sequence[Tensor], grads: Sequence[Tensor], wrt: Sequence[Tensor]
                           ) -> list[Tensor | None]:
@@ -103,11 +116,9 @@ class _Streamed:
             needed = [t for t in wrt if t.requires_grad]
             if not pairs:
                 return [None] * len(wrt)
-            found = torch.autograd.grad([o for o, _ in pairs], [*needed, *params], [g for _, g in pairs],
-                                        allow_unused=True)
-            for n, d in enumerate(found[len(needed):]):
-                if d is not None:
-                    d_params[n] = d if d_params[n] is None else d_params[n].add_(d)
+            found = torch.autograd.grad([o for o, _ in pairs], [*needed, *params, *(c for c in casts if c is not None)],
+                                        [g for _, g in pairs], allow_unused=True)
+            add_param_grads(d_params, params, found[len(needed):], casts)
             given = iter(found[: len(needed)])
             return [next(given) if t.requires_grad else None for t in wrt]
 
@@ -189,7 +200,9 @@ class _StreamedLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, call: _Streamed, x: Tensor, *params: Tensor) -> Tensor:
-        y = call.forward(x)
+        y, ctx.answers = call.forward(x, call.keep_answers)
+        # no backward will come if the graph is dropped: give the answers back then
+        ctx.release_answers = None if ctx.answers is None else weakref.finalize(ctx, ctx.answers.close)
         ctx.call, ctx.x_shape, ctx.x_dtype = call, x.shape, x.dtype
         ctx.autocast = AutocastState.capture(x.device.type)
         store = call.store
@@ -234,7 +247,10 @@ class _StreamedLayer(torch.autograd.Function):
                     store.evict(keys[c])
                 return x_c
 
-        grads = call.backward(dy, chunk, ctx.x_shape, ctx.x_dtype, ctx.needs_input_grad[1], ctx.autocast)
+        if ctx.release_answers is not None:
+            ctx.release_answers.detach()  # the backward's pipeline store now: closed when its pass 2 ends
+        grads = call.backward(dy, chunk, ctx.x_shape, ctx.x_dtype, ctx.needs_input_grad[1], ctx.autocast, ctx.answers)
+        ctx.answers = None
         if keys is not None:
             ctx.release.detach()
         return (None, *grads)
@@ -246,17 +262,20 @@ def _delete_later(store: ChunkStore, keys: list[tuple[str, int]]) -> None:
 
 
 def streamed_layer_call(run_chunk: ChunkedLayer, module: nn.Module, x: Tensor, local_chunk_size: int,
-                        store: ChunkStore | None = None, name: str = "decoder_layer") -> Tensor:
+                        store: ChunkStore | None = None, name: str = "decoder_layer", keep_answers: bool = False
+                        ) -> Tensor:
     """``y`` ``[batch, s_local, hidden]`` of the layer ``run_chunk`` computes chunk by chunk (module docstring) on
     ``x`` ``[batch, s_local, hidden]``, in local chunks of ``local_chunk_size`` tokens (:func:`stream_chunk_size`).
     ``module`` owns every parameter ``run_chunk`` uses (their gradients come back once per backward, summed over
     chunks); ``store``: where the input's chunks wait for backward (``None``: the autograd graph). Where the attention's
-    chunks live is its pipeline options' business. Without a backward to follow, the layer streams and keeps
-    nothing."""
-    call = _Streamed(run_chunk, module, chunk_bounds(x.shape[1], local_chunk_size), local_chunk_size, store, name)
+    chunks live is its pipeline options' business. ``keep_answers``: attention runs once per step, its recomputation
+    answered from what the forward kept (:mod:`lightning_fpdt.attention.kept_answers`). Without a backward to follow,
+    the layer streams and keeps nothing."""
+    call = _Streamed(run_chunk, module, chunk_bounds(x.shape[1], local_chunk_size), local_chunk_size, store, name,
+                     keep_answers)
     params = call.params()
     if not torch.is_grad_enabled() or not (x.requires_grad or params):
-        return call.forward(x)
+        return call.forward(x)[0]
     return _StreamedLayer.apply(call, x, *params)
 
 

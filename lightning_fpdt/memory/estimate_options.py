@@ -79,6 +79,10 @@ class EstimateOptions:
     """Checkpointed decoder layers with chunked attention and no other token mixer stream chunk by chunk
     (:mod:`lightning_fpdt.layers.streaming`) and the tiled loss applies the final norm; ``False``: layers recomputed
     whole (``SequenceParallelContext.streaming``, for comparisons)."""
+    keep_attention: bool = False
+    """With ``activation_checkpointing``: every recomputed attention layer keeps its attention's output and
+    log-sum-exp from its forward to its backward (:mod:`lightning_fpdt.attention.kept_answers`), in host memory with
+    ``offload``, else on the device."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISION_BYTES:
@@ -135,7 +139,8 @@ class EstimateOptions:
             offload=options.offload == "on", activation_checkpointing=options.activation_checkpointing,
             offload_checkpoints=options.offload_checkpoints == "on", attention_backend=options.attention_backend,
             shard_parameters=options.shard_parameters, offload_optimizer=options.offload_optimizer,
-            gradient_as_bucket_view=options.gradient_as_bucket_view, **run,
+            gradient_as_bucket_view=options.gradient_as_bucket_view,
+            keep_attention=options.activation_checkpointing and options.keep_attention is True, **run,
         )
 
     @classmethod

@@ -28,7 +28,8 @@ class MemoryEstimate:
     """Bytes per rank. ``device_peak`` is the estimated peak of live tensors on the compute device;
     ``gathered`` the parameters FSDP2 holds all-gathered (the root's and two blocks', with ``shard_parameters``;
     printed only then); ``ring_buffers`` the ring's point-to-point buffers of one chunk (with ``ring_size > 1``;
-    printed only then)."""
+    printed only then); ``kept_answers`` the attention outputs and log-sum-exps the recomputed layers keep from
+    forward to backward (with ``keep_attention``; in ``host`` with ``offload``, else in ``saved_activations``)."""
 
     parameters: int
     gradients: int
@@ -41,6 +42,7 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
     gathered: int = 0
     ring_buffers: int = 0
+    kept_answers: int = 0
 
     def table(self) -> str:
         rows = [("parameters", self.parameters), ("gradients", self.gradients), ("optimizer state", self.optimizer),
@@ -52,6 +54,9 @@ class MemoryEstimate:
         if self.ring_buffers:
             rows.insert(rows.index(("attention chunk buffers", self.chunk_buffers)) + 1,
                         ("ring buffers", self.ring_buffers))
+        if self.kept_answers:
+            rows.insert(rows.index(("saved activations", self.saved_activations)) + 1,
+                        ("kept attention answers", self.kept_answers))
         width = max(len(r[0]) for r in rows)
         lines = [f"{name:<{width}}  {format_bytes(value):>11}" for name, value in rows]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
@@ -243,9 +248,13 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
 
     recomputed_block = max(streamed_backward(k) if streamed(k) else layer_saved(k, True) + t * h * e + layer_work(k)
                            for k in kinds)
+    # attention once per step: each recomputed attention layer's output and lse, from its forward to its backward
+    kept_answers = 0
+    if options.activation_checkpointing and options.keep_attention:
+        kept_answers = sum(k.attention for k in kinds) * t * (od * e + shape.num_heads * 4)
     if options.activation_checkpointing:
         stored = 0 if options.offload_checkpoints else layer_input  # one block's input on the device
-        all_stored = shape.num_layers * stored
+        all_stored = shape.num_layers * stored + (0 if options.offload else kept_answers)
         saved = all_stored + final
         # one block recomputed and its backward: its saved activations besides the above. The loss's saved
         # logits are freed before the first block is recomputed (the final norm's activations are counted on:
@@ -269,6 +278,8 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
         host += offloaded_layer if options.activation_checkpointing else offloaded_layers
     if options.activation_checkpointing and options.offload_checkpoints:
         host += shape.num_layers * layer_input
+    if options.offload:
+        host += kept_answers
     # the blocks' backward, from the last block to the first: the gradients made so far grow by one block's
     # as the stored activations shrink by one block's, so the peak is at one end: the last block (the
     # output projection's gradient, every block's activations) or the first (every block's gradients too, one
@@ -289,4 +300,4 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
         notes.append(f"ring_size={r} with token mixers besides attention (a gated delta-net, Mamba-2, a short"
                      " convolution): the run will be refused")
     return MemoryEstimate(params, grads + buckets, opt, saved, chunk_buffers, transient, host, device_peak, notes,
-                          state.gathered, ring_buffers)
+                          state.gathered, ring_buffers, kept_answers)

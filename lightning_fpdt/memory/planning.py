@@ -8,6 +8,10 @@ whose estimated device peak fits the budget). This module owns what the strategy
   over all ranks so that every rank picks the same chunk size (the layout must agree across the
   sequence-parallel group, or the all-to-alls would not match);
 - one decision per ``(batch, seq_len)`` shape, made at that shape's first batch and logged.
+
+``keep_attention="auto"`` is planned the same way (:class:`AnswerPlanner`): per batch shape, the recomputed layers
+keep their attention answers (:mod:`lightning_fpdt.attention.kept_answers`) where the memory model says they fit
+where they live (host memory with ``offload=True``, else the device), against room resolved once at setup.
 """
 
 from __future__ import annotations
@@ -112,3 +116,69 @@ class ChunkPlanner:
             f" (estimated device peak {format_bytes(peak)} per rank, budget {format_bytes(self.budget_bytes)})"
         )
         return chunk
+
+
+def resolve_room(offload_on: bool, device: torch.device, local_processes: int, world_size: int) -> int:
+    """Bytes per rank the kept attention answers may fill up to, with everything else the memory model counts:
+    90% of the host's available memory shared by this node's processes (``offload_on``: they live there), else of
+    the device's free memory; the smallest over all ranks (a collective when ``world_size > 1``)."""
+    where = torch.device("cpu") if offload_on else device
+    room = torch.tensor([int(BUDGET_FRACTION * available_memory(where, local_processes))], dtype=torch.int64,
+                        device=device)
+    if world_size > 1:
+        torch.distributed.all_reduce(room, op=torch.distributed.ReduceOp.MIN)
+    return int(room.item())
+
+
+class AnswerPlanner:
+    """``keep_attention="auto"``: whether recomputed layers keep their attention answers, per batch shape.
+
+    On where the memory model's estimate with the answers kept fits ``room_bytes`` (:func:`resolve_room`): its host
+    bytes with ``offload=True`` (the answers' home then), else its device peak. Turned off, it says so once, with
+    the numbers and the fix.
+    """
+
+    def __init__(self, room_bytes: int, options: EstimateOptions) -> None:
+        self.room_bytes = room_bytes
+        self._options = options.replace(keep_attention=True)
+        self._chosen: dict[tuple[int, int, int | None], bool] = {}
+        self._said = False
+
+    def keep_for(self, module: pl.LightningModule, batch: Any, chunk_size: int | None, current: bool) -> bool:
+        """The decision for a dict batch with ``input_ids`` ``[batch, seq]`` in chunks of ``chunk_size``; ``current``
+        for any other batch."""
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        if not isinstance(ids, torch.Tensor):
+            return current
+        key = (ids.shape[0], ids.shape[-1], chunk_size)
+        if key not in self._chosen:
+            self._chosen[key] = self._decide(module, *key)
+        return self._chosen[key]
+
+    def _decide(self, module: pl.LightningModule, batch_size: int, seq_len: int, chunk_size: int | None) -> bool:
+        try:
+            shape, tiling = ModelShape.from_module(module)
+        except ValueError as err:
+            self._say(f"keep_attention='auto' cannot size this model ({err}), so recomputed layers compute attention"
+                      " again; set keep_attention=True to keep it anyway")
+            return False
+        trainer = module._trainer
+        optimizers = trainer.optimizers if trainer is not None else []
+        options = self._options.replace(
+            batch_size=batch_size, chunk_size=chunk_size, precision=str(trainer.precision) if trainer is not None
+            else "32-true", optimizer=optimizer_kind(optimizers[0]) if optimizers else "none", **tiling)
+        found = estimate(shape, seq_len, options)
+        needed = found.host if options.offload else found.device_peak
+        if needed <= self.room_bytes:
+            return True
+        where = "host memory" if options.offload else "device memory"
+        self._say(f"keep_attention='auto': for batches of {batch_size} x {seq_len} tokens the kept attention answers"
+                  f" ({format_bytes(found.kept_answers)} per rank) would take the estimate to {format_bytes(needed)} of"
+                  f" {where}, over the {format_bytes(self.room_bytes)} there is, so recomputed layers compute attention"
+                  " again (about a quarter of a long step); free memory, or set keep_attention=True to keep it anyway")
+        return False
+
+    def _say(self, message: str) -> None:
+        if not self._said:
+            self._said = True
+            rank_zero_info(f"{PREFIX}{message}")

@@ -24,4 +24,6 @@ class AutocastState:
     def restore(self) -> AbstractContextManager:
         if not self.enabled:
             return nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
+        # no autocast cache, as in Lightning's forward: a cast cached under no_grad (inside an autograd Function's
+        # forward) and read again with grad would carry no gradient; weight_casts casts each weight once instead
+        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.offload.autocast_state import AutocastState
 from lightning_fpdt.offload.chunk_store import ChunkStore, Key
+from lightning_fpdt.offload.weight_casts import original, weights_cast_once, with_casts
 from lightning_fpdt.profiling import named_range
 
 INPUT_KIND = "input"  # the key kind of recomputed inputs in a store
@@ -103,8 +104,25 @@ def recomputed_call(
 
 
 def _grad_params(params: Params) -> list[Tensor]:
+    """The parameters that need a gradient: the weights themselves inside a scope that swapped in their casts."""
     found = params.parameters() if isinstance(params, nn.Module) else params
-    return [p for p in found if p.requires_grad]
+    return [original(p) for p in found if p.requires_grad]
+
+
+def add_param_grads(d_params: list[Tensor | None], params: Sequence[Tensor], found: Sequence[Tensor | None],
+                    casts: Sequence[Tensor | None]) -> None:
+    """Add one piece's gradients into ``d_params`` (one per parameter, ``None`` until the first): ``found`` holds the
+    parameters' and then, in order, those of the casts :func:`~.weight_casts.with_casts` gave (``casts``), each added
+    to its parameter's in float32 or wider."""
+    from_casts = iter(found[len(params):])
+    for n, (d, cast) in enumerate(zip(found, casts)):
+        for part in (d, next(from_casts) if cast is not None else None):
+            if part is None:
+                continue
+            if d_params[n] is None:
+                d_params[n] = part.to(torch.promote_types(params[n].dtype, part.dtype))
+            else:
+                d_params[n].add_(part)  # type: ignore[union-attr]
 
 
 def previous_input(store: ChunkStore, key: Key) -> Key | None:
@@ -134,6 +152,10 @@ class _Call:
 
     def run(self, inputs: Sequence[Tensor]) -> Tensor | tuple[Tensor, ...]:
         """``fn`` over every piece, assembled (the forward, and a call that needs no backward)."""
+        with weights_cast_once(self.params, inputs[0].device.type):  # once for every tile, not once per tile
+            return self._run(inputs)
+
+    def _run(self, inputs: Sequence[Tensor]) -> Tensor | tuple[Tensor, ...]:
         out: Tensor | None = None
         for where, piece in self.pieces(inputs):
             with named_range(f"fpdt/{self.name}"):
@@ -161,10 +183,17 @@ class _Call:
             None if whole or not w else torch.empty_like(x) for x, w in zip(inputs, wanted)
         ]
         d_params: list[Tensor | None] = [None] * len(params)
+        with autocast.restore(), weights_cast_once(self.params, autocast.device_type):
+            return self._gradients(grad, inputs, wanted, scalar, params, d_inputs, d_params)
+
+    def _gradients(self, grad: Tensor | tuple[Tensor | None, ...], inputs: Sequence[Tensor], wanted: Sequence[bool],
+                   scalar: bool, params: list[Tensor], d_inputs: list[Tensor | None],
+                   d_params: list[Tensor | None]) -> list[Tensor | None]:
+        whole = self.tiles is None
         for where, piece in self.pieces(inputs):
             piece = [x.detach().requires_grad_(w) for x, w in zip(piece, wanted)]
             g = grad if scalar or where is None else grad[:, where]  # type: ignore[index]
-            with autocast.restore(), named_range(f"fpdt/{self.name}_backward"):
+            with named_range(f"fpdt/{self.name}_backward"):
                 if self.tile_grad is not None:
                     found = list(self.tile_grad(g, piece, d_params))
                 else:
@@ -182,18 +211,19 @@ class _Call:
 
     def _autograd(self, grad: Tensor | tuple[Tensor | None, ...], piece: list[Tensor], params: list[Tensor],
                   d_params: list[Tensor | None]) -> list[Tensor | None]:
-        """``fn`` run again with grad on one piece; its parameters' gradients are added into ``d_params``."""
+        """``fn`` run again with grad on one piece; its parameters' gradients are added into ``d_params`` (a
+        parameter whose cast the scope swapped in gets the cast's gradient too: :mod:`~.weight_casts`)."""
         wanted = [x for x in piece if x.requires_grad]
+        casts = with_casts(params)
+        targets = [*wanted, *params, *(c for c in casts if c is not None)]
         with torch.enable_grad():
             y = self.fn(*piece)
             # the results something used (a recurrence's last states may have no gradient)
             pairs = [(r, g) for r, g in zip(*((y, grad) if isinstance(y, tuple) else ((y,), (grad,))))
                      if g is not None and r.requires_grad]
-            found = torch.autograd.grad([r for r, _ in pairs], [*wanted, *params], [g for _, g in pairs],
-                                        allow_unused=True) if pairs else (None,) * (len(wanted) + len(params))
-        for i, d in enumerate(found[len(wanted):]):
-            if d is not None:
-                d_params[i] = d if d_params[i] is None else d_params[i].add_(d)
+            found = torch.autograd.grad([r for r, _ in pairs], targets, [g for _, g in pairs],
+                                        allow_unused=True) if pairs else (None,) * len(targets)
+        add_param_grads(d_params, params, found[len(wanted):], casts)
         d_wanted = iter(found[: len(wanted)])
         return [next(d_wanted) if x.requires_grad else None for x in piece]
 

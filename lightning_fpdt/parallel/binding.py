@@ -52,6 +52,9 @@ class SequenceParallelContext:
         streaming: decoder layers that can stream do, chunk by chunk, when checkpointed or without a backward
             (:mod:`lightning_fpdt.layers.streaming`); ``False`` recomputes them whole, as before streaming existed (for
             comparisons: ``benchmarks/memory_floor.py``).
+        keep_attention: a recomputed layer keeps its attention's output and log-sum-exp from its forward and answers
+            its recomputation from them, so attention's forward runs once per step
+            (:mod:`lightning_fpdt.attention.kept_answers`).
     """
 
     group: ProcessGroup | None = None
@@ -63,6 +66,7 @@ class SequenceParallelContext:
     ulysses_group: ProcessGroup | None = None
     ring_group: ProcessGroup | None = None
     streaming: bool = True
+    keep_attention: bool = False
 
     @property
     def size(self) -> int:

@@ -25,7 +25,7 @@ from lightning_fpdt.errors import PREFIX
 from lightning_fpdt.layers.accumulation import optimizer_gradients, scale_window_gradients
 from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.memory import EstimateOptions, ModelShape
-from lightning_fpdt.memory.planning import ChunkPlanner, resolve_budget
+from lightning_fpdt.memory.planning import AnswerPlanner, ChunkPlanner, resolve_budget, resolve_room
 from lightning_fpdt.offload.chunk_store import ChunkStore
 from lightning_fpdt.offload.copy_engine import release_copy_engines
 from lightning_fpdt.options import FPDTOptions, OffloadArgument, check_has_blocks
@@ -69,10 +69,11 @@ class FPDTStrategy(CheckpointHooks):
 
     Args: the fields of :class:`lightning_fpdt.options.FPDTOptions` (``sequence_parallel_size``, ``ring_size``,
     ``chunk_size``, ``memory_budget``, ``attention_backend``, ``offload``, ``activation_checkpointing``,
-    ``offload_checkpoints``, ``sequence_keys``, ``pad_token_id``, ``shard_parameters``, ``offload_optimizer``,
-    ``nonfinite_loss``), each documented and validated there, then DDPStrategy's (``process_group_backend``,
-    ``timeout``, ``start_method``, ``**kwargs``). A value wrong on its own raises ``ValueError`` here. Of the
-    ``**kwargs`` for ``DistributedDataParallel``, ``gradient_as_bucket_view`` defaults to ``True``.
+    ``offload_checkpoints``, ``keep_attention``, ``sequence_keys``, ``pad_token_id``, ``shard_parameters``,
+    ``offload_optimizer``, ``nonfinite_loss``), each documented and validated there, then DDPStrategy's
+    (``process_group_backend``, ``timeout``, ``start_method``, ``**kwargs``). A value wrong on its own raises
+    ``ValueError`` here. Of the ``**kwargs`` for ``DistributedDataParallel``, ``gradient_as_bucket_view`` defaults to
+    ``True``.
     """
 
     strategy_name = "fpdt"
@@ -87,6 +88,7 @@ class FPDTStrategy(CheckpointHooks):
         offload: OffloadArgument = False,
         activation_checkpointing: bool = False,
         offload_checkpoints: OffloadArgument = False,
+        keep_attention: bool | Literal["auto"] = "auto",
         sequence_keys: Sequence[str] = DEFAULT_SEQUENCE_KEYS,
         pad_token_id: int = 0,
         shard_parameters: bool = False,
@@ -104,7 +106,8 @@ class FPDTStrategy(CheckpointHooks):
             sequence_parallel_size=sequence_parallel_size, ring_size=ring_size, chunk_size=chunk_size,
             memory_budget=memory_budget, attention_backend=attention_backend, offload=offload,
             activation_checkpointing=activation_checkpointing,
-            offload_checkpoints=offload_checkpoints, sequence_keys=sequence_keys, pad_token_id=pad_token_id,
+            offload_checkpoints=offload_checkpoints, keep_attention=keep_attention, sequence_keys=sequence_keys,
+            pad_token_id=pad_token_id,
             shard_parameters=shard_parameters, offload_optimizer=offload_optimizer, nonfinite_loss=nonfinite_loss,
             gradient_as_bucket_view=kwargs["gradient_as_bucket_view"],
         )
@@ -113,6 +116,8 @@ class FPDTStrategy(CheckpointHooks):
         self._planner: ChunkPlanner | None = None  # chunk_size="auto": made in setup_environment
         self._active_chunk_size: int | None = None if chunk_size == "auto" else chunk_size
         self._layer_input_store: ChunkStore | None = None  # offloaded block inputs: made in setup
+        self._answers: AnswerPlanner | None = None  # keep_attention="auto": made in setup_environment
+        self._keep_attention = keep_attention is not False  # "auto": decided per batch shape
         self._guard = StepGuard(nonfinite_loss)
         self._gate: BatchGate | None = None  # made in setup, once the model is known
         self._peers: tuple[Peer, ...] = ()  # every rank's host and pid, to name a rank that dies
@@ -189,7 +194,7 @@ class FPDTStrategy(CheckpointHooks):
         """What every sequence-parallel attention layer is bound to (the layer input store exists once ``setup``
         ran)."""
         return self._options.context(self.sequence_parallel_group, self._active_chunk_size, self._layer_input_store,
-                                     self._groups)
+                                     self._groups, self._keep_attention)
 
     @property
     def ring_size(self) -> int:
@@ -232,6 +237,9 @@ class FPDTStrategy(CheckpointHooks):
         if self._options.chunk_size == "auto":
             budget = resolve_budget(self._options.memory_budget, self.root_device, self.num_processes, self.world_size)
             self._planner = ChunkPlanner(budget, self.estimate_options)
+        if self._options.keep_attention == "auto" and self._options.activation_checkpointing:
+            room = resolve_room(self._options.offload == "on", self.root_device, self.num_processes, self.world_size)
+            self._answers = AnswerPlanner(room, self.estimate_options)
         o, where = self._options, placement(self._groups, self.num_processes)
         rank_zero_info(f"{PREFIX}{self.world_size} processes on {self.num_nodes} node(s): {where}; chunk_size="
                        f"{o.chunk_size!r}, attention_backend={o.attention_backend!r}, offload={o.offload!r}")
@@ -282,11 +290,14 @@ class FPDTStrategy(CheckpointHooks):
     def shard_batch(self, batch: Any) -> Any:
         """This rank's part of a dict batch of whole sequences (see
         :func:`lightning_fpdt.parallel.batches.shard_batch`)."""
+        chunk, keep = self._active_chunk_size, self._keep_attention
         if self._planner is not None:
-            chunk = self._planner.chunk_size_for(self.lightning_module, batch, self._active_chunk_size)
-            if chunk != self._active_chunk_size:  # the attention layers follow the batch's layout
-                self._active_chunk_size = chunk
-                self._bind(self.lightning_module, log=False)
+            chunk = self._planner.chunk_size_for(self.lightning_module, batch, chunk)
+        if self._answers is not None:
+            keep = self._answers.keep_for(self.lightning_module, batch, chunk, keep)
+        if (chunk, keep) != (self._active_chunk_size, self._keep_attention):  # the layers follow the batch's shape
+            self._active_chunk_size, self._keep_attention = chunk, keep
+            self._bind(self.lightning_module, log=False)
         return shard_batch(batch, self.sequence_parallel_size, self.sequence_parallel_rank, self._active_chunk_size,
                            self._options.sequence_keys, self._options.pad_token_id, "FPDTStrategy", self.ring_size)
 

@@ -1,0 +1,132 @@
+"""Attention computed once per step (``lightning_fpdt.attention.kept_answers``): a recomputed decoder layer answers
+its attention from the output and log-sum-exp its forward kept, streamed or recomputed whole, for the own Llama and a
+transformers Llama; exact against one process at sp=2, and attention's forward kernel runs once per block."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from torch import Tensor, nn
+
+from lightning_fpdt.attention.kernels import MathKernel
+from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
+from lightning_fpdt.models import CausalLM, HFCausalLM, LlamaConfig, LlamaLM
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
+from lightning_fpdt.testing import run_on_ranks
+from tests.reference import rel_error
+
+VOCAB, HIDDEN = 64, 32
+
+
+def _model(kind: str, seed: int) -> CausalLM:
+    torch.manual_seed(seed)
+    if kind == "llama":
+        module: CausalLM = LlamaLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               rope_theta=10000.0, mlp_tiles=2), loss_tiles=3)
+    else:
+        module = HFCausalLM(transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48,
+                                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                     max_position_embeddings=1024), mlp_tiles=2, loss_tiles=3)
+    module = module.double()
+    for p in module.parameters():  # non-trivial weights: a wrong scale or mask cannot hide under the tolerance
+        nn.init.normal_(p, std=1 / math.sqrt(p.shape[-1]))
+    return module
+
+
+def _batch(seed: int, seq: int) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, VOCAB, (2, seq), generator=g)}
+
+
+def _step(module: CausalLM, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    loss_sum, _ = module.loss_terms(batch)
+    loss_sum.backward()
+    return loss_sum.detach(), {name: p.grad.detach().clone() for name, p in module.named_parameters()}
+
+
+def _sharded_step(rank: int, world: int, kind: str, seed: int, seq: int, chunk: int, streamed: bool, keep: bool,
+                  offload: bool) -> dict[str, Any]:
+    calls = {"forward": 0, "backward": 0}
+    forward, backward = MathKernel.forward, MathKernel.backward
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    MathKernel.forward = counted("forward", forward)  # this forked rank's own copy of the class
+    MathKernel.backward = counted("backward", backward)
+    module = _model(kind, seed)
+    bind(module, SequenceParallelContext(
+        group=dist.group.WORLD, chunk_size=chunk, attention_backend="math", offload=offload,
+        activation_checkpointing=True, layer_input_store=new_layer_input_store(torch.device("cpu")),
+        streaming=streamed, keep_attention=keep))
+    loss_sum, grads = _step(module, shard_batch(_batch(seed, seq), world, rank, chunk))
+    dist.all_reduce(loss_sum)
+    for g in grads.values():
+        dist.all_reduce(g)
+    return {"loss": loss_sum, "grads": grads, "calls": calls}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["llama", "hf"])
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
+def test_attention_runs_once_per_step_and_stays_exact(kind: str, streamed: bool, fresh_seed: int) -> None:
+    """sp=2, four chunks, layers checkpointed (streamed, or recomputed whole), chunks offloaded: loss and every gradient
+    equal one process's plain model on the whole batch, and each rank runs attention's forward kernel exactly as often
+    as its backward kernel (once per block); without kept answers the forward kernel runs twice per block."""
+    seq, chunk = 64, 16
+    kept = run_on_ranks(_sharded_step, 2, kind, fresh_seed, seq, chunk, streamed, True, True)
+    recomputed = run_on_ranks(_sharded_step, 2, kind, fresh_seed, seq, chunk, streamed, False, False)
+    reference = _model(kind, fresh_seed)
+    ref_loss, ref_grads = _step(reference, _batch(fresh_seed, seq))
+    for result in (*kept, *recomputed):
+        assert rel_error(result["loss"], ref_loss) <= 1e-10, f"{kind} seed={fresh_seed}: loss"
+        for name, g in ref_grads.items():
+            assert rel_error(result["grads"][name], g) <= 1e-10, f"{kind} seed={fresh_seed}: {name}"
+    for result in kept:
+        calls = result["calls"]
+        assert calls["backward"] > 0 and calls["forward"] == calls["backward"], calls
+    for result in recomputed:  # the comparison the test makes is not vacuous: recomputation doubled the forward
+        calls = result["calls"]
+        assert calls["forward"] == 2 * calls["backward"], calls
+
+
+def test_auto_keeps_the_answers_where_they_fit_and_says_once_where_not(caplog: pytest.LogCaptureFixture) -> None:
+    """``keep_attention="auto"``: on where the memory model's estimate with the answers fits the room; off where not,
+    said once (with the numbers and the fix) however many batch shapes follow."""
+    from lightning_fpdt.memory import EstimateOptions, estimate
+    from lightning_fpdt.memory.planning import AnswerPlanner
+    from lightning_fpdt.memory.shape import ModelShape
+
+    module = _model("llama", 0)
+    options = EstimateOptions(activation_checkpointing=True, offload=True, chunk_size=64)
+    shape, tiling = ModelShape.from_module(module)
+    needed = estimate(shape, 512, options.replace(keep_attention=True, precision="32-true", optimizer="none",
+                                                  **tiling))
+    assert needed.kept_answers == 2 * 512 * (4 * 8 * 4 + 4 * 4)  # 2 layers x tokens x (heads x v_dim x 4 B + lse)
+    batch = {"input_ids": torch.zeros(1, 512, dtype=torch.long)}
+    assert AnswerPlanner(needed.host, options).keep_for(module, batch, 64, current=False)
+    tight = AnswerPlanner(needed.host - 1, options)
+    with caplog.at_level("INFO"):
+        assert not tight.keep_for(module, batch, 64, current=True)
+        assert not tight.keep_for(module, {"input_ids": torch.zeros(1, 1024, dtype=torch.long)}, 64, current=True)
+    said = [r.getMessage() for r in caplog.records if "keep_attention='auto'" in r.getMessage()]
+    assert len(said) == 1 and "host memory" in said[0] and "keep_attention=True" in said[0], said
+    assert tight.keep_for(module, {"labels": torch.zeros(1, 4)}, 64, current=True)  # no input_ids: unchanged
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_keep_attention_takes_true_false_or_auto(value: Any) -> None:
+    from lightning_fpdt import FPDTStrategy
+
+    with pytest.raises(ValueError, match=r"keep_attention must be True, False or 'auto', got"):
+        FPDTStrategy(keep_attention=value)
