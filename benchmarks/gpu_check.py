@@ -48,6 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import is_oom, matmul_rate, print_table, synchronize
+from gpu_mfu import baseline_rows, mfu_rows, phase_rows
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import MathKernel, get_kernel
@@ -64,8 +65,6 @@ from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-3}
 # dense bf16 tensor-core peaks (NVIDIA data sheets); other GPUs: the measured matmul rate only
 NOMINAL_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
-LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
@@ -177,21 +176,23 @@ def check_model(device: torch.device, cpu: bool) -> tuple[list[list], bool]:
     grads_ref = {n: p.grad for n, p in reference.named_parameters()}
     floor = 1e-3 * max(g.abs().max().item() for g in grads_ref.values())
     rows, ok = [], True
-    for backend in ("math", "auto"):
+    for backend, dtype in (("math", torch.float32), ("auto", torch.float32), ("auto", torch.bfloat16)):
         for p in module.parameters():
             p.grad = None
         context = SequenceParallelContext(chunk_size=chunk, attention_backend=backend, offload=True,
-                                          activation_checkpointing=True,
+                                          activation_checkpointing=True, keep_attention=True,
                                           layer_input_store=new_layer_input_store(device))
         bind(module, context)
-        loss, _ = token_weighted_loss(*module.loss_terms(batch))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss, _ = token_weighted_loss(*module.loss_terms(batch))
         loss.backward()
         context.layer_input_store.close()
         grad_err = max(_rel(p.grad, grads_ref[n], floor) for n, p in module.named_parameters())
         errs = [_rel(loss.detach(), loss_ref.detach()), grad_err]
-        good = max(errs) <= 1e-4 if backend == "math" else max(errs) <= TOLERANCE[torch.float32]
+        good = max(errs) <= (1e-4 if backend == "math" else TOLERANCE[dtype])
         ok &= good
-        rows.append([f"llama {seq} tokens, {seq // chunk} chunks", backend, *errs, "ok" if good else "FAILED"])
+        rows.append([f"llama {seq} tokens, {seq // chunk} chunks", backend, str(dtype).removeprefix("torch."), *errs,
+                     "ok" if good else "FAILED"])
     return rows, ok
 
 
@@ -326,108 +327,49 @@ def nominal_peak(device: torch.device) -> float | None:
     return next((flops for chip, flops in NOMINAL_BF16_FLOPS.items() if chip in name), None)
 
 
-def _llama_step(device: torch.device, config: LlamaConfig, seq: int, chunk: int, backend: str,
-                autocast: bool) -> tuple[float, float]:
-    """Seconds of one forward+backward (after a warm-up) and the peak memory of that step (bytes)."""
-    torch.manual_seed(0)
-    with device:  # initialised where it runs: a 1B model's initialisation on the host takes a while
-        module = LlamaLM(config)
-    context = SequenceParallelContext(chunk_size=chunk, attention_backend=backend, offload=True,
-                                      activation_checkpointing=True, layer_input_store=new_layer_input_store(device))
-    bind(module, context)
-    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
-    batch = _batch(ids, chunk, device)
-
-    def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss, _ = token_weighted_loss(*module.loss_terms(batch))
-        loss.backward()
-        for p in module.parameters():
-            p.grad = None
-
-    try:
-        step()
-        synchronize(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        seconds = time.perf_counter() - start
-        return seconds, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
-    finally:
-        context.layer_input_store.close()
-        release_copy_engines()
-
-
-def mfu_table(device: torch.device, args: argparse.Namespace, deadline: float) -> list[list]:
-    cpu = device.type != "cuda"
-    config = LlamaConfig.tiny() if cpu else LlamaConfig(**LLAMA_1B)
-    dtype = torch.float32 if cpu else torch.bfloat16
-    cuda = device.type == "cuda"
-    measured = matmul_rate(device, dtype, n=8192 if cuda else 512, reps=20 if cuda else 5)
-    nominal = nominal_peak(device)
-    with torch.device("meta"):  # only counts parameters
-        flops_per_token = LlamaLM(config).model.flops_per_token
-    rows, rate = [], 0.0
-    for seq in args.mfu_seq:
-        flops = flops_per_token(seq) * seq
-        predicted = 2 * flops / rate if rate and not cpu else 0.0  # warm-up and measured step at the last rate
-        if time.perf_counter() + predicted > deadline:
-            rows.append([seq, "-", "-", "-", "-", "-", f"skipped: ~{predicted:.0f} s would overrun the time budget"])
-            continue
-        try:
-            seconds, peak = _llama_step(device, config, seq, args.chunk_size, args.backend, autocast=not cpu)
-        except (torch.OutOfMemoryError, RuntimeError) as err:
-            if not is_oom(err):
-                raise
-            _free(device)
-            rows.append([seq, "OOM", "-", "-", "-", "-", ""])
-            break
-        _free(device)
-        rate = flops / seconds
-        mfu_nominal = "-" if nominal is None else f"{100 * rate / nominal:.1f}%"
-        rows.append([seq, seconds, peak / 2**30, rate / 1e12, mfu_nominal, f"{100 * rate / measured:.1f}%", ""])
-        print(f"  llama S={seq}: {seconds:.2f} s per forward+backward", flush=True)
-    print(f"matmul rate ({str(dtype).removeprefix('torch.')}, measured): {measured / 1e12:.1f} TFLOP/s; nominal peak: "
-          + ("unknown for this device" if nominal is None else f"{nominal / 1e12:.0f} TFLOP/s"), flush=True)
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on CPU: a smoke run of the same code paths")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="the whole run's time budget (seconds)")
+    parser.add_argument("--quick", action="store_true", help="the short run (about 3 minutes on an H200)")
+    parser.add_argument("--budget-s", type=float, default=None, help="the whole run's time budget (default 460 s,"
+                        " 170 s with --quick)")
     parser.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (GPU 65536, CPU 64)")
     parser.add_argument("--heads", type=int, default=32, help="query heads of the offload layer")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--max-seq", type=int, default=None, help="longest length of the offload search")
-    parser.add_argument("--mfu-seq", type=int, nargs="+", default=None, help="lengths of the MFU table")
     parser.add_argument("--backend", default="auto")
     args = parser.parse_args()
     started = time.perf_counter()
+    budget = args.budget_s or (170.0 if args.quick else 460.0)
     if args.cpu:
         device = torch.device("cpu")
         args.chunk_size = args.chunk_size or 64
         args.heads, args.kv_heads, args.head_dim = 4, 2, 16
-        args.max_seq, args.mfu_seq = args.max_seq or 256, args.mfu_seq or [128, 256]
+        args.max_seq = args.max_seq or 256
+        runs, baseline_seq, profiled = [("llama-1b", 128), ("llama3-8b", 256)], 128, (256, 64)
     else:
         if not torch.cuda.is_available():
             sys.exit("gpu_check: no CUDA device is visible. Run with --cpu for the smoke run.")
         device = torch.device("cuda", torch.cuda.current_device())
         args.chunk_size = args.chunk_size or 65536
-        args.max_seq, args.mfu_seq = args.max_seq or 2**21, args.mfu_seq or [65536, 262144]
+        args.max_seq = args.max_seq or (2**19 if args.quick else 2**21)
+        runs = [("llama-1b", 65536), ("llama3-8b", 65536)]
+        if not args.quick:
+            runs += [("llama3-8b", 131072), ("llama-1b", 262144)]
+        baseline_seq, profiled = 16384, (16384, None)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"gpu_check on {name}; torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    cuda = torch.version.cuda or "-"
+    print(f"gpu_check{' --quick' if args.quick else ''} on {name}; torch {torch.__version__}, CUDA {cuda};"
+          f" {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
 
     print("\n## 1. Attention routes vs float64 math (max|a-b| / max|b|)\n", flush=True)
     rows, routes_ok = check_routes(device, args.cpu)
     print_table(["backend", "dtype", "check", "causal", "out", "lse", "dq", "dk", "dv", "tolerance", "status"], rows)
     print()
     rows, model_ok = check_model(device, args.cpu)
-    print_table(["model (float32, all FPDT features) vs plain float64", "backend", "loss", "worst gradient",
-                 "status"], rows)
+    print_table(["model (all FPDT features, attention kept) vs plain float64", "backend", "dtype", "loss",
+                 "worst gradient", "status"], rows)
 
     print("\n## 2. Host link (pinned memory, the offload's copy streams)\n", flush=True)
     link = host_link(device, 2**30 if device.type == "cuda" else 2**24)
@@ -435,16 +377,32 @@ def main() -> None:
 
     print(f"\n## 3. One attention layer with and without offload ({args.heads} heads, {args.kv_heads} KV heads, "
           f"head dim {args.head_dim}, chunk {args.chunk_size}, backend {args.backend})\n", flush=True)
-    rows, stop = offload_table(device, args, link, deadline=started + 0.55 * args.budget_s)
+    rows, stop = offload_table(device, args, link, deadline=started + 0.3 * budget)
     print_table(["tokens", "chunks", "peak GiB", "peak GiB offload", "step ms", "step ms offload", "GiB moved",
                  "compute waited ms", "copy ms (link)", "overlap"], rows)
     print(f"search stopped: {stop}", flush=True)
     release_copy_engines()  # the pinned buffers of these lengths are not needed again
 
-    print("\n## 4. MFU, Llama-1B-shaped, one GPU, forward+backward\n", flush=True)
-    rows = mfu_table(device, args, deadline=started + args.budget_s)
-    print_table(["tokens", "s / step", "peak GiB", "TFLOP/s", "MFU (nominal peak)", "MFU (measured matmul)", "note"],
-                rows)
+    print(f"\n## 4. The full stack vs the unbound model, Llama-1B shape, {baseline_seq} tokens in one chunk\n",
+          flush=True)
+    rows = baseline_rows(device, baseline_seq, args.backend, started + 0.45 * budget, args.cpu)
+    print_table(["model", "tokens", "s / step", "peak GiB", "attention route"], rows)
+
+    print(f"\n## 5. Where a full-stack step's time goes, Llama-1B shape, {profiled[0]} tokens (torch.profiler)\n",
+          flush=True)
+    print_table(["phase", "ms (device)" if not args.cpu else "ms (CPU)", "share"],
+                phase_rows(device, profiled[0], profiled[1], args.backend, args.cpu))
+
+    print("\n## 6. MFU, one GPU, forward+backward (strict: causal attention halved, recomputation not counted;"
+          " Megatron: neither)\n", flush=True)
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    measured = matmul_rate(device, dtype, n=8192 if not args.cpu else 512, reps=20 if not args.cpu else 5)
+    nominal = nominal_peak(device)
+    rows = mfu_rows(device, runs, args.chunk_size, args.backend, nominal, measured, started + budget, args.cpu)
+    print_table(["shape", "tokens", "s / step", "peak GiB", "TFLOP/s", "MFU strict", "MFU Megatron",
+                 "strict / measured matmul", "attention route"], rows)
+    print(f"matmul rate ({str(dtype).removeprefix('torch.')}, measured): {measured / 1e12:.1f} TFLOP/s; nominal peak: "
+          + ("unknown for this device" if nominal is None else f"{nominal / 1e12:.0f} TFLOP/s"), flush=True)
     print(f"\ntotal {time.perf_counter() - started:.0f} s", flush=True)
     if not (routes_ok and model_ok):
         sys.exit("gpu_check: a correctness check FAILED (see the tables above).")

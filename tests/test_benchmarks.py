@@ -38,13 +38,21 @@ def test_gpu_check_cpu_smoke() -> None:
     assert {(r[0], r[1]) for r in routes} == {("sdpa", "float32"), ("sdpa", "bfloat16"), ("math", "float32")}
     assert len(routes) == 3 * 6 and all(r[-1] == "ok" for r in routes), out
     model = [r for r in rows if r[0].startswith("llama ")]
-    assert [r[1] for r in model] == ["math", "auto"] and all(r[-1] == "ok" for r in model), out
+    assert [(r[1], r[2]) for r in model] == [("math", "float32"), ("auto", "float32"), ("auto", "bfloat16")], out
+    assert all(r[-1] == "ok" for r in model), out
     assert sum(r[0] in ("host -> device", "device -> host", "both at once (sum)") for r in rows) == 3
     offload = [r for r in rows if len(r) == 10 and r[0].isdigit()]  # tokens, chunks, peaks, times, ..., overlap
     assert [(r[0], r[1]) for r in offload] == [("64", "1"), ("128", "2"), ("256", "4")], out
     assert all(float(r[6]) > 0 for r in offload) and "search stopped: length limit" in out  # GiB moved
-    mfu = [r for r in rows if len(r) == 7 and r[0].isdigit()]
-    assert [r[0] for r in mfu] == ["128", "256"] and all(float(r[3]) > 0 for r in mfu), out  # TFLOP/s
+    baseline = {r[0]: r for r in rows if r[0] in ("full stack", "unbound", "full stack / unbound")}
+    assert set(baseline) == {"full stack", "unbound", "full stack / unbound"}, out
+    assert baseline["full stack / unbound"][2].endswith("x") and float(baseline["unbound"][2]) > 0, out
+    phases = {r[0]: r for r in rows if len(r) == 3}
+    assert {"attention forward", "attention backward", "MLP tiles", "loss tiles", "the rest"} <= set(phases), out
+    assert all(float(phases[p][1]) > 0 for p in ("attention forward", "attention backward", "MLP tiles")), out
+    mfu = [r for r in rows if len(r) == 9 and r[0] in ("llama-1b", "llama3-8b")]
+    assert [(r[0], r[1]) for r in mfu] == [("llama-1b", "128"), ("llama3-8b", "256")], out
+    assert all(float(r[4]) > 0 and r[-1].startswith("sdpa") for r in mfu), out  # TFLOP/s, the route named
 
 
 def test_attention_benchmark_smoke() -> None:
