@@ -10,7 +10,7 @@ from lightning_fpdt.errors import FPDTError
 
 
 def update_out_and_lse(
-    out: Tensor | None, lse: Tensor | None, block_out: Tensor | None, block_lse: Tensor
+    out: Tensor | None, lse: Tensor | None, block_out: Tensor | None, block_lse: Tensor, in_place: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Merge one key block's attention into the running result of a query block.
 
@@ -20,6 +20,8 @@ def update_out_and_lse(
         block_out: this block's output, normalised over this block's keys only; ``None`` for a block whose
             values are all zero (an attention sink: its logit joins the denominator, nothing the output).
         block_lse: this block's log-sum-exp.
+        in_place: write the merged output into ``out`` (the caller owns it: the pipeline's running result), not a
+            new tensor.
 
     Returns:
         The merged ``(out, lse)`` in float32 (float64 for float64 inputs).
@@ -36,9 +38,11 @@ def update_out_and_lse(
         return block_out.to(acc), block_lse.to(acc)
     block_lse = block_lse.to(lse.dtype)
     new_lse = torch.logaddexp(lse, block_lse)
-    merged = out * torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)  # [b, s_q, h, d] * [b, s_q, h, 1]
+    kept = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)  # [b, s_q, h, 1] against out's [b, s_q, h, d]
+    merged = out.mul_(kept) if in_place else out * kept
     if block_out is not None:
-        merged = merged + block_out.to(out.dtype) * torch.exp(block_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+        added = block_out.to(out.dtype) * torch.exp(block_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+        merged = merged.add_(added) if in_place else merged + added
     return merged, new_lse
 
 

@@ -148,7 +148,7 @@ class ForwardPass:
             with named_range("fpdt/attention_chunk"):
                 block_out, block_lse = block_forward(opt.kernel, q_i, k_m, v_m, plan.blocks[(i, m)], opt.scale,
                                                      opt.softcap)
-                out_i, lse_i = update_out_and_lse(out_i, lse_i, block_out, block_lse)
+                out_i, lse_i = update_out_and_lse(out_i, lse_i, block_out, block_lse, in_place=True)
             if nxt != m:  # full attention's block (n-2, n-1) is followed by (n-1, n-1): keep it
                 store.evict(("k", m))
                 store.evict(("v", m))

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -98,6 +98,8 @@ class ChunkStore:
         self._serials = itertools.count()
         self._doomed: list[Key] = []  # keys to delete at the next put/keys (delete_later)
         self._cuda = device.type == "cuda"
+        self._resident: dict[Key, int] = {}  # keys with device memory (or an in-flight prefetch): their bytes
+        self._resident_chunks: defaultdict[str, Counter[int]] = defaultdict(Counter)  # group -> index -> keys
 
     # ---- life cycle -------------------------------------------------------------------------
 
@@ -118,13 +120,13 @@ class ChunkStore:
             )
         entry = _Entry(device=x)
         self._entries[key] = entry
-        self._account()
+        self._account(key)
         if not self.offload:
             return
         with named_range("fpdt/offload"):
-            self._start_offload(entry, x, keep_on_device)
+            self._start_offload(key, entry, x, keep_on_device)
 
-    def _start_offload(self, entry: _Entry, x: Tensor, keep_on_device: bool) -> None:
+    def _start_offload(self, key: Key, entry: _Entry, x: Tensor, keep_on_device: bool) -> None:
         engine = copy_engine(self.device)
         raw, fences = engine.pool.acquire(_nbytes(x))
         host = raw.view(x.dtype).view(x.shape)
@@ -147,7 +149,7 @@ class ChunkStore:
             # The device copy is dropped now: on CUDA record_stream keeps the memory alive until
             # the copy has run; on CPU the worker holds a reference until its copy is done.
             entry.device = None
-            self._account()
+            self._account(key)
 
     def prefetch(self, key: Key) -> None:
         """Start bringing ``key`` to the device, if it is not there already."""
@@ -159,7 +161,7 @@ class ChunkStore:
         self.stats.bytes_to_device += _nbytes(host)
         with named_range("fpdt/prefetch"):
             self._start_prefetch(entry, host)
-        self._account()
+        self._account(key)
 
     def _start_prefetch(self, entry: _Entry, host: Tensor) -> None:
         engine = copy_engine(self.device)
@@ -206,7 +208,7 @@ class ChunkStore:
                     dev = fut.result()
                     self.stats.add_wait(max(time.perf_counter() - start, 1e-9))
         entry.device, entry.to_device = dev, None
-        self._account()
+        self._account(key)
         return dev
 
     def evict(self, key: Key) -> None:
@@ -216,7 +218,7 @@ class ChunkStore:
             return
         entry.device = None
         entry.to_device = None
-        self._account()
+        self._account(key)
 
     def delete(self, key: Key) -> None:
         entry = self._entries.pop(key, None)
@@ -225,7 +227,7 @@ class ChunkStore:
         if entry.raw is not None:
             # back to the pool with the copies that may still touch it; its next writer waits for them
             copy_engine(self.device).pool.release(entry.raw, (entry.to_host, entry.last_read))
-        self._account()
+        self._account(key)
 
     def delete_later(self, key: Key) -> None:
         """Delete ``key`` (if it is still there) at the next :meth:`put` or :meth:`keys`.
@@ -273,23 +275,32 @@ class ChunkStore:
         while self._doomed:
             self.delete(self._doomed.pop())
 
-    def _account(self) -> None:
-        total = 0
-        resident: dict[str, set[int]] = defaultdict(set)
-        for (kind, index), entry in self._entries.items():
-            # an in-flight prefetch counts: its device memory is allocated when it is issued
-            if entry.device is not None:
-                total += _nbytes(entry.device)
-            elif entry.to_device is not None and entry.host is not None:
-                total += _nbytes(entry.host)
-            else:
-                continue
-            resident[self._groups.get(kind, kind)].add(index)
-        self.stats.device_bytes = total
-        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, total)
-        for name, indices in resident.items():
-            peak = self.stats.peak_resident_chunks
-            peak[name] = max(peak.get(name, 0), len(indices))
+    def _account(self, key: Key) -> None:
+        """Update the device figures after ``key``'s entry changed (kept incrementally: a pass changes entries
+        hundreds of times, and a sum over every entry each time grew with the square of the chunks)."""
+        entry = self._entries.get(key)
+        now = None
+        # an in-flight prefetch counts: its device memory is allocated when it is issued
+        if entry is not None and entry.device is not None:
+            now = _nbytes(entry.device)
+        elif entry is not None and entry.to_device is not None and entry.host is not None:
+            now = _nbytes(entry.host)
+        before = self._resident.pop(key, None)
+        kind, index = key
+        chunks = self._resident_chunks[self._groups.get(kind, kind)]
+        if before is not None:
+            chunks[index] -= 1
+            if not chunks[index]:
+                del chunks[index]
+        if now is not None:
+            self._resident[key] = now
+            chunks[index] += 1
+        stats = self.stats
+        stats.device_bytes += (now or 0) - (before or 0)
+        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.device_bytes)
+        if now is not None:
+            group = self._groups.get(kind, kind)
+            stats.peak_resident_chunks[group] = max(stats.peak_resident_chunks.get(group, 0), len(chunks))
 
 
 @contextmanager
