@@ -1,5 +1,5 @@
 """No waste in a bf16-mixed training step (issue 42): no float32 matrix product, each weight cast once, attention
-computed once.
+computed once, and the host never waits for the device inside a step.
 
 Under ``precision="bf16-mixed"`` every product runs in the compute dtype (bfloat16: tensor cores on a GPU) and only
 accumulations are float32: a float32 product runs without tensor cores (on an H200 the tiled loss's head gradient,
@@ -140,3 +140,48 @@ def test_a_bf16_mixed_step_computes_attention_once(build: Any, tmp_path: Path) -
     calls = _fit_one_step(build, tmp_path)["attention"]
     assert calls.get(ATTENTION_BACKWARD, 0) > 0, calls
     assert calls.get(ATTENTION_FORWARD, 0) == calls[ATTENTION_BACKWARD], calls
+
+
+# ops whose result the host must wait for: a value read back (item), or a shape that depends on values (nonzero,
+# masked_select, indexing with a boolean mask)
+HOST_WAITS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal"}
+
+
+class HostWaits(TorchDispatchMode):
+    """Counts the ops of :data:`HOST_WAITS`, and indexing with a boolean mask (a ``nonzero`` inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = func.overloadpacket.__name__
+        masks = args[1] if name in ("index", "index_put", "index_put_") and len(args) > 1 else ()
+        if name in HOST_WAITS or any(isinstance(m, torch.Tensor) and m.dtype == torch.bool for m in masks):
+            self.seen[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("build", [_own_llama, _hf_llama], ids=["own-llama", "hf-llama"])
+def test_a_step_never_makes_the_host_wait_for_the_device(build: Any) -> None:
+    """Forward and backward of the whole stack (four chunks, streamed checkpointed layers with kept attention,
+    offload emulated, tiled MLP and loss) under bf16 autocast read nothing back and index with no boolean mask: on a
+    GPU each of those is a stream synchronisation, which the tiled loss made three times per tile."""
+    from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
+    from lightning_fpdt.layers.loss import token_weighted_loss
+    from lightning_fpdt.parallel.batches import shard_batch
+    from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
+
+    torch.manual_seed(0)
+    module = build()
+    context = SequenceParallelContext(chunk_size=16, attention_backend="sdpa", offload=True,
+                                      activation_checkpointing=True, keep_attention=True,
+                                      layer_input_store=new_layer_input_store(torch.device("cpu")))
+    bind(module, context)
+    batch = shard_batch({"input_ids": torch.randint(0, 128, (2, 64))}, 1, 0, 16)
+    with HostWaits() as waits:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = token_weighted_loss(*module.loss_terms(batch))
+        loss.backward()
+    assert all(p.grad is not None for p in module.parameters() if p.requires_grad)  # the step ran under the counter
+    assert not waits.seen, f"ops that make the host wait for the device in a training step: {dict(waits.seen)}"

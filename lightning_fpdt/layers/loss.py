@@ -91,7 +91,7 @@ def _cross_entropy_sum_in_place(logits: Tensor, targets: Tensor, ignore_index: i
     target_logit = logits.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)  # before overwriting
     top = logits.amax(-1, keepdim=True)
     logsumexp = logits.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(1))
-    return (logsumexp - target_logit)[valid].sum()
+    return torch.where(valid, logsumexp - target_logit, 0).sum()  # no boolean indexing: no host synchronisation
 
 
 def tiled_cross_entropy_sum(
@@ -163,9 +163,11 @@ def tiled_cross_entropy_sum(
         # overwrites the logits, so one [tile, vocab] tensor is alive (not the logits beside their softmax)
         d_logits = _softmax_in_place(logits.to(acc))
         del logits
-        valid = t != ignore_index
-        d_logits[valid, t[valid]] -= 1
-        d_logits[~valid] = 0
+        # one subtracted at each valid target and ignored rows zeroed, in place and without boolean indexing (whose
+        # nonzero() makes the host wait for the device at every tile)
+        valid = (t != ignore_index).unsqueeze(1)
+        d_logits.scatter_add_(1, torch.where(valid, t.unsqueeze(1), 0), valid.to(d_logits.dtype).neg())
+        d_logits.masked_fill_(~valid, 0)
         d_logits *= grad
         # the products in the compute dtype (a float32 product under bf16-mixed runs without tensor cores), the
         # head's gradient accumulated in float32 or wider; in float32 and float64 exactly as before
