@@ -130,3 +130,39 @@ def test_keep_attention_takes_true_false_or_auto(value: Any) -> None:
 
     with pytest.raises(ValueError, match=r"keep_attention must be True, False or 'auto', got"):
         FPDTStrategy(keep_attention=value)
+
+
+def test_the_replay_hands_each_attention_call_its_own_answers_in_order() -> None:
+    """Every attention call of a run takes its turn, whether it kept (or uses) answers or not, so a call that kept
+    none cannot shift a later call onto another call's answers; what the replay did not hand out is closed when it
+    ends, and the answers of a forward whose graph is dropped are closed when the next store is made."""
+    import gc
+
+    from lightning_fpdt.attention.kept_answers import AnswerKeeper, active_keeper
+    from lightning_fpdt.offload.chunk_store import ChunkStore
+
+    def store_with(value: float) -> ChunkStore:
+        store = ChunkStore(torch.device("cpu"))
+        store.put(("o", 0), torch.full((2,), value))
+        return store
+
+    first, third = store_with(1.0), store_with(3.0)
+    keeper = AnswerKeeper()
+    keeper.wrap(lambda: [keeper.record(s) for s in (first, None, third)])()  # a run of three attention calls
+    seen = []
+    keeper.wrap(lambda: seen.append((active_keeper() is keeper, keeper.replay(), keeper.replay())))()
+    assert seen == [(True, first, None)]  # the first two calls' turns; the third call never came
+    assert ("o", 0) in first and ("o", 0) not in third  # handed out: the caller's; not handed out: closed
+    assert active_keeper() is None  # a keeper is active only during its layer's run
+
+    dropped = store_with(4.0)
+
+    def forward_only() -> None:  # a recomputed layer's forward whose graph is dropped before any backward
+        orphan = AnswerKeeper()
+        orphan.wrap(orphan.record)(dropped)
+
+    forward_only()
+    gc.collect()
+    assert ("o", 0) in dropped  # a finalizer only queues it
+    ChunkStore(torch.device("cpu"))  # a safe point
+    assert ("o", 0) not in dropped

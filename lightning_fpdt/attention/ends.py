@@ -59,8 +59,8 @@ class PipelineEnds(Protocol):
     """
 
     @property
-    def weights(self) -> nn.Module | tuple[()]:
-        """The module whose weights the source multiplies by (cast once per forward under mixed precision:
+    def weights(self) -> tuple[nn.Module, ...]:
+        """The modules whose weights the source multiplies by (cast once per forward under mixed precision:
         :mod:`lightning_fpdt.offload.weight_casts`), or ``()``."""
         ...
 

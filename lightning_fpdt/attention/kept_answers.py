@@ -23,6 +23,7 @@ Costs: the answers of every recomputed attention layer stay from its forward to 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -45,20 +46,26 @@ class AnswerKeeper:
     """
 
     def __init__(self) -> None:
-        self.stores: list[ChunkStore] = []
+        self.stores: list[ChunkStore | None] = []
         self.mode: str | None = "record"
         self._next = 0  # replay: the next attention call's store
+        # no backward will come if the graph is dropped: the stores not handed out are closed then (at the next safe
+        # point: a finalizer must not take the host pool's lock)
+        weakref.finalize(self, _close_later, self.stores)
 
-    def record(self, store: ChunkStore) -> None:
-        """Keep ``store`` (holding only ``o`` and ``lse`` chunks) as the answers of the run's next attention call."""
+    def record(self, store: ChunkStore | None) -> None:
+        """Keep ``store`` (holding only ``o`` and ``lse`` chunks) as the answers of the run's next attention call;
+        ``None`` for a call that kept none (every call records, so that the replay's order is the run's)."""
         self.stores.append(store)
 
     def replay(self) -> ChunkStore | None:
         """The answers of the run's next attention call (the store becomes the caller's: its backward closes it), or
-        ``None`` when the first run kept none for it."""
+        ``None`` when the first run kept none for it. Every attention call of the replay takes its turn, whether it
+        uses the answers or not."""
         if self._next >= len(self.stores):
             return None
         store = self.stores[self._next]
+        self.stores[self._next] = None  # the caller's now
         self._next += 1
         return store
 
@@ -72,10 +79,17 @@ class AnswerKeeper:
         return kept_run
 
     def release(self) -> None:
-        """Give back every store not handed out (a forward whose backward never came, or answers nothing read)."""
+        """Give back every store the replay did not hand out."""
         for store in self.stores[self._next:]:
-            store.close()
-        self.stores = self.stores[: self._next]
+            if store is not None:
+                store.close()
+        del self.stores[self._next:]
+
+
+def _close_later(stores: list[ChunkStore | None]) -> None:
+    for store in stores:
+        if store is not None:
+            store.close_later()
 
 
 @contextmanager
@@ -90,16 +104,6 @@ def keeping(keeper: AnswerKeeper) -> Iterator[None]:
         keeper.mode = "replay" if keeper.mode == "record" else None
         if replaying:
             keeper.release()
-
-
-@contextmanager
-def not_keeping() -> Iterator[None]:
-    """No keeper inside (a layer nested in another's run keeps its own answers, or none)."""
-    token = _KEEPER.set(None)
-    try:
-        yield
-    finally:
-        _KEEPER.reset(token)
 
 
 def active_keeper() -> AnswerKeeper | None:

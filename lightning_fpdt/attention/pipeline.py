@@ -178,8 +178,9 @@ class ForwardPass:
                 store.evict(("k", m))
                 store.evict(("v", m))
         self.block += len(self.orders[i])
-        if ("o", i + 1) in store:  # the next chunk's answer comes while this one is sent back
-            store.prefetch(("o", i + 1))
+        for kind in ("o", "lse") if self.keep_lse else ("o",):  # the next chunk's answer comes while this one is sent
+            if (kind, i + 1) in store:
+                store.prefetch((kind, i + 1))
         out_i = store.get(("o", i))
         store.evict(("o", i))
         if self.keep_lse:
@@ -275,7 +276,10 @@ class PipelineFunction(torch.autograd.Function):
         *inputs: Tensor,
     ) -> tuple[Tensor, Tensor]:
         keeper = active_keeper()  # a recomputed layer's: its first run keeps the answers, its second recalls them
-        kept = keeper.replay() if keeper is not None and keeper.mode == "replay" and needs_backward else None
+        kept = keeper.replay() if keeper is not None and keeper.mode == "replay" else None
+        if kept is not None and not needs_backward:  # this call's turn, but nothing to answer for
+            kept.close()
+            kept = None
         keep = keeper is not None and keeper.mode == "record" and not needs_backward
         store = kept if kept is not None else new_store(inputs[0].device, opt)
         source = ends.source(*inputs)
@@ -283,9 +287,10 @@ class PipelineFunction(torch.autograd.Function):
         with weights_cast_once(ends.weights, inputs[0].device.type):  # the projections' weights, not once per chunk
             out, lse = pipeline_forward(source, opt, store, save_for_backward=needs_backward, sinks=local_sinks,
                                         answers="recall" if kept is not None else "keep" if keep else None)
+        if keeper is not None and keeper.mode == "record":
+            keeper.record(store if keep else None)
         if keep:
             answers_only(store)
-            keeper.record(store)  # type: ignore[union-attr]
         elif not needs_backward:  # inference: nothing to keep
             finish(store, opt)
         ctx.ends, ctx.opt, ctx.store, ctx.q_dtype = ends, opt, store, source.dtype

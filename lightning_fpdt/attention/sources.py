@@ -229,8 +229,8 @@ class ProjectionEnds:
     autocast: AutocastState
 
     @property
-    def weights(self) -> nn.Module:
-        return self.attn  # type: ignore[return-value]
+    def weights(self) -> tuple[nn.Module, ...]:
+        return self.attn.q_proj, self.attn.k_proj, self.attn.v_proj
 
     def source(self, x: Tensor, position_ids: Tensor, *params: Tensor) -> ProjectionChunkSource:
         return ProjectionChunkSource(self.attn, x, position_ids)

@@ -95,12 +95,13 @@ class _Streamed:
                  want_dx: bool, autocast: AutocastState, answers: ChunkStore | None = None) -> list[Tensor | None]:
         """``[dx, *parameter gradients]`` from the output gradient ``dy`` (module docstring, passes 1 and 2);
         ``answers``: what the forward kept of its attention, answered from in pass 1 instead of attention's kernels."""
+        params = self.params()  # read now (FSDP2 has swapped in the unsharded ones), before the casts are swapped in
         with autocast.restore(), weights_cast_once(self.module, dy.device.type):  # once for both passes' chunks
-            return self._backward(dy, chunk, x_shape, x_dtype, want_dx, autocast, answers)
+            return self._backward(dy, chunk, x_shape, x_dtype, want_dx, autocast, answers, params)
 
     def _backward(self, dy: Tensor, chunk: Callable[[int], Tensor], x_shape: torch.Size, x_dtype: torch.dtype,
-                  want_dx: bool, autocast: AutocastState, answers: ChunkStore | None) -> list[Tensor | None]:
-        params = self.params()  # read now: FSDP2 has swapped in the unsharded ones
+                  want_dx: bool, autocast: AutocastState, answers: ChunkStore | None,
+                  params: list[Tensor]) -> list[Tensor | None]:
         casts = with_casts(params)
         d_params: list[Tensor | None] = [None] * len(params)
         dx = dy.new_empty(x_shape, dtype=x_dtype) if want_dx else None
@@ -202,7 +203,7 @@ class _StreamedLayer(torch.autograd.Function):
     def forward(ctx: Any, call: _Streamed, x: Tensor, *params: Tensor) -> Tensor:
         y, ctx.answers = call.forward(x, call.keep_answers)
         # no backward will come if the graph is dropped: give the answers back then
-        ctx.release_answers = None if ctx.answers is None else weakref.finalize(ctx, ctx.answers.close)
+        ctx.release_answers = None if ctx.answers is None else weakref.finalize(ctx, ctx.answers.close_later)
         ctx.call, ctx.x_shape, ctx.x_dtype = call, x.shape, x.dtype
         ctx.autocast = AutocastState.capture(x.device.type)
         store = call.store
@@ -249,7 +250,13 @@ class _StreamedLayer(torch.autograd.Function):
 
         if ctx.release_answers is not None:
             ctx.release_answers.detach()  # the backward's pipeline store now: closed when its pass 2 ends
-        grads = call.backward(dy, chunk, ctx.x_shape, ctx.x_dtype, ctx.needs_input_grad[1], ctx.autocast, ctx.answers)
+        try:
+            grads = call.backward(dy, chunk, ctx.x_shape, ctx.x_dtype, ctx.needs_input_grad[1], ctx.autocast,
+                                  ctx.answers)
+        except BaseException:
+            if ctx.answers is not None:  # the backward closes them as its pass 2 ends: not reached
+                ctx.answers.close()
+            raise
         ctx.answers = None
         if keys is not None:
             ctx.release.detach()

@@ -68,7 +68,9 @@ class ModelState:
     between steps (everything, or ``1 / shards`` of it under FSDP2), DDP's gradient ``buckets``; under FSDP2 the
     ``gathered`` parameters of the units in use and the ``unsharded_grads`` of a block in its backward; the output
     projection's gradient made in the loss's backward (``out_proj_grad``); ``trained`` and ``layer_trained`` parameter
-    counts (LoRA: the adapters'); and notes for the report."""
+    counts (LoRA: the adapters'); the compute-dtype casts of one layer's weights under mixed precision
+    (``layer_casts``: a layer's run casts each once, :mod:`lightning_fpdt.offload.weight_casts`); and notes for the
+    report."""
 
     params: int
     grads: int
@@ -81,6 +83,7 @@ class ModelState:
     layer_trained: int
     shards: int
     notes: tuple[str, ...]
+    layer_casts: int = 0
 
 
 def model_state(shape: ModelShape, options: EstimateOptions) -> ModelState:
@@ -117,8 +120,10 @@ def model_state(shape: ModelShape, options: EstimateOptions) -> ModelState:
         unsharded_grads = layer_trained * (compute + (4 if mixed else pe))
         if options.offload_optimizer:  # sharded parameters, gradients and optimizer state live on the host
             notes.append(f"offload_optimizer: {format_bytes(params + grads + opt)} of sharded state in host memory")
+    # FSDP2's mixed-precision policy gathers the weights in the compute dtype: nothing left to cast
+    layer_casts = 2 * layer if mixed and not options.shard_parameters else 0
     return ModelState(params, grads, buckets, opt, gathered, unsharded_grads, out_proj_grad, trained, layer_trained,
-                      shards, tuple(notes))
+                      shards, tuple(notes), layer_casts)
 
 
 def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = None) -> MemoryEstimate:
@@ -234,7 +239,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # one block's backward: the incoming gradient and the larger of the attention chunk buffers (with the whole
     # local q/k/v of a Hugging Face layer), the MLP's backward and a mixer's chunk; recomputed, on top of the
     # block's own saved activations (the largest layer of a hybrid may not be the one with the largest backward)
-    block_backward = t * h * e + max(layer_work(k) for k in kinds)
+    block_backward = t * h * e + max(layer_work(k) for k in kinds) + state.layer_casts
     # a streamed layer's backward: its output's and its input's gradients, one chunk's recomputed graph (with its q/k/v
     # and attention output's gradient) and work, a Hugging Face model's rotary cos/sin of every local token; without
     # offload its attention store (the pipeline's chunks and each chunk's dout)
@@ -247,7 +252,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
         return 2 * t * h * e + chunk_graph + max(attention_work, streamed_mlp_work if kind.mlp else 0) + store
 
     recomputed_block = max(streamed_backward(k) if streamed(k) else layer_saved(k, True) + t * h * e + layer_work(k)
-                           for k in kinds)
+                           for k in kinds) + state.layer_casts
     # attention once per step: each recomputed attention layer's output and lse, from its forward to its backward
     kept_answers = 0
     if options.activation_checkpointing and options.keep_attention:

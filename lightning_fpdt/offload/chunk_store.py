@@ -59,6 +59,8 @@ from lightning_fpdt.profiling import named_range
 
 __all__ = ["ChunkStore", "Key", "slow_copies"]
 
+_CLOSING: list[ChunkStore] = []  # stores to close at the next safe point (ChunkStore.close_later)
+
 Key = tuple[str, int]
 
 
@@ -90,6 +92,8 @@ class ChunkStore:
     _copy_delay: ClassVar[float] = 0.0
 
     def __init__(self, device: torch.device, offload: bool = False, groups: dict[str, str] | None = None) -> None:
+        while _CLOSING:  # stores whose owners were dropped (close_later): closed at this safe point
+            _CLOSING.pop().close()
         self.device = device
         self.offload = offload
         self.stats = OffloadStats()
@@ -250,6 +254,11 @@ class ChunkStore:
         """Delete every chunk. The copy engine is the process's (see
         :func:`~lightning_fpdt.offload.copy_engine.release_copy_engines`)."""
         self.clear()
+
+    def close_later(self) -> None:
+        """:meth:`close` this store when the next store is made: for a finalizer (a store whose owner's graph was
+        dropped), which may run in the middle of a call that holds the host pool's lock."""
+        _CLOSING.append(self)
 
     def keys(self) -> Iterable[Hashable]:
         """The live keys, in the order they were put."""

@@ -14,8 +14,11 @@ A cast is a detached leaf in the compute dtype that requires grad when its weigh
 or without grad mode and used in either. Whoever differentiates inside a scope takes the gradient with respect to the
 casts as well as the weights (:func:`with_casts`) and adds the two, in float32 or wider, for the weight; an autograd
 Function called inside a scope takes the weights themselves as its inputs (:func:`original`), so its gradient reaches
-them in their own dtype. Values are the ones autocast computes (a cast is autocast's cast), and so are gradients: a
-weight's gradient from each chunk or tile is the product's, summed in float32 as before.
+them in their own dtype. The matrix products compute what autocast computes (a cast is autocast's cast), and a
+weight's gradient from each chunk or tile is summed in float32 as before. Two differences from autocast without a
+cache: a Linear used twice in one differentiated graph has its two gradients added in the compute dtype (autograd
+adds them at the cast; the layers FPDT runs use each once per chunk or tile), and anything else that reads a swapped
+weight sees it in the compute dtype (``x.to(linear.weight.dtype)``, a Linear called with autocast switched off).
 
 Scopes nest: an inner scope of the same dtype shares the outer one's casts (a tiled MLP inside a recomputed layer).
 Without autocast, or for weights already in the compute dtype (FSDP2's mixed-precision policy gathers them in it),
@@ -58,10 +61,10 @@ def _castable(t: Tensor, dtype: torch.dtype) -> bool:
 
 
 @contextmanager
-def weights_cast_once(params: nn.Module | Sequence[Tensor], device_type: str) -> Iterator[None]:
-    """Inside, each weight of ``params`` is cast to autocast's dtype once (module docstring): a module's ``nn.Linear``
-    weights and biases are swapped for their casts; tensors (a closure's weights) are cast by :func:`autocast_weight`.
-    Nothing happens unless autocast is on for ``device_type``."""
+def weights_cast_once(params: nn.Module | Sequence[nn.Module | Tensor], device_type: str) -> Iterator[None]:
+    """Inside, each weight of ``params`` is cast to autocast's dtype once (module docstring): the ``nn.Linear`` weights
+    and biases of a module (or of each module of a sequence) are swapped for their casts; tensors (a closure's
+    weights) are cast by :func:`autocast_weight`. Nothing happens unless autocast is on for ``device_type``."""
     if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
         yield
         return
@@ -71,15 +74,15 @@ def weights_cast_once(params: nn.Module | Sequence[Tensor], device_type: str) ->
     token = _SCOPE.set(scope)
     swapped: list[tuple[nn.Module, str, Tensor]] = []
     try:
-        if isinstance(params, nn.Module):
-            for module in params.modules():
-                if not isinstance(module, nn.Linear):
-                    continue
-                for name in ("weight", "bias"):
-                    weight = module._parameters.get(name)
-                    if weight is not None and _castable(weight, dtype):
-                        module._parameters[name] = scope.cast(weight)  # type: ignore[assignment]
-                        swapped.append((module, name, weight))
+        roots = [params] if isinstance(params, nn.Module) else [p for p in params if isinstance(p, nn.Module)]
+        for module in (m for root in roots for m in root.modules()):
+            if not isinstance(module, nn.Linear):
+                continue
+            for name in ("weight", "bias"):
+                weight = module._parameters.get(name)
+                if weight is not None and _castable(weight, dtype):
+                    module._parameters[name] = scope.cast(weight)  # type: ignore[assignment]
+                    swapped.append((module, name, weight))
         yield
     finally:
         for module, name, weight in reversed(swapped):
