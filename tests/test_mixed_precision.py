@@ -76,7 +76,8 @@ class RecordStep(L.Callback):
         self.mode: StepOps | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
-        self.mode = StepOps({p.untyped_storage().data_ptr(): name for name, p in module.named_parameters()})
+        local = {name: getattr(p, "_local_tensor", p) for name, p in module.named_parameters()}  # FSDP2: the shard
+        self.mode = StepOps({p.untyped_storage().data_ptr(): name for name, p in local.items()})
         self.mode.__enter__()
 
     def on_train_batch_end(self, *args: Any) -> None:
@@ -101,14 +102,15 @@ def _hf_llama() -> L.LightningModule:
     return HFCausalLM(config, learning_rate=1e-3, warmup_steps=1, loss_tiles=2, mlp_tiles=2)
 
 
-def _fit_one_step(build: Any, out: Path) -> dict[str, Any]:
-    """One bf16-mixed step of four chunks, checkpointed layers (streamed), tiled MLP and loss, on one CPU process."""
+def _fit_one_step(build: Any, out: Path, sharded: bool = False) -> dict[str, Any]:
+    """One bf16-mixed step of four chunks, checkpointed layers (streamed), tiled MLP and loss, on one CPU process
+    (``sharded``: parameters sharded by FSDP2, whose mixed-precision policy gathers them in bfloat16)."""
     torch.manual_seed(0)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[RecordStep(out)],
                         strategy=FPDTStrategy(chunk_size=16, activation_checkpointing=True, attention_backend="sdpa",
-                                              start_method="fork"))
+                                              shard_parameters=sharded, start_method="fork"))
     trainer.fit(build(), dataloader(TokenDataset(2, 64, 128, seed=0), 2))
     return torch.load(out / "step.pt")
 
@@ -121,12 +123,15 @@ def test_a_bf16_mixed_step_multiplies_no_float32_operands(build: Any, tmp_path: 
     assert not float32, f"matrix products with a float32 operand in a bf16-mixed step: {float32}"
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "fsdp2"])
 @pytest.mark.parametrize("build", [_own_llama, _hf_llama], ids=["own-llama", "hf-llama"])
-def test_a_bf16_mixed_step_casts_each_weight_once_per_forward_and_recomputation(build: Any, tmp_path: Path) -> None:
+def test_a_bf16_mixed_step_casts_each_weight_once_per_forward_and_recomputation(build: Any, sharded: bool,
+                                                                                tmp_path: Path) -> None:
     """Every layer is checkpointed: its weights are cast in its forward and in its recomputation, at most twice a
     step, however many chunks and tiles; the output layer (untied, not recomputed as a layer) in the loss's forward
-    and its backward."""
-    casts = _fit_one_step(build, tmp_path)["casts"]
+    and its backward. Sharded by FSDP2, each shard is cast when it is gathered: for the forward and again for the
+    backward."""
+    casts = _fit_one_step(build, tmp_path, sharded)["casts"]
     linear = [name for name in casts if "proj" in name or "lm_head" in name or "output" in name]
     assert len(linear) >= 8, casts  # the recorder saw the projections' casts (q, k, v, o, gate, up, down, the head)
     over = {name: n for name, n in casts.items() if n > 2}
