@@ -90,7 +90,8 @@ def _routes(cpu: bool) -> list[tuple[str, torch.dtype]]:
     if cpu:
         return [("sdpa", torch.float32), ("sdpa", torch.bfloat16), ("math", torch.float32)]
     return [("sdpa", torch.bfloat16), ("sdpa", torch.float16), ("sdpa", torch.float32), ("math", torch.float32),
-            ("flash_attn", torch.bfloat16), ("flash_attn", torch.float16)]
+            ("cudnn", torch.bfloat16), ("cudnn", torch.float16), ("flash_attn", torch.bfloat16),
+            ("flash_attn", torch.float16)]
 
 
 def _kernel_row(kernel: Any, device: torch.device, dtype: torch.dtype, causal: bool, shape: tuple) -> list[float]:
@@ -141,7 +142,7 @@ def check_routes(device: torch.device, cpu: bool) -> tuple[list[list], bool]:
     for backend, dtype in _routes(cpu):
         try:
             kernel = get_kernel(backend, device, dtype)
-        except ValueError as err:  # flash-attn not installed or not usable here
+        except ValueError as err:  # flash-attn not installed, cuDNN's route not usable here
             rows.append([backend, str(dtype).removeprefix("torch."), "-", "-", *["-"] * 5, "-", f"skipped: {err}"[:90]])
             continue
         tol = TOLERANCE[dtype]

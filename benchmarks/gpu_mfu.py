@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from common import is_oom, synchronize
 
-from lightning_fpdt.attention.kernels import get_kernel
+from lightning_fpdt.backends import route_description
 from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.layers.loss import token_weighted_loss
 from lightning_fpdt.models import LlamaConfig, LlamaLM
@@ -47,15 +47,9 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 
 def route(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The attention kernel a run of ``backend`` uses on ``device`` for ``dtype`` inputs, in words."""
-    kernel = get_kernel(backend, device, dtype)
-    if kernel.name != "sdpa":
-        return kernel.name
-    if device.type == "cpu":
-        return "sdpa: aten flash (CPU)"
-    if dtype in (torch.bfloat16, torch.float16):
-        return "sdpa: aten flash op (FlashAttention-2)"
-    return "sdpa: aten memory-efficient op" if dtype == torch.float32 else "math"
+    """The attention route a run of ``backend`` uses on ``device`` for ``dtype`` inputs, in words (what the strategy
+    logs at setup)."""
+    return route_description(backend, device.type, dtype)
 
 
 def flops_per_token(config: LlamaConfig, seq: int) -> tuple[float, float]:

@@ -91,7 +91,7 @@ class FPDTOptions:
     setup (CUDA), or of the host's available memory shared by this node's processes (CPU); the smallest
     over all ranks."""
     attention_backend: str = "auto"
-    """``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"`` (:mod:`lightning_fpdt.attention.kernels`)."""
+    """``"auto"``, ``"math"``, ``"sdpa"``, ``"cudnn"`` or ``"flash_attn"`` (:mod:`lightning_fpdt.attention.kernels`)."""
     offload: Offload = "off"
     """Keep the attention chunks saved for backward in pinned host memory, prefetching each before use
     (pays off when activations, not weights, fill the device; see docs/configuration.md). ``True`` needs
@@ -310,9 +310,9 @@ def check_attention_backend(attention_backend: str, device_type: str, precision:
     Lightning's terms.
     """
     dtype = attention_dtype(precision)
-    if attention_backend == "flash_attn" and device_type == "cuda" and precision not in HALF_PRECISIONS:
+    if attention_backend in ("flash_attn", "cudnn") and device_type == "cuda" and precision not in HALF_PRECISIONS:
         raise FPDTError(
-            f"{PREFIX}attention_backend='flash_attn' needs float16/bfloat16 attention inputs, but"
+            f"{PREFIX}attention_backend={attention_backend!r} needs float16/bfloat16 attention inputs, but"
             f" precision={precision!r}. Use precision='bf16-mixed' (or one of {list(HALF_PRECISIONS)}),"
             " or attention_backend='sdpa' or 'auto'."
         )

@@ -42,7 +42,9 @@ FLASH = aten._scaled_dot_product_flash_attention.default
 FLASH_BWD = aten._scaled_dot_product_flash_attention_backward.default
 EFF = aten._scaled_dot_product_efficient_attention.default
 EFF_BWD = aten._scaled_dot_product_efficient_attention_backward.default
-BACKWARD_OF = {FLASH: FLASH_BWD, EFF: EFF_BWD}
+CUDNN = aten._scaled_dot_product_cudnn_attention.default
+CUDNN_BWD = aten._scaled_dot_product_cudnn_attention_backward.default
+BACKWARD_OF = {FLASH: FLASH_BWD, EFF: EFF_BWD, CUDNN: CUDNN_BWD}
 
 
 @dataclass
@@ -62,7 +64,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in (FLASH, FLASH_BWD, EFF, EFF_BWD):
+        if func in (*BACKWARD_OF, *BACKWARD_OF.values()):
             self.calls.append(Call(func, args, dict(kwargs or {}), out))
         return out
 

@@ -1,6 +1,6 @@
 """What the kernels share below the kernel interface: GQA's key/value heads as each op takes them, the
-window's edge as a mask, and torch's fused CUDA attention ops, each called as torch's autograd formula calls
-it.
+window's edge as a mask, and torch's fused CUDA attention ops (FlashAttention-2, memory-efficient, cuDNN), each
+called as torch's autograd formula calls it.
 
 The fused ops' backward gets what their forward returned (``derivatives.yaml``); tests/test_cuda_calls.py
 checks every call on meta tensors. :class:`~lightning_fpdt.attention.kernels.SdpaKernel` routes to them.
@@ -173,6 +173,47 @@ def efficient_op_backward(
         dot, qt, kt, vt,
         bias,  # attn_bias: the forward's (a window's edge), or undefined as it was there
         ot, lse_padded, philox_seed, philox_offset, 0.0, [True, True, True, False], causal, scale=scale,
+    )
+    dq, dk, dv = (x.transpose(1, 2)[..., :n] for x, n in ((dq, d), (dk, d), (dv, v.shape[-1])))
+    return dq, sum_kv_grad(dk, g), sum_kv_grad(dv, g)
+
+
+CUDNN_MAX_HEAD_DIM = 128  # what cuDNN's fused attention takes forward and backward on every GPU it runs on
+
+
+def cudnn_op_takes(q: Tensor, v: Tensor) -> bool:
+    """Whether cuDNN's op computes a block of these heads: one padded head width of at most
+    :data:`CUDNN_MAX_HEAD_DIM`."""
+    return common_head_dim(q, v) <= CUDNN_MAX_HEAD_DIM
+
+
+def cudnn_op_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """cuDNN's fused attention of q ``[b, s_q, h, d]``, k/v ``[b, s_k, kv_heads, d]``: ``(out, lse [b, h, s_q]
+    float32)``. k/v repeated to q's heads (GQA is not taken natively on every cuDNN release torch loads)."""
+    h, width = q.shape[2], common_head_dim(q, v)
+    qt, kt, vt = (dense_head_dim(x, width).transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h)))
+    # -> (output, logsumexp [b, h, s_q, 1], cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug)
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        qt, kt, vt, None, True, 0.0, causal, False, scale=scale
+    )[:2]
+    return out.transpose(1, 2)[..., :v.shape[-1]], lse.reshape(lse.shape[:3])  # the trailing 1 dropped
+
+
+def cudnn_op_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    h, g, d, width = q.shape[2], k.shape[2], q.shape[3], common_head_dim(q, v)
+    qt, kt, vt, dot = (
+        dense_head_dim(x, width).transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h), dout.to(q.dtype))
+    )
+    # out in the layout the forward returned (q's: [b, s, h, d8] transposed); the lse with its trailing 1 again
+    ot = dense_head_dim(out.to(q.dtype).contiguous(), width).transpose(1, 2)
+    philox_seed, philox_offset = unused_rng_state(False, q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dot, qt, kt, vt, ot, lse.to(torch.float32).contiguous().unsqueeze(-1), philox_seed, philox_offset,
+        None,  # attn_bias: none, as the forward had
+        None, None,  # cum_seq_q/k: the dense forward returns them undefined
+        q.shape[1], k.shape[1], 0.0, causal, scale=scale,
     )
     dq, dk, dv = (x.transpose(1, 2)[..., :n] for x, n in ((dq, d), (dk, d), (dv, v.shape[-1])))
     return dq, sum_kv_grad(dk, g), sum_kv_grad(dv, g)

@@ -24,7 +24,9 @@ columns to a common one (``fused_ops.common_head_dim``: exact, the zero columns 
 output's and gradients' padded columns are sliced off).
 
 Backends: ``math`` (pure torch, any dtype: the reference), ``sdpa`` (torch's fused kernels through
-the aten ops that return the log-sum-exp), ``flash_attn`` (the flash-attn package, CUDA).
+the aten ops that return the log-sum-exp), ``cudnn`` (cuDNN's fused attention through torch's aten op, on
+Hopper and newer, for the blocks it computes exactly; every other block as ``sdpa`` runs it), ``flash_attn``
+(the flash-attn package, CUDA).
 
 The fused CUDA ops, GQA's key/value heads as each op takes them and the edge's mask are in ``fused_ops``.
 """
@@ -39,6 +41,9 @@ from torch import Tensor
 
 from lightning_fpdt.attention.fused_ops import (
     common_head_dim,
+    cudnn_op_backward,
+    cudnn_op_forward,
+    cudnn_op_takes,
     dense_head_dim,
     edge_bias,
     efficient_bias,
@@ -239,6 +244,39 @@ class SdpaKernel:
         return efficient_op_backward(dout, q, k, v, out, lse, causal, scale, efficient_bias(q, k, lower))
 
 
+class CudnnKernel(SdpaKernel):
+    """cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention`` and its backward, with the log-sum-exp),
+    on the blocks it computes exactly: whole and causal rectangles in float16/bfloat16 of one padded head width of
+    at most 128. A window's edge reaches it in the unmasked pieces ``sdpa`` cuts (``edge_band``); a softcapped block,
+    another dtype or a wider head runs as :class:`SdpaKernel` runs it, block by block. Picked by ``auto`` on Hopper
+    and newer where the loaded cuDNN works (:func:`lightning_fpdt.backends.cudnn_unusable_reason`)."""
+
+    name = "cudnn"
+
+    @staticmethod
+    def _takes(q: Tensor, v: Tensor, lower: int | None, softcap: float | None) -> bool:
+        return (q.device.type != "cpu" and q.dtype in HALF_DTYPES and lower is None and softcap is None
+                and cudnn_op_takes(q, v))
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None = None,
+        softcap: float | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        if not self._takes(q, v, lower, softcap):
+            return super().forward(q, k, v, causal, scale, lower, softcap)
+        _check_shapes(q, k, v, causal)
+        return cudnn_op_forward(q, k, v, causal, scale)
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
+        lower: int | None = None, softcap: float | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        if not self._takes(q, v, lower, softcap):
+            return super().backward(dout, q, k, v, out, lse, causal, scale, lower, softcap)
+        _check_shapes(q, k, v, causal)
+        return cudnn_op_backward(dout, q, k, v, out, lse, causal, scale)
+
+
 def _edge_triangle(q: Tensor, k: Tensor, causal: bool, lower: int | None) -> bool:
     """Whether the block is a square on a window's lower edge: row ``a`` sees exactly the keys ``b >= a``."""
     return lower == 0 and not causal and q.shape[1] == k.shape[1]
@@ -323,4 +361,6 @@ def get_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> Attent
         return MathKernel()
     if name == "sdpa":
         return SdpaKernel()
+    if name == "cudnn":
+        return CudnnKernel()
     return FlashAttnKernel()

@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_fpdt.backends import route_description
 from lightning_fpdt.checkpoints.resume import resumable
 from lightning_fpdt.errors import PREFIX
 from lightning_fpdt.layers.accumulation import optimizer_gradients, scale_window_gradients
@@ -28,7 +29,7 @@ from lightning_fpdt.memory import EstimateOptions, ModelShape
 from lightning_fpdt.memory.planning import AnswerPlanner, ChunkPlanner, resolve_budget, resolve_room
 from lightning_fpdt.offload.chunk_store import ChunkStore
 from lightning_fpdt.offload.copy_engine import release_copy_engines
-from lightning_fpdt.options import FPDTOptions, OffloadArgument, check_has_blocks
+from lightning_fpdt.options import FPDTOptions, OffloadArgument, attention_dtype, check_has_blocks
 from lightning_fpdt.parallel.batches import (
     DEFAULT_SEQUENCE_KEYS,
     BatchGate,
@@ -84,7 +85,7 @@ class FPDTStrategy(CheckpointHooks):
         ring_size: int | Literal["auto"] = "auto",
         chunk_size: int | Literal["auto"] | None = None,
         memory_budget: float | None = None,
-        attention_backend: Literal["auto", "math", "sdpa", "flash_attn"] = "auto",
+        attention_backend: Literal["auto", "math", "sdpa", "cudnn", "flash_attn"] = "auto",
         offload: OffloadArgument = False,
         activation_checkpointing: bool = False,
         offload_checkpoints: OffloadArgument = False,
@@ -241,8 +242,11 @@ class FPDTStrategy(CheckpointHooks):
             room = resolve_room(self._options.offload == "on", self.root_device, self.num_processes, self.world_size)
             self._answers = AnswerPlanner(room, self.estimate_options)
         o, where = self._options, placement(self._groups, self.num_processes)
+        # the route and its library's version, once: a fallback (an old cuDNN, flash-attn missing) cannot hide
+        route = route_description(o.attention_backend, self.root_device.type,
+                                  attention_dtype(str(self.precision_plugin.precision)))
         rank_zero_info(f"{PREFIX}{self.world_size} processes on {self.num_nodes} node(s): {where}; chunk_size="
-                       f"{o.chunk_size!r}, attention_backend={o.attention_backend!r}, offload={o.offload!r}")
+                       f"{o.chunk_size!r}, attention_backend={o.attention_backend!r} ({route}), offload={o.offload!r}")
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
