@@ -10,8 +10,10 @@ import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_fpdt.backends import route_description
 from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.offload.stats import OffloadStats
+from lightning_fpdt.options import attention_dtype
 from lightning_fpdt.parallel.binding import attention_records
 
 
@@ -24,7 +26,9 @@ class FPDTMonitor(pl.Callback):
     of step time), ``prefetch_wait_s`` (compute time spent waiting for copies), ``prefetch_stalls``
     (chunks used without a prefetch), ``pipeline_peak_device_mib`` (largest device footprint of
     one block's saved chunks) and, on CUDA, ``peak_device_memory_mib``
-    (``torch.cuda.max_memory_allocated``, reset every step).
+    (``torch.cuda.max_memory_allocated``, reset every step). Text, once at the start of training (loggers that take
+    text, TensorBoard's): ``fpdt/attention_route``, the attention route the run takes and its library's version (what
+    the strategy logs at setup), so that a fallback shows beside the figures it explains.
 
     Args:
         log_every_n_steps: log every n-th optimizer step.
@@ -33,6 +37,17 @@ class FPDTMonitor(pl.Callback):
     def __init__(self, log_every_n_steps: int = 1) -> None:
         self.log_every_n_steps = log_every_n_steps
         self._start = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        options = getattr(trainer.strategy, "options", None)  # FPDTStrategy's
+        if trainer.global_rank != 0 or options is None:
+            return
+        route = route_description(options.attention_backend, trainer.strategy.root_device.type,
+                                  attention_dtype(str(trainer.precision)))
+        for logger in trainer.loggers:
+            add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+            if callable(add_text):
+                add_text("fpdt/attention_route", route, trainer.global_step)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

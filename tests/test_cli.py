@@ -92,6 +92,15 @@ def test_fit_logs_to_tensorboard_and_profiles(tmp_path: Path) -> None:
         assert scalars[tag] and all(math.isfinite(v) for v in scalars[tag]), (tag, scalars[tag])
     assert scalars["fpdt/seq_len"][-1] == 256 and scalars["fpdt/chunks"][-1] == 2
     assert scalars["train/items_per_sec"][-1] > 0
+    # the attention route, said once: at setup beside attention_backend, and as text beside the figures
+    said = f"attention_backend='auto' (sdpa (torch {torch.__version__}'s cpu flash kernel))"
+    assert said in proc.stdout + proc.stderr
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    texts = EventAccumulator(glob.glob(str(tmp_path / "tiny_cpu" / "*"))[0], size_guidance={"tensors": 0})
+    texts.Reload()
+    route = [e.tensor_proto.string_val[0].decode() for e in texts.Tensors("fpdt/attention_route/text_summary")]
+    assert route == [f"sdpa (torch {torch.__version__}'s cpu flash kernel)"], route
     traces = glob.glob(str(tmp_path / "**" / "*.pt.trace.json"), recursive=True)
     assert traces, f"no profiler traces under {tmp_path}"
     text = "".join(Path(t).read_text() for t in traces)
