@@ -1,54 +1,23 @@
 """Attention computed once per step (``lightning_fpdt.attention.kept_answers``): a recomputed decoder layer answers
 its attention from the output and log-sum-exp its forward kept, streamed or recomputed whole, for the own Llama and a
-transformers Llama; exact against one process at sp=2, and attention's forward kernel runs once per block."""
+transformers Llama (tests/test_streaming.py's, float64, on its packed-document batches); exact against one process at
+sp=2, and attention's forward kernel runs once per block."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import transformers
-from torch import Tensor, nn
 
 from lightning_fpdt.attention.kernels import MathKernel
 from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
-from lightning_fpdt.models import CausalLM, HFCausalLM, LlamaConfig, LlamaLM
 from lightning_fpdt.parallel.batches import shard_batch
 from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
 from lightning_fpdt.testing import run_on_ranks
 from tests.reference import rel_error
-
-VOCAB, HIDDEN = 64, 32
-
-
-def _model(kind: str, seed: int) -> CausalLM:
-    torch.manual_seed(seed)
-    if kind == "llama":
-        module: CausalLM = LlamaLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                               rope_theta=10000.0, mlp_tiles=2), loss_tiles=3)
-    else:
-        module = HFCausalLM(transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48,
-                                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                     max_position_embeddings=1024), mlp_tiles=2, loss_tiles=3)
-    module = module.double()
-    for p in module.parameters():  # non-trivial weights: a wrong scale or mask cannot hide under the tolerance
-        nn.init.normal_(p, std=1 / math.sqrt(p.shape[-1]))
-    return module
-
-
-def _batch(seed: int, seq: int) -> dict[str, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, VOCAB, (2, seq), generator=g)}
-
-
-def _step(module: CausalLM, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-    loss_sum, _ = module.loss_terms(batch)
-    loss_sum.backward()
-    return loss_sum.detach(), {name: p.grad.detach().clone() for name, p in module.named_parameters()}
+from tests.test_streaming import _batch, _group_step, _model, _step
 
 
 def _sharded_step(rank: int, world: int, kind: str, seed: int, seq: int, chunk: int, streamed: bool, keep: bool,
@@ -69,10 +38,7 @@ def _sharded_step(rank: int, world: int, kind: str, seed: int, seq: int, chunk: 
         group=dist.group.WORLD, chunk_size=chunk, attention_backend="math", offload=offload,
         activation_checkpointing=True, layer_input_store=new_layer_input_store(torch.device("cpu")),
         streaming=streamed, keep_attention=keep))
-    loss_sum, grads = _step(module, shard_batch(_batch(seed, seq), world, rank, chunk))
-    dist.all_reduce(loss_sum)
-    for g in grads.values():
-        dist.all_reduce(g)
+    loss_sum, grads = _group_step(module, shard_batch(_batch(seed, seq), world, rank, chunk))
     return {"loss": loss_sum, "grads": grads, "calls": calls}
 
 
@@ -80,7 +46,8 @@ def _sharded_step(rank: int, world: int, kind: str, seed: int, seq: int, chunk: 
 @pytest.mark.parametrize("kind", ["llama", "hf"])
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
 def test_attention_runs_once_per_step_and_stays_exact(kind: str, streamed: bool, fresh_seed: int) -> None:
-    """sp=2, four chunks, layers checkpointed (streamed, or recomputed whole), chunks offloaded: loss and every gradient
+    """sp=2, packed documents, four chunks, layers checkpointed (streamed, or recomputed whole), chunks offloaded: loss
+    and every gradient
     equal one process's plain model on the whole batch, and each rank runs attention's forward kernel exactly as often
     as its backward kernel (once per block); without kept answers the forward kernel runs twice per block."""
     seq, chunk = 64, 16

@@ -72,6 +72,15 @@ def _step(module: CausalLM, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str,
     return loss_sum.detach(), grads
 
 
+def _group_step(module: CausalLM, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`_step` on this rank's shard, its loss and gradients summed over the group (one process's, then)."""
+    loss_sum, grads = _step(module, batch)
+    dist.all_reduce(loss_sum)
+    for g in grads.values():
+        dist.all_reduce(g)
+    return loss_sum, grads
+
+
 def _sharded_step(rank: int, world: int, kind: str, seed: int, seq: int, chunk: int) -> dict[str, Any]:
     module = _model(kind, seed)
     backwards = []
@@ -83,10 +92,7 @@ def _sharded_step(rank: int, world: int, kind: str, seed: int, seq: int, chunk: 
 
     streaming._Streamed.backward = counted  # this forked rank's own copy of the module
     bind(module, _context(dist.group.WORLD, chunk))
-    loss_sum, grads = _step(module, shard_batch(_batch(seed, seq), world, rank, chunk))
-    dist.all_reduce(loss_sum)
-    for g in grads.values():
-        dist.all_reduce(g)
+    loss_sum, grads = _group_step(module, shard_batch(_batch(seed, seq), world, rank, chunk))
     return {"loss": loss_sum, "grads": grads, "streamed": backwards}
 
 
