@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import is_oom, matmul_rate, print_table, synchronize
-from gpu_mfu import baseline_rows, mfu_rows, phase_rows
+from gpu_mfu import baseline_rows, mfu_rows, phase_rows, route
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import MathKernel, get_kernel
@@ -297,7 +297,7 @@ def offload_table(device: torch.device, args: argparse.Namespace, link: dict[str
         plain, off = results[False], results[True]
         if off is None or plain is None:
             rows.append([seq, seq // args.chunk_size, "OOM" if plain is None else plain["peak"] / 2**30,
-                         "OOM" if off is None else off["peak"] / 2**30, *["-"] * 6])
+                         "OOM" if off is None else off["peak"] / 2**30, *["-"] * 7])
             if off is None:
                 stop = f"out of memory at {seq} tokens"
                 break
@@ -308,9 +308,13 @@ def offload_table(device: torch.device, args: argparse.Namespace, link: dict[str
                   + stats.bytes_to_device / (link["host -> device"] * 1e9))
         exposed = max(0.0, off["seconds"] - plain["seconds"])
         overlap = 1 - exposed / copy_s if copy_s > 0 else float("nan")
+        # causal attention's forward and backward as FlashAttention's benchmarks count them: 2 matmuls forward, 5
+        # backward, of 2 S^2 h d FLOPs each, halved by causality
+        flops = 3.5 * 2 * seq**2 * args.heads * args.head_dim
         rows.append([seq, seq // args.chunk_size, plain["peak"] / 2**30, off["peak"] / 2**30, plain["seconds"] * 1e3,
-                     off["seconds"] * 1e3, (stats.bytes_to_host + stats.bytes_to_device) / 2**30,
-                     stats.wait_seconds * 1e3, copy_s * 1e3, f"{max(0.0, min(1.0, overlap)):.2f}"])
+                     off["seconds"] * 1e3, flops / plain["seconds"] / 1e12,
+                     (stats.bytes_to_host + stats.bytes_to_device) / 2**30, stats.wait_seconds * 1e3, copy_s * 1e3,
+                     f"{max(0.0, min(1.0, overlap)):.2f}"])
         print(f"  offload S={seq}: {plain['seconds'] * 1e3:.0f} ms without, {off['seconds'] * 1e3:.0f} ms with",
               flush=True)
         last_seconds = plain["seconds"] + off["seconds"]
@@ -376,11 +380,12 @@ def main() -> None:
     link = host_link(device, 2**30 if device.type == "cuda" else 2**24)
     print_table(["direction", "GB/s"], [[k, v] for k, v in link.items()])
 
+    layer_route = route(args.backend, device, torch.float32 if args.cpu else torch.bfloat16)
     print(f"\n## 3. One attention layer with and without offload ({args.heads} heads, {args.kv_heads} KV heads, "
-          f"head dim {args.head_dim}, chunk {args.chunk_size}, backend {args.backend})\n", flush=True)
+          f"head dim {args.head_dim}, chunk {args.chunk_size}, backend {args.backend}: {layer_route})\n", flush=True)
     rows, stop = offload_table(device, args, link, deadline=started + 0.3 * budget)
-    print_table(["tokens", "chunks", "peak GiB", "peak GiB offload", "step ms", "step ms offload", "GiB moved",
-                 "compute waited ms", "copy ms (link)", "overlap"], rows)
+    print_table(["tokens", "chunks", "peak GiB", "peak GiB offload", "step ms", "step ms offload",
+                 "TFLOP/s (no offload)", "GiB moved", "compute waited ms", "copy ms (link)", "overlap"], rows)
     print(f"search stopped: {stop}", flush=True)
     release_copy_engines()  # the pinned buffers of these lengths are not needed again
 

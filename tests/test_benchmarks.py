@@ -41,9 +41,10 @@ def test_gpu_check_cpu_smoke() -> None:
     assert [(r[1], r[2]) for r in model] == [("math", "float32"), ("auto", "float32"), ("auto", "bfloat16")], out
     assert all(r[-1] == "ok" for r in model), out
     assert sum(r[0] in ("host -> device", "device -> host", "both at once (sum)") for r in rows) == 3
-    offload = [r for r in rows if len(r) == 10 and r[0].isdigit()]  # tokens, chunks, peaks, times, ..., overlap
+    offload = [r for r in rows if len(r) == 11 and r[0].isdigit()]  # tokens, chunks, peaks, times, ..., overlap
     assert [(r[0], r[1]) for r in offload] == [("64", "1"), ("128", "2"), ("256", "4")], out
-    assert all(float(r[6]) > 0 for r in offload) and "search stopped: length limit" in out  # GiB moved
+    assert all(float(r[6]) > 0 and float(r[7]) > 0 for r in offload), out  # TFLOP/s, GiB moved
+    assert "search stopped: length limit" in out and "backend auto: sdpa (torch" in out
     baseline = {r[0]: r for r in rows if r[0] in ("full stack", "unbound", "full stack / unbound")}
     assert set(baseline) == {"full stack", "unbound", "full stack / unbound"}, out
     assert baseline["full stack / unbound"][2].endswith("x") and float(baseline["unbound"][2]) > 0, out
