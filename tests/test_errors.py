@@ -82,8 +82,8 @@ def test_bad_arguments_are_refused_at_construction() -> None:
         _check_run(FPDTStrategy(sequence_parallel_size=4, chunk_size=10).options, 4, 4)
     with pytest.raises(ValueError, match="sequence_parallel_size must be a positive int or 'auto', got 0"):
         FPDTStrategy(sequence_parallel_size=0)
-    with pytest.raises(ValueError, match="attention_backend='cudnn' is not one of"):
-        FPDTStrategy(attention_backend="cudnn")
+    with pytest.raises(ValueError, match="attention_backend='cuda' is not one of"):
+        FPDTStrategy(attention_backend="cuda")
 
 
 def test_head_checks_name_the_numbers() -> None:
