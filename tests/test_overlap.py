@@ -241,14 +241,27 @@ def _exchange_run(rank: int, world: int, seed: int) -> list[torch.Tensor]:
     back = exchange.head_to_seq(heads[0])
     results = [torch.equal(h, seq_to_head(x, group)) for h, x in zip(heads, xs, strict=True)]
     results.append(torch.equal(back.wait(), xs[0]) and torch.equal(head_to_seq(heads[1], group), xs[1]))
+    # several tensors of other shapes (a chunk's q, k and v; v narrower) in one collective, both ways; and tensors
+    # of two dtypes, which go one by one
+    shapes = [(2, 6, 4, 3), (2, 6, 2, 3), (2, 6, 2, 5)]
+    parts = [torch.randn(*shape, generator=g, dtype=torch.float64) for shape in shapes]
+    together = exchange.seq_to_head_many(parts, "qkv")
+    heads = [p.wait() for p in reversed(together)][::-1]  # any order of waits
+    results += [torch.equal(h, seq_to_head(x, group)) for h, x in zip(heads, parts, strict=True)]
+    back = [p.wait() for p in exchange.head_to_seq_many(heads[1:], "dkv")]
+    results += [torch.equal(b, x) for b, x in zip(back, parts[1:], strict=True)]
+    mixed = exchange.seq_to_head_many([parts[0], parts[1].float()])
+    results += [torch.equal(mixed[0].wait(), heads[0]), torch.equal(mixed[1].wait(), seq_to_head(parts[1].float(),
+                                                                                                   group))]
     exchange.close()
     return results
 
 
 @pytest.mark.distributed
 def test_async_exchange_equals_the_blocking_all_to_all(fresh_seed: int) -> None:
+    """One by one, and several tensors in one collective (what a chunk's q/k/v and dk/dv travel as)."""
     for rank_results in run_on_ranks(_exchange_run, 2, fresh_seed):
-        assert all(rank_results)
+        assert len(rank_results) == 11 and all(rank_results), rank_results
 
 
 def test_exchange_misuse_is_an_error() -> None:

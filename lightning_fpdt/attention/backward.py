@@ -150,7 +150,7 @@ def pipeline_backward(
                         dk_m.add_(g_k)
                         dv_m.add_(g_v)
                 returning = None
-            sent_kv = exchange.head_to_seq(dk_m.to(q_dtype), f"dk{j}"), exchange.head_to_seq(dv_m.to(q_dtype), f"dv{j}")
+            sent_kv = exchange.head_to_seq_many([dk_m.to(q_dtype), dv_m.to(q_dtype)], f"dkv{j}")
             homebound.append(lambda p=sent_kv, b=bounds[j]: sink.kv(*b, p[0].wait(), p[1].wait()))
     deliver()
     exchange.close()

@@ -91,11 +91,10 @@ class ForwardPass:
 
     def issue(self, i: int, q: Tensor | None, k: Tensor | None = None, v: Tensor | None = None
               ) -> tuple[PendingAllToAll, ...]:
-        """Start the all-to-alls of local chunk ``i``'s q (when given) and k/v (when given, KV heads replicated)."""
-        sent = () if q is None else (self.exchange.seq_to_head(q, f"q{i}"),)
-        if k is not None and v is not None:
-            sent += (self.exchange.seq_to_head(k, f"k{i}"), self.exchange.seq_to_head(v, f"v{i}"))
-        return sent
+        """Start the all-to-alls of local chunk ``i``'s q (when given) and k/v (when given, KV heads replicated), as one
+        collective."""
+        xs = ([] if q is None else [q]) + ([k, v] if k is not None and v is not None else [])
+        return self.exchange.seq_to_head_many(xs, f"{'q' if q is not None else ''}kv{i}")
 
     def store_kv(self, j: int, pending: tuple[PendingAllToAll, ...], keep: bool) -> None:
         """Chunk ``j``'s k/v part into the store, and on its way to the ring peers whose queries see it."""

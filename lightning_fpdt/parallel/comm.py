@@ -15,7 +15,7 @@ one and wait for it after (``dist.all_to_all_single(..., async_op=True)``; gloo 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,30 +45,34 @@ def all_gather_autograd(x: Tensor, dim: int, group: ProcessGroup | None) -> Tens
     return gather(x.contiguous(), gather_dim=dim, group=group)
 
 
-def _seq_to_head_send(x: Tensor, p: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
-    """The send buffer of :func:`seq_to_head` and the map from the received buffer to its result."""
+def _seq_to_head_send(x: Tensor, p: int, contiguous: bool = True) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """The send buffer of :func:`seq_to_head` (a strided view of ``x`` unless ``contiguous``) and the map from the
+    received buffer to its result."""
     b, s_local, h, d = x.shape
     if h % p != 0:
         raise FPDTError(f"seq_to_head: {h} heads cannot be split over {p} sequence-parallel ranks.")
     # [P (destination rank = head group), b, s_local, h/P, d]
-    send = x.reshape(b, s_local, p, h // p, d).permute(2, 0, 1, 3, 4).contiguous()
+    send = x.reshape(b, s_local, p, h // p, d).permute(2, 0, 1, 3, 4)
+    send = send.contiguous() if contiguous else send
     # received: [P (source rank = sequence slice), b, s_local, h/P, d]
     return send, lambda recv: recv.permute(1, 0, 2, 3, 4).reshape(b, p * s_local, h // p, d)
 
 
-def _head_to_seq_send(x: Tensor, p: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
-    """The send buffer of :func:`head_to_seq` and the map from the received buffer to its result."""
+def _head_to_seq_send(x: Tensor, p: int, contiguous: bool = True) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """The send buffer of :func:`head_to_seq` (a strided view of ``x`` unless ``contiguous``) and the map from the
+    received buffer to its result."""
     b, s, h_local, d = x.shape
     if s % p != 0:
         raise FPDTError(f"head_to_seq: sequence length {s} cannot be split over {p} ranks.")
     # [P (destination rank = sequence slice), b, s/P, h_local, d]
-    send = x.reshape(b, p, s // p, h_local, d).transpose(0, 1).contiguous()
+    send = x.reshape(b, p, s // p, h_local, d).transpose(0, 1)
+    send = send.contiguous() if contiguous else send
     # received: [P (source rank = head group), b, s/P, h_local, d]
     return send, lambda recv: recv.permute(1, 2, 0, 3, 4).reshape(b, s // p, p * h_local, d)
 
 
-Direction = Callable[[Tensor, int], tuple[Tensor, Callable[[Tensor], Tensor]]]
-"""``_seq_to_head_send`` or ``_head_to_seq_send``: ``(x, P) -> (send buffer, finish)``."""
+Direction = Callable[..., tuple[Tensor, Callable[[Tensor], Tensor]]]
+"""``_seq_to_head_send`` or ``_head_to_seq_send``: ``(x, P, contiguous=True) -> (send buffer, finish)``."""
 
 
 def _all_to_all(
@@ -159,6 +163,40 @@ class Exchange:
     def head_to_seq(self, x: Tensor, what: str = "head_to_seq") -> PendingAllToAll:
         """Start ``[b, s_local * P, h_local, d]`` -> ``[b, s_local, h_local * P, d]`` (see :func:`head_to_seq`)."""
         return self._issue(x, _head_to_seq_send, what)
+
+    def seq_to_head_many(self, xs: Sequence[Tensor], what: str = "seq_to_head") -> tuple[PendingAllToAll, ...]:
+        """:meth:`seq_to_head` of each of ``xs`` (one dtype; any shapes), as one collective: a chunk's q, k and v."""
+        return self._issue_many(xs, _seq_to_head_send, what)
+
+    def head_to_seq_many(self, xs: Sequence[Tensor], what: str = "head_to_seq") -> tuple[PendingAllToAll, ...]:
+        """:meth:`head_to_seq` of each of ``xs`` (one dtype; any shapes), as one collective: a chunk's dk and dv."""
+        return self._issue_many(xs, _head_to_seq_send, what)
+
+    def _issue_many(self, xs: Sequence[Tensor], direction: Direction, what: str) -> tuple[PendingAllToAll, ...]:
+        """One all-to-all for several tensors: each one's send buffer ``[P, ...]`` written into its columns of one
+        ``[P, total]`` buffer (the copy :func:`_all_to_all` makes anyway), each result read from its columns of the
+        received one. A collective costs a fixed time besides its bytes (on gloo about 1 ms for 1 MB, 2 ms for 3 MB
+        at once against 3 ms one by one), and a pass issues one per chunk and tensor."""
+        if self._p == 1 or len(xs) == 1 or len({x.dtype for x in xs}) > 1:
+            return tuple(self._issue(x, direction, f"{what}[{n}]") for n, x in enumerate(xs))
+        if self._closed:
+            raise RuntimeError(f"Exchange: {what} issued after close(); make a new Exchange for the next pass.")
+        views = [direction(x, self._p, contiguous=False) for x in xs]
+        widths = [v.numel() // self._p for v, _ in views]
+        send = torch.empty(self._p, sum(widths), dtype=xs[0].dtype, device=xs[0].device)
+        columns = list(itertools.accumulate(widths, initial=0))
+        for (view, _), lo, hi in zip(views, columns, columns[1:]):
+            send[:, lo:hi].view(view.shape).copy_(view)
+        recv = torch.empty_like(send)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=self.overlap)
+        sent = []
+        for n, ((view, finish), lo, hi) in enumerate(zip(views, columns, columns[1:])):
+            pending = PendingAllToAll(self, f"{what}[{n}]", work=work, recv=recv[:, lo:hi].view(view.shape),
+                                      send=send, finish=finish)
+            pending.serial = next(self._serials)
+            self._in_flight[pending.serial] = pending.what
+            sent.append(pending)
+        return tuple(sent)
 
     def _issue(self, x: Tensor, direction: Direction, what: str) -> PendingAllToAll:
         if self._closed:
