@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_fpdt import FPDTStrategy
+from lightning_fpdt.attention.kernels import SdpaKernel
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from tests.helpers import TokenDataset, dataloader
 
@@ -69,20 +70,32 @@ class StepOps(TorchDispatchMode):
 class RecordStep(L.Callback):
     """One training step (its batch start to its end: forward, backward, optimizer step) under :class:`StepOps`;
     what it counted written to ``out/step.pt`` (the rank is a forked process). The optimizer's own casts (none
-    under AdamW) would count too: they read the parameters after the step's backward."""
+    under AdamW) would count too: they read the parameters after the step's backward. Besides, the attention
+    kernel's backward calls made under autocast (``"backward under autocast"``, counted outside the dispatch mode,
+    which does not see autocast's state)."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
         self.mode: StepOps | None = None
+        self.backward: Any = None
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         local = {name: getattr(p, "_local_tensor", p) for name, p in module.named_parameters()}  # FSDP2: the shard
-        self.mode = StepOps({p.untyped_storage().data_ptr(): name for name, p in local.items()})
-        self.mode.__enter__()
+        mode = self.mode = StepOps({p.untyped_storage().data_ptr(): name for name, p in local.items()})
+        self.backward = original = SdpaKernel.backward
+
+        def backward(kernel: SdpaKernel, *args: Any, **kwargs: Any) -> Any:
+            if torch.is_autocast_enabled("cpu"):
+                mode.attention["backward under autocast"] += 1
+            return original(kernel, *args, **kwargs)
+
+        SdpaKernel.backward = backward  # this forked rank's own class
+        mode.__enter__()
 
     def on_train_batch_end(self, *args: Any) -> None:
         assert self.mode is not None
         self.mode.__exit__(None, None, None)
+        SdpaKernel.backward = self.backward
         torch.save({"products": dict(self.mode.products), "casts": dict(self.mode.casts),
                     "attention": dict(self.mode.attention)}, self.out / "step.pt")
 
@@ -145,6 +158,8 @@ def test_a_bf16_mixed_step_computes_attention_once(build: Any, tmp_path: Path) -
     calls = _fit_one_step(build, tmp_path)["attention"]
     assert calls.get(ATTENTION_BACKWARD, 0) > 0, calls
     assert calls.get(ATTENTION_FORWARD, 0) == calls[ATTENTION_BACKWARD], calls
+    # a streamed layer restores autocast around each chunk's own work only: its attention backward runs outside it
+    assert calls.get("backward under autocast", 0) == 0, calls
 
 
 # ops whose result the host must wait for: a value read back (item), or a shape that depends on values (nonzero,

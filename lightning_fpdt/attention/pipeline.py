@@ -50,6 +50,7 @@ from lightning_fpdt.attention.kept_answers import ANSWER_KINDS, active_keeper
 from lightning_fpdt.attention.merge import merge_sink, update_out_and_lse
 from lightning_fpdt.attention.pipeline_options import PipelineOptions
 from lightning_fpdt.attention.ring import PendingParts, exchange_parts, pack, unpack
+from lightning_fpdt.offload.autocast_state import AutocastState
 from lightning_fpdt.offload.chunk_store import ChunkStore
 from lightning_fpdt.offload.weight_casts import weights_cast_once
 from lightning_fpdt.parallel.comm import Exchange, PendingAllToAll, group_rank, group_size
@@ -283,7 +284,8 @@ class PipelineFunction(torch.autograd.Function):
         store = kept if kept is not None else new_store(inputs[0].device, opt)
         source = ends.source(*inputs)
         local_sinks = rank_sinks(sinks, opt.group)
-        with weights_cast_once(ends.weights, inputs[0].device.type):  # the projections' weights, not once per chunk
+        # the projections' weights, cast once and not once per chunk
+        with weights_cast_once(ends.weights, AutocastState.capture(inputs[0].device.type)):
             out, lse = pipeline_forward(source, opt, store, save_for_backward=needs_backward, sinks=local_sinks,
                                         answers="recall" if kept is not None else "keep" if keep else None)
         if keeper is not None and keeper.mode == "record":

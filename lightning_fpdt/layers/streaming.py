@@ -80,7 +80,7 @@ class _Streamed:
         stream = self.stream(x)
         stream.keep_answers = keep_answers
         y: Tensor | None = None
-        with torch.no_grad(), weights_cast_once(self.module, x.device.type):  # not once per chunk
+        with torch.no_grad(), weights_cast_once(self.module, AutocastState.capture(x.device.type)):  # not per chunk
             for lo, hi in self.bounds:
                 with named_range(f"fpdt/{self.name}"):
                     y_c = self.run_chunk(x[:, lo:hi], lo, hi, stream)
@@ -96,7 +96,9 @@ class _Streamed:
         """``[dx, *parameter gradients]`` from the output gradient ``dy`` (module docstring, passes 1 and 2);
         ``answers``: what the forward kept of its attention, answered from in pass 1 instead of attention's kernels."""
         params = self.params()  # read now (FSDP2 has swapped in the unsharded ones), before the casts are swapped in
-        with autocast.restore(), weights_cast_once(self.module, dy.device.type):  # once for both passes' chunks
+        # once for both passes' chunks; autocast itself is restored around each chunk's work only (not the attention
+        # backward between them)
+        with weights_cast_once(self.module, autocast):
             return self._backward(dy, chunk, x_shape, x_dtype, want_dx, autocast, answers, params)
 
     def _backward(self, dy: Tensor, chunk: Callable[[int], Tensor], x_shape: torch.Size, x_dtype: torch.dtype,

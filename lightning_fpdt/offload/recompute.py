@@ -152,7 +152,8 @@ class _Call:
 
     def run(self, inputs: Sequence[Tensor]) -> Tensor | tuple[Tensor, ...]:
         """``fn`` over every piece, assembled (the forward, and a call that needs no backward)."""
-        with weights_cast_once(self.params, inputs[0].device.type):  # once for every tile, not once per tile
+        # once for every tile, not once per tile
+        with weights_cast_once(self.params, AutocastState.capture(inputs[0].device.type)):
             return self._run(inputs)
 
     def _run(self, inputs: Sequence[Tensor]) -> Tensor | tuple[Tensor, ...]:
@@ -183,7 +184,7 @@ class _Call:
             None if whole or not w else torch.empty_like(x) for x, w in zip(inputs, wanted)
         ]
         d_params: list[Tensor | None] = [None] * len(params)
-        with autocast.restore(), weights_cast_once(self.params, autocast.device_type):
+        with autocast.restore(), weights_cast_once(self.params, autocast):
             return self._gradients(grad, inputs, wanted, scalar, params, d_inputs, d_params)
 
     def _gradients(self, grad: Tensor | tuple[Tensor | None, ...], inputs: Sequence[Tensor], wanted: Sequence[bool],

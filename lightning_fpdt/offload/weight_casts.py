@@ -34,6 +34,8 @@ from contextvars import ContextVar
 import torch
 from torch import Tensor, nn
 
+from lightning_fpdt.offload.autocast_state import AutocastState
+
 _SCOPE: ContextVar[_Casts | None] = ContextVar("fpdt_weight_casts", default=None)
 
 
@@ -61,14 +63,17 @@ def _castable(t: Tensor, dtype: torch.dtype) -> bool:
 
 
 @contextmanager
-def weights_cast_once(params: nn.Module | Sequence[nn.Module | Tensor], device_type: str) -> Iterator[None]:
-    """Inside, each weight of ``params`` is cast to autocast's dtype once (module docstring): the ``nn.Linear`` weights
-    and biases of a module (or of each module of a sequence) are swapped for their casts; tensors (a closure's
-    weights) are cast by :func:`autocast_weight`. Nothing happens unless autocast is on for ``device_type``."""
-    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+def weights_cast_once(params: nn.Module | Sequence[nn.Module | Tensor], autocast: AutocastState) -> Iterator[None]:
+    """Inside, each weight of ``params`` is cast to ``autocast``'s dtype once (module docstring): the ``nn.Linear``
+    weights and biases of a module (or of each module of a sequence) are swapped for their casts; tensors (a
+    closure's weights) are cast by :func:`autocast_weight`. Nothing happens unless ``autocast`` is on: the state a
+    forward runs in (``AutocastState.capture``), or the one a backward restores piece by piece (its own work between
+    the pieces stays outside autocast)."""
+    if not autocast.enabled:
         yield
         return
-    dtype = torch.get_autocast_dtype(device_type)
+    dtype = autocast.dtype
+    assert dtype is not None
     outer = _SCOPE.get()
     scope = outer if outer is not None and outer.dtype == dtype else _Casts(dtype)
     token = _SCOPE.set(scope)
