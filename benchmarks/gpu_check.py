@@ -48,10 +48,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import is_oom, matmul_rate, print_table, synchronize
-from gpu_mfu import baseline_rows, mfu_rows, phase_rows, route
+from gpu_mfu import baseline_rows, mfu_rows, phase_rows
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.kernels import MathKernel, get_kernel
+from lightning_fpdt.backends import route_description
 from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.layers.loss import token_weighted_loss
 from lightning_fpdt.models import LlamaConfig, LlamaLM
@@ -380,7 +381,7 @@ def main() -> None:
     link = host_link(device, 2**30 if device.type == "cuda" else 2**24)
     print_table(["direction", "GB/s"], [[k, v] for k, v in link.items()])
 
-    layer_route = route(args.backend, device, torch.float32 if args.cpu else torch.bfloat16)
+    layer_route = route_description(args.backend, device.type, torch.float32 if args.cpu else torch.bfloat16)
     print(f"\n## 3. One attention layer with and without offload ({args.heads} heads, {args.kv_heads} KV heads, "
           f"head dim {args.head_dim}, chunk {args.chunk_size}, backend {args.backend}: {layer_route})\n", flush=True)
     rows, stop = offload_table(device, args, link, deadline=started + 0.3 * budget)

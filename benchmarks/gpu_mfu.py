@@ -13,7 +13,7 @@ where a step's time goes.
   (attention forward and backward, MLP tiles, loss tiles), the copies on the side streams (overlapped, not part of
   the sum), the rest; and the host's share: kernel launches, stream synchronisations, ``aten::to`` calls.
 
-Every row names the attention route its run used (:func:`route`).
+Every row names the attention route its run used (:func:`lightning_fpdt.backends.route_description`).
 """
 
 from __future__ import annotations
@@ -44,12 +44,6 @@ PHASES = {"fpdt/attention_chunk": "attention forward", "fpdt/attention_chunk_bac
           "fpdt/mlp_tile": "MLP tiles", "fpdt/mlp_tile_backward": "MLP tiles",
           "fpdt/loss_tile": "loss tiles", "fpdt/loss_tile_backward": "loss tiles"}
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-
-
-def route(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The attention route a run of ``backend`` uses on ``device`` for ``dtype`` inputs, in words (what the strategy
-    logs at setup)."""
-    return route_description(backend, device.type, dtype)
 
 
 def flops_per_token(config: LlamaConfig, seq: int) -> tuple[float, float]:
@@ -156,7 +150,7 @@ def mfu_rows(device: torch.device, runs: list[tuple[str, int]], chunk: int, back
         rates[name] = strict * seq / seconds
         rows.append([name, seq, seconds, peak / 2**30, strict * seq / seconds / 1e12,
                      _share(strict * seq / seconds, nominal), _share(megatron * seq / seconds, nominal),
-                     _share(strict * seq / seconds, measured), route(backend, device, dtype)])
+                     _share(strict * seq / seconds, measured), route_description(backend, device.type, dtype)])
         print(f"  {name} S={seq}: {seconds:.2f} s per forward+backward", flush=True)
     return rows
 
@@ -179,7 +173,7 @@ def baseline_rows(device: torch.device, seq: int, backend: str, deadline: float,
             rows.append([label, seq, "OOM", "-", ""])
             continue
         times[label] = found[0]
-        rows.append([label, seq, found[0], found[1] / 2**30, route(backend, device, dtype)])
+        rows.append([label, seq, found[0], found[1] / 2**30, route_description(backend, device.type, dtype)])
     if len(times) == 2:
         rows.append(["full stack / unbound", seq, f"{times['full stack'] / times['unbound']:.2f}x", "-", ""])
     return rows

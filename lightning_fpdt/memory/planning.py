@@ -62,6 +62,30 @@ def resolve_budget(memory_budget_gib: float | None, device: torch.device, local_
     return int(budget.item())
 
 
+def batch_shape(batch: Any) -> tuple[int, int] | None:
+    """``(batch size, sequence length)`` of a dict batch with ``input_ids`` ``[batch, seq]``; ``None`` for any other
+    batch."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    return (ids.shape[0], ids.shape[-1]) if isinstance(ids, torch.Tensor) else None
+
+
+def run_options(options: EstimateOptions, module: pl.LightningModule, batch_size: int, **changes: Any
+                ) -> tuple[ModelShape, EstimateOptions]:
+    """The shape of ``module`` and ``options`` for a run of it on batches of ``batch_size``: its trainer's precision
+    and optimizer, its tiling, and ``changes``.
+
+    Raises:
+        ValueError: a model the memory model cannot size (``ModelShape.from_module``).
+    """
+    shape, tiling = ModelShape.from_module(module)
+    trainer = module._trainer
+    optimizers = trainer.optimizers if trainer is not None else []
+    return shape, options.replace(
+        batch_size=batch_size, precision=str(trainer.precision) if trainer is not None else "32-true",
+        optimizer=optimizer_kind(optimizers[0]) if optimizers else "none", **tiling, **changes,
+    )
+
+
 class ChunkPlanner:
     """Picks and remembers the chunk size for each batch shape under ``chunk_size="auto"``.
 
@@ -84,10 +108,8 @@ class ChunkPlanner:
     def chunk_size_for(self, module: pl.LightningModule, batch: Any, current: int | None) -> int | None:
         """The chunk size for a dict batch with ``input_ids`` ``[batch, seq]`` (:meth:`chunk_size`); ``current``
         for any other batch (sharding refuses it or passes it through)."""
-        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
-        if not isinstance(ids, torch.Tensor):
-            return current
-        return self.chunk_size(module, ids.shape[0], ids.shape[-1])
+        found = batch_shape(batch)
+        return current if found is None else self.chunk_size(module, *found)
 
     def chunk_size(self, module: pl.LightningModule, batch_size: int, seq_len: int) -> int | None:
         """The chunk size for batches of ``batch_size x seq_len`` tokens (``None``: one chunk fits).
@@ -98,13 +120,7 @@ class ChunkPlanner:
         key = (batch_size, seq_len)
         if key in self._chosen:
             return self._chosen[key]
-        shape, tiling = ModelShape.from_module(module)
-        trainer = module._trainer
-        optimizers = trainer.optimizers if trainer is not None else []
-        options = self._options.replace(
-            batch_size=batch_size, precision=str(trainer.precision) if trainer is not None else "32-true",
-            optimizer=optimizer_kind(optimizers[0]) if optimizers else "none", **tiling,
-        )
+        shape, options = run_options(self._options, module, batch_size)
         try:
             chunk = auto_chunk_size(shape, seq_len, self.budget_bytes, options)
         except ValueError as err:
@@ -147,26 +163,21 @@ class AnswerPlanner:
     def keep_for(self, module: pl.LightningModule, batch: Any, chunk_size: int | None, current: bool) -> bool:
         """The decision for a dict batch with ``input_ids`` ``[batch, seq]`` in chunks of ``chunk_size``; ``current``
         for any other batch."""
-        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
-        if not isinstance(ids, torch.Tensor):
+        found = batch_shape(batch)
+        if found is None:
             return current
-        key = (ids.shape[0], ids.shape[-1], chunk_size)
+        key = (*found, chunk_size)
         if key not in self._chosen:
             self._chosen[key] = self._decide(module, *key)
         return self._chosen[key]
 
     def _decide(self, module: pl.LightningModule, batch_size: int, seq_len: int, chunk_size: int | None) -> bool:
         try:
-            shape, tiling = ModelShape.from_module(module)
+            shape, options = run_options(self._options, module, batch_size, chunk_size=chunk_size)
         except ValueError as err:
             self._say(f"keep_attention='auto' cannot size this model ({err}), so recomputed layers compute attention"
                       " again; set keep_attention=True to keep it anyway")
             return False
-        trainer = module._trainer
-        optimizers = trainer.optimizers if trainer is not None else []
-        options = self._options.replace(
-            batch_size=batch_size, chunk_size=chunk_size, precision=str(trainer.precision) if trainer is not None
-            else "32-true", optimizer=optimizer_kind(optimizers[0]) if optimizers else "none", **tiling)
         found = estimate(shape, seq_len, options)
         needed = found.host if options.offload else found.device_peak
         if needed <= self.room_bytes:

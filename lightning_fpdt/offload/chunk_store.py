@@ -296,7 +296,8 @@ class ChunkStore:
             now = _nbytes(entry.host)
         before = self._resident.pop(key, None)
         kind, index = key
-        chunks = self._resident_chunks[self._groups.get(kind, kind)]
+        group = self._groups.get(kind, kind)
+        chunks = self._resident_chunks[group]
         if before is not None:
             chunks[index] -= 1
             if not chunks[index]:
@@ -308,7 +309,6 @@ class ChunkStore:
         stats.device_bytes += (now or 0) - (before or 0)
         stats.peak_device_bytes = max(stats.peak_device_bytes, stats.device_bytes)
         if now is not None:
-            group = self._groups.get(kind, kind)
             stats.peak_resident_chunks[group] = max(stats.peak_resident_chunks.get(group, 0), len(chunks))
 
 
