@@ -284,8 +284,8 @@ class PipelineFunction(torch.autograd.Function):
         store = kept if kept is not None else new_store(inputs[0].device, opt)
         source = ends.source(*inputs)
         local_sinks = rank_sinks(sinks, opt.group)
-        # the projections' weights, cast once and not once per chunk
-        with weights_cast_once(ends.weights, AutocastState.capture(inputs[0].device.type)):
+        ctx.autocast = AutocastState.capture(inputs[0].device.type)
+        with weights_cast_once(ends.weights, ctx.autocast):  # the projections' weights, cast once, not once per chunk
             out, lse = pipeline_forward(source, opt, store, save_for_backward=needs_backward, sinks=local_sinks,
                                         answers="recall" if kept is not None else "keep" if keep else None)
         if keeper is not None and keeper.mode == "record":
@@ -304,8 +304,9 @@ class PipelineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         sink = ctx.ends.sink(dout, ctx.q_dtype, *ctx.saved_tensors)
-        try:
-            dsinks = pipeline_backward(dout.contiguous(), ctx.q_dtype, ctx.opt, ctx.store, sink, ctx.sinks)
+        try:  # the projections' weights cast once for every chunk's gradient, in the forward's compute dtype
+            with weights_cast_once(ctx.ends.weights, ctx.autocast):
+                dsinks = pipeline_backward(dout.contiguous(), ctx.q_dtype, ctx.opt, ctx.store, sink, ctx.sinks)
         finally:
             finish(ctx.store, ctx.opt)
         grad_sinks = None

@@ -168,15 +168,6 @@ class ProjectionChunkSink:
         acc = torch.promote_types(x.dtype, torch.float32)
         self.dx = torch.zeros(x.shape, dtype=acc, device=x.device)
         self.grads: dict[str, Tensor] = {}
-        self.casts: dict[str, Tensor] = {}  # each weight in the forward's compute dtype, cast once per backward
-
-    def _weight(self, name: str, proj: nn.Linear) -> Tensor:
-        weight, autocast = proj.weight, self.autocast
-        if not autocast.enabled or weight.dtype in (autocast.dtype, torch.float64):
-            return weight
-        if name not in self.casts:
-            self.casts[name] = weight.detach().to(autocast.dtype)
-        return self.casts[name]
 
     def _linear_backward(self, name: str, proj: nn.Linear, dy: Tensor, lo: int, hi: int) -> None:
         b, n = dy.shape[:2]
@@ -186,7 +177,7 @@ class ProjectionChunkSink:
             if not self.autocast.enabled:
                 dy2 = dy2.to(x2.dtype)
             dw = dy2.t() @ x2
-            dx = dy2 @ self._weight(name, proj)
+            dx = dy2 @ proj.weight  # cast once for the whole backward (PipelineFunction.backward's scope)
         self.dx[:, lo:hi] += dx.view(b, n, -1)
         acc = self.dx.dtype
         self.grads[f"{name}.weight"] = self.grads.get(f"{name}.weight", 0) + dw.to(acc)
