@@ -9,6 +9,7 @@ from lightning_fpdt.parallel.layout import (
     chunk_lengths,
     fpdt_permutation,
     inverse_permutation,
+    local_token_indices,
     padded_length,
     shard_indices,
     shard_sequence,
@@ -26,6 +27,18 @@ def test_permutation_puts_sub_chunk_r_of_every_chunk_on_rank_r() -> None:
     # a short last chunk: S=20, C=8 -> chunks 8, 8, 4
     assert chunk_lengths(20, 8) == [8, 8, 4]
     assert shard_indices(20, 2, 1, 8).tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 18, 19]
+
+
+@pytest.mark.parametrize(("seq", "sp", "chunk", "ring"), [(32, 4, 8, 1), (24, 2, None, 1), (20, 2, 8, 1),
+                                                         (48, 4, 16, 2)])
+def test_local_token_indices_are_the_shards_range(seq: int, sp: int, chunk: int | None, ring: int) -> None:
+    """Every range of a rank's local tokens, from the chunks it meets alone, is that range of its shard."""
+    for rank in range(sp):
+        whole = shard_indices(seq, sp, rank, chunk, ring)
+        for first in range(len(whole)):
+            for count in range(1, len(whole) - first + 1):
+                got = local_token_indices(seq, sp, rank, chunk, first, count, ring)
+                assert torch.equal(got, whole[first:first + count]), (seq, sp, chunk, ring, rank, first, count)
 
 
 @pytest.mark.parametrize(("seq", "sp", "chunk"), [(32, 4, 8), (24, 2, None), (30, 2, 8), (36, 4, 12)])

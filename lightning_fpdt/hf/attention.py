@@ -203,8 +203,9 @@ def fpdt_attention_forward(
         fpdt_context, documents, fpdt_records = (delivered.get(k) for k in FPDT_KEYWORDS)
     ctx = fpdt_context or _ONE_PROCESS
     # [b, h, s_local, d] -> [b, s_local, h, d]: the pipeline's layout (s_local = S // sp)
+    stream = active_stream(module)
     if tunes_temperature(module):  # Llama-4's NoPE layers scaled q at local positions: at the tokens' own instead
-        query = tuned_queries(module, query, ctx, documents)
+        query = tuned_queries(module, query, ctx, documents, *(() if stream is None else (stream.lo, stream.s_local)))
     dtype = kernel_dtype(query, key, value)
     q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))
     options = dict(
@@ -220,7 +221,6 @@ def fpdt_attention_forward(
             fpdt_records.leave(module, record)
         return record
 
-    stream = active_stream(module)
     if stream is not None:  # its decoder layer streams (lightning_fpdt.hf.streamed): this chunk, from the stream
         return stream.attend(q, k, v, lambda: attention_options(q, stats_sink=new_record(stream.s_local).sink,
                                                                 **options), sinks=_sinks(module, kwargs)), None

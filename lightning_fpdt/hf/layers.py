@@ -130,16 +130,14 @@ class CheckpointedForward:
         # a tensor argument with a gradient (Gemma-4's per-layer input) is an input of the recomputed call too
         with_grad = [key for key, value in [*enumerate(args), *kwargs.items()]
                      if isinstance(value, Tensor) and value.requires_grad]
+        if backward:
+            for key, value in [*enumerate(args), *kwargs.items()]:
+                self._refuse_hidden_state(key, value)
         chunk = stream_chunk_size(context, hidden.shape[1])
-        if chunk is not None and stream_refusal(self.layer, hidden, args, kwargs, bool(with_grad),
-                                                self.router_loss is not None) is None:
-            return streamed_layer_call(chunked_layer(self.layer, run, hidden, args, kwargs), self.layer, hidden, chunk,
-                                       context.layer_input_store if backward else None,
-                                       keep_answers=context.keep_attention)
+        if chunk is not None and stream_refusal(self.layer, hidden, args, kwargs) is None:
+            return self._streamed(run, hidden, args, kwargs, with_grad, chunk, context, backward)
         if not backward:
             return run(hidden, *args, **kwargs)
-        for key, value in [*enumerate(args), *kwargs.items()]:
-            self._refuse_hidden_state(key, value)
         kwargs = {key: RecomputedWrites(value, self.name) if isinstance(value, MutableMapping) else value
                   for key, value in kwargs.items()}
         loss, widths = self.router_loss, []
@@ -171,6 +169,21 @@ class CheckpointedForward:
         y = recomputed_layer_call(self.layer, layer_forward, hidden, context.layer_input_store, *extras,
                                   keep_answers=context.keep_attention)
         return y if loss is None or not widths else split_captured(y, hidden.shape[-1], widths, loss)
+
+    def _streamed(self, run: Any, hidden: Tensor, args: tuple, kwargs: dict[str, Any], with_grad: list[int | str],
+                  chunk: int, context: SequenceParallelContext, backward: bool) -> Tensor:
+        """The layer streamed chunk by chunk (:mod:`lightning_fpdt.hf.streamed`): the tensor arguments with a gradient
+        as its extra inputs, the router probabilities' token sums into the auxiliary loss."""
+        loss = self.router_loss
+        extras = [args[key] if isinstance(key, int) else kwargs[key] for key in with_grad]
+        run_chunk = chunked_layer(self.layer, run, hidden, args, kwargs, with_grad, loss, self.name)
+        out = streamed_layer_call(run_chunk, self.layer, hidden, chunk, context.layer_input_store if backward else None,
+                                  keep_answers=context.keep_attention, extras=extras, sums=loss is not None)
+        if loss is None:
+            return out
+        y, sums = out
+        loss.add_sums(sums)
+        return y
 
     def _refuse_hidden_state(self, key: int | str, value: Any) -> None:
         """Refuse tensors with a gradient inside a container: only plain tensor arguments become inputs of the

@@ -76,6 +76,7 @@ class RouterLoss:
         self.rows: list[Tensor] = []
         self.sums: list[Tensor] = []  # [E] per MoE block call, with gradient
         self._captures: list[list[Tensor]] = []
+        self._window: tuple[int, int] | None = None  # the tokens of a streamed chunk (tokens())
 
     def start(self, weights: Tensor) -> None:
         """Open a forward pass whose tokens count with ``weights`` ``[batch, s_local]`` (1 counts, 0 is padding)."""
@@ -86,12 +87,41 @@ class RouterLoss:
         """The weights ``[batch, seq]`` of the tokens of ``x`` ``[batch, seq, hidden]``, in its dtype."""
         if self.weights is None:
             return x.new_ones(x.shape[:2])
-        if tuple(self.weights.shape) != tuple(x.shape[:2]):
+        weights = self.weights if self._window is None else self.weights[:, self._window[0]:self._window[1]]
+        if tuple(weights.shape) != tuple(x.shape[:2]):
             raise FPDTError(
                 f"HFCausalLM: an MoE block received hidden states {tuple(x.shape)} but the batch's token weights are"
-                f" {tuple(self.weights.shape)}; keep 'attention_mask' in the strategy's sequence_keys."
+                f" {tuple(weights.shape)}; keep 'attention_mask' in the strategy's sequence_keys."
             )
-        return self.weights.to(x.dtype)
+        return weights.to(x.dtype)
+
+    @contextmanager
+    def tokens(self, lo: int, hi: int) -> Iterator[None]:
+        """Inside the block, MoE blocks run on the local tokens ``lo:hi`` only (a streamed layer's chunk)."""
+        before, self._window = self._window, (lo, hi)
+        try:
+            yield
+        finally:
+            self._window = before
+
+    def chunk_sums(self, captured: list[Tensor], num_calls: int, like: Tensor) -> Tensor:
+        """``[num_calls, E]``: the token sums of a streamed chunk's :meth:`capture` d probabilities ``[b, n, E]``
+        each (zero rows for a layer without an MoE block, ``num_calls`` 0; on ``like``'s device)."""
+        if len(captured) != num_calls:
+            raise RuntimeError(f"HFCausalLM: a streamed layer's chunk ran {len(captured)} MoE block calls, its layer"
+                               f" has {num_calls}")
+        if not captured:
+            return torch.zeros(0, self.num_experts, device=like.device)
+        return torch.stack([p.sum(dim=(0, 1), dtype=torch.promote_types(p.dtype, torch.float32)) for p in captured])
+
+    def add_sums(self, sums: Tensor) -> None:
+        """A streamed layer's token sums ``[calls, E]`` (:meth:`chunk_sums`, summed over its chunks), into the pass
+        as :meth:`push` puts a block call's."""
+        if self._captures:
+            raise RuntimeError("HFCausalLM: a streamed layer ran inside a recomputed call that collects router"
+                               " probabilities")
+        if self.open:
+            self.sums.extend(sums.unbind(0))
 
     def probabilities(self, logits: Tensor, weights: Tensor) -> Tensor:
         """``softmax(logits) * weights`` ``[rows, E]`` of one router call (``logits`` ``[rows, E]``, ``weights``

@@ -4,10 +4,11 @@ Llama-4's NoPE layers (``attn_temperature_tuning``, ``use_rope=False``) scale th
 + 1) / floor_scale)) * attn_scale + 1`` (https://huggingface.co/papers/2501.19399), computed in float32 with ``pos =
 arange(hidden_states.shape[1])`` (``modeling_llama4.Llama4TextAttention.forward``): the LOCAL length. Under sequence
 sharding that is this rank's token count, in layout order, not the tokens' positions; within packed documents the
-position of a document run alone counts from its start. The attention function gets the already scaled queries, so
-:func:`tuned_queries` multiplies them by the ratio of the right scale to the one applied: ``q * s_local`` becomes
-``q * s_local * (s_true / s_local)``, ``q * s_true`` up to one rounding (the ratio in float32 or wider), and its
-gradient flows through both factors to exactly ``s_true`` times the incoming one.
+position of a document run alone counts from its start; a streamed layer (:mod:`lightning_fpdt.hf.streamed`) runs
+one chunk at a time, so ``pos`` counts from the chunk's first token there. The attention function gets the already
+scaled queries, so :func:`tuned_queries` multiplies them by the ratio of the right scale to the one applied:
+``q * s_local`` becomes ``q * s_local * (s_true / s_local)``, ``q * s_true`` up to one rounding (the ratio in
+float32 or wider), and its gradient flows through both factors to exactly ``s_true`` times the incoming one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from lightning_fpdt.parallel.comm import group_rank
-from lightning_fpdt.parallel.layout import shard_indices
+from lightning_fpdt.parallel.layout import local_token_indices
 from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 
@@ -33,10 +34,13 @@ def _scales(module: nn.Module, positions: Tensor) -> Tensor:
 
 
 def token_positions(s_local: int, sp: int, rank: int, chunk_size: int | None,
-                    documents: PackedDocuments | None, device: torch.device, ring_size: int = 1) -> Tensor:
-    """``[batch or 1, s_local]``: the position of each of this rank's tokens in its document (global offsets in the
-    FPDT layout of ``chunk_size`` and ``ring_size``, less the start of the document holding each)."""
-    offsets = shard_indices(s_local * sp, sp, rank, chunk_size, ring_size).to(device)
+                    documents: PackedDocuments | None, device: torch.device, ring_size: int = 1, first: int = 0,
+                    count: int | None = None) -> Tensor:
+    """``[batch or 1, count]``: the position of each of this rank's tokens ``first .. first + count - 1`` (default: all
+    ``s_local``) in its document (global offsets in the FPDT layout of ``chunk_size`` and ``ring_size``, less the start
+    of the document holding each)."""
+    count = s_local - first if count is None else count
+    offsets = local_token_indices(s_local * sp, sp, rank, chunk_size, first, count, ring_size).to(device)
     if documents is None:
         return offsets[None]
     rows = []
@@ -47,16 +51,19 @@ def token_positions(s_local: int, sp: int, rank: int, chunk_size: int | None,
 
 
 def tuned_queries(module: nn.Module, query: Tensor, context: SequenceParallelContext,
-                  documents: PackedDocuments | None) -> Tensor:
-    """``query`` ``[batch, heads, s_local, head_dim]`` of a temperature-tuned layer rescaled from the scale of its
-    local positions to that of its tokens' positions in their documents; unchanged where the two agree."""
-    s_local = query.shape[2]
-    local = _scales(module, torch.arange(s_local, device=query.device))
+                  documents: PackedDocuments | None, first: int = 0, s_local: int | None = None) -> Tensor:
+    """``query`` ``[batch, heads, n, head_dim]`` of a temperature-tuned layer rescaled from the scale of the
+    positions ``0..n-1`` the layer applied to that of its tokens' positions in their documents; unchanged where the
+    two agree. The ``n`` tokens are this rank's ``first .. first + n - 1`` of ``s_local`` (default: all of them; a
+    streamed layer's chunk otherwise)."""
+    n = query.shape[2]
+    s_local = n if s_local is None else s_local
+    local = _scales(module, torch.arange(n, device=query.device))
     positions = token_positions(s_local, context.size, group_rank(context.group), context.chunk_size, documents,
-                                query.device, context.ring_size)
+                                query.device, context.ring_size, first, n)
     true = _scales(module, positions)
     if torch.equal(true, local.expand_as(true)):
         return query
     wide = torch.promote_types(query.dtype, torch.float32)
-    ratio = (true.to(wide) / local.to(wide))[:, None, :, None]  # [batch or 1, 1, s_local, 1]
+    ratio = (true.to(wide) / local.to(wide))[:, None, :, None]  # [batch or 1, 1, n, 1]
     return (query.to(wide) * ratio).to(query.dtype)

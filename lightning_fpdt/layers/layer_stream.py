@@ -20,8 +20,9 @@ from lightning_fpdt.profiling import named_range
 
 _STREAM = "_fpdt_stream"  # an attention module's attribute while its decoder layer runs a streamed chunk
 
-ChunkedLayer = Callable[[Tensor, int, int, "LayerStream"], Tensor]
-"""``run_chunk(x_c, lo, hi, stream) -> y_c``: one chunk of a decoder layer (module docstring)."""
+ChunkedLayer = Callable[..., "Tensor | tuple[Tensor, Tensor]"]
+"""``run_chunk(x_c, lo, hi, stream, *extras_c) -> y_c`` (or ``(y_c, s_c)``, with token sums): one chunk of a decoder
+layer (:mod:`lightning_fpdt.layers.streaming`)."""
 
 
 class Captured(Exception):
@@ -47,6 +48,7 @@ class LayerStream:
         self.store: ChunkStore | None = None
         self.passes: ForwardPass | None = None
         self.chunk = 0  # the next chunk attend computes
+        self.lo = 0  # the first local token of the chunk the layer runs now (set by the layer's stream, every mode)
         self.q_dtype: torch.dtype | None = None
         self.sinks: Tensor | None = None  # the layer's sink logits [n_heads], if any
         self.local_sinks: Tensor | None = None  # this rank's heads of them

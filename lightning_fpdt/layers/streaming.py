@@ -27,6 +27,13 @@ Backward, two passes over the chunks in sequence order:
    (:class:`~lightning_fpdt.layers.layer_stream.Captured`), and the per-token work before attention is differentiated:
    the rest of ``dx_c``.
 
+Two more channels, for layers that need them (:mod:`lightning_fpdt.hf.streamed`): *per-token extra inputs*
+``[batch, s_local, ...]`` with a gradient (Gemma-4's per-layer inputs), cut to the chunk and given to ``run_chunk``
+after its stream, their gradients filled chunk by chunk; and *token sums*: ``run_chunk`` may return ``(y_c, s_c)``,
+``s_c`` a small tensor that is a sum over the chunk's tokens (a router's probabilities for the auxiliary loss,
+``[calls, experts]``), the call returning ``(y, sum of s_c)``; in backward, the sum's gradient goes to each chunk's
+``s_c`` in pass 1.
+
 What is sized by the local sequence during a layer's work: its input's gradient being made and its output's
 gradient (two hidden vectors per token; the layer's input too when no layer input store keeps it), and nothing
 else: the chunks' intermediates, q/k/v and attention outputs are one chunk's. The price: each chunk's work before
@@ -66,6 +73,7 @@ class _Streamed:
     store: ChunkStore | None
     name: str
     keep_answers: bool = False
+    sums: bool = False  # run_chunk returns (y_c, s_c), s_c summed over chunks
 
     def stream(self, x: Tensor) -> LayerStream:
         return LayerStream(x.shape[1], self.local_chunk_size, x.device)
@@ -73,40 +81,59 @@ class _Streamed:
     def params(self) -> list[Tensor]:
         return [original(p) for p in self.module.parameters() if p.requires_grad]
 
-    def forward(self, x: Tensor, keep_answers: bool = False) -> tuple[Tensor, ChunkStore | None]:
-        """``y`` ``[batch, s_local, hidden]``, chunk by chunk, without a graph; with ``keep_answers``, the store
-        holding each chunk's attention output and lse for the recomputation
+    def run(self, x_c: Tensor, c: int, stream: LayerStream, extras_c: Sequence[Tensor]) -> tuple[Tensor, Tensor | None]:
+        """Chunk ``c``'s ``(y_c, s_c)`` (``s_c`` ``None`` without token sums)."""
+        lo, hi = self.bounds[c]
+        stream.lo = lo
+        out = self.run_chunk(x_c, lo, hi, stream, *extras_c)
+        if not self.sums:
+            return out, None
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise RuntimeError(f"streamed layer {self.name}: run_chunk must return (y_c, token sums), got {type(out)}")
+        return out
+
+    def forward(self, x: Tensor, extras: Sequence[Tensor] = (), keep_answers: bool = False
+                ) -> tuple[Tensor, Tensor | None, ChunkStore | None]:
+        """``y`` ``[batch, s_local, hidden]``, chunk by chunk, without a graph; the token sums (``None`` without);
+        with ``keep_answers``, the store holding each chunk's attention output and lse for the recomputation
         (:mod:`lightning_fpdt.attention.kept_answers`)."""
         stream = self.stream(x)
         stream.keep_answers = keep_answers
         y: Tensor | None = None
+        total: Tensor | None = None
         with torch.no_grad(), weights_cast_once(self.module, AutocastState.capture(x.device.type)):  # not per chunk
-            for lo, hi in self.bounds:
+            for c, (lo, hi) in enumerate(self.bounds):
                 with named_range(f"fpdt/{self.name}"):
-                    y_c = self.run_chunk(x[:, lo:hi], lo, hi, stream)
+                    y_c, s_c = self.run(x[:, lo:hi], c, stream, [e[:, lo:hi] for e in extras])
                 if y is None:
                     y = y_c.new_empty(x.shape[0], x.shape[1], *y_c.shape[2:])
                 y[:, lo:hi] = y_c
+                if s_c is not None:
+                    total = s_c if total is None else total.add_(s_c)
         stream.end_forward()
         assert y is not None
-        return y, stream.store if keep_answers else None
+        return y, total, stream.store if keep_answers else None
 
-    def backward(self, dy: Tensor, chunk: Callable[[int], Tensor], x_shape: torch.Size, x_dtype: torch.dtype,
-                 want_dx: bool, autocast: AutocastState, answers: ChunkStore | None = None) -> list[Tensor | None]:
-        """``[dx, *parameter gradients]`` from the output gradient ``dy`` (module docstring, passes 1 and 2);
-        ``answers``: what the forward kept of its attention, answered from in pass 1 instead of attention's kernels."""
+    def backward(self, dy: Tensor, dsums: Tensor | None, chunk: Callable[[int], Tensor], extras: Sequence[Tensor],
+                 x_shape: torch.Size, x_dtype: torch.dtype, want_dx: bool, autocast: AutocastState,
+                 answers: ChunkStore | None = None) -> list[Tensor | None]:
+        """``[dx, *extras' gradients, *parameter gradients]`` from the output gradient ``dy`` and the token sums'
+        ``dsums`` (module docstring, passes 1 and 2); ``answers``: what the forward kept of its attention, answered
+        from in pass 1 instead of attention's kernels."""
         params = self.params()  # read now (FSDP2 has swapped in the unsharded ones), before the casts are swapped in
         # once for both passes' chunks; autocast itself is restored around each chunk's work only (not the attention
         # backward between them)
         with weights_cast_once(self.module, autocast):
-            return self._backward(dy, chunk, x_shape, x_dtype, want_dx, autocast, answers, params)
+            return self._backward(dy, dsums, chunk, extras, x_shape, x_dtype, want_dx, autocast, answers, params)
 
-    def _backward(self, dy: Tensor, chunk: Callable[[int], Tensor], x_shape: torch.Size, x_dtype: torch.dtype,
-                  want_dx: bool, autocast: AutocastState, answers: ChunkStore | None,
-                  params: list[Tensor]) -> list[Tensor | None]:
+    def _backward(self, dy: Tensor, dsums: Tensor | None, chunk: Callable[[int], Tensor], extras: Sequence[Tensor],
+                  x_shape: torch.Size, x_dtype: torch.dtype, want_dx: bool, autocast: AutocastState,
+                  answers: ChunkStore | None, params: list[Tensor]) -> list[Tensor | None]:
         casts = with_casts(params)
         d_params: list[Tensor | None] = [None] * len(params)
         dx = dy.new_empty(x_shape, dtype=x_dtype) if want_dx else None
+        # filled chunk by chunk: written in pass 1, added to in pass 2
+        d_extras = [torch.empty_like(e) if e.requires_grad else None for e in extras]
         stream = self.stream(dy)
         stream.mode = "recompute"
         stream.answers = answers
@@ -125,16 +152,33 @@ class _Streamed:
             given = iter(found[: len(needed)])
             return [next(given) if t.requires_grad else None for t in wrt]
 
+        def extras_of(c: int) -> list[Tensor]:
+            lo, hi = self.bounds[c]
+            return [e[:, lo:hi].detach().requires_grad_(e.requires_grad) for e in extras]
+
+        def add_extras(c: int, grads: Sequence[Tensor | None], first: bool = False) -> None:
+            lo, hi = self.bounds[c]
+            for d, g in zip(d_extras, grads):
+                if d is not None and first:
+                    d[:, lo:hi] = g if g is not None else 0
+                elif d is not None and g is not None:
+                    d[:, lo:hi] += g
+
         # pass 1: recompute each chunk; its output gradient back through the work after attention
         for c, (lo, hi) in enumerate(self.bounds):
-            x_c = chunk(c).detach().requires_grad_(want_dx)
+            x_c, e_c = chunk(c).detach().requires_grad_(want_dx), extras_of(c)
             with torch.enable_grad(), autocast.restore(), named_range(f"fpdt/{self.name}_backward"):
-                y_c = self.run_chunk(x_c, lo, hi, stream)
+                y_c, s_c = self.run(x_c, c, stream, e_c)
                 out_c = stream.out
                 assert out_c is not None, "streamed layer: the chunk's attention never ran"
-                d_x, d_out = differentiate([y_c], [dy[:, lo:hi]], [x_c, out_c])
+                outputs, grads = [y_c], [dy[:, lo:hi]]
+                if s_c is not None and dsums is not None:
+                    outputs.append(s_c)
+                    grads.append(dsums)
+                d_x, d_out, *d_e = differentiate(outputs, grads, [x_c, out_c, *e_c])
             if dx is not None:
                 dx[:, lo:hi] = d_x if d_x is not None else 0
+            add_extras(c, d_e, first=True)
             stream.out = None
             stream.put_dout(c, d_out if d_out is not None else torch.zeros_like(out_c))
         stream.end_forward()
@@ -153,18 +197,20 @@ class _Streamed:
             if len(got) < 3:
                 return
             del waiting[c]
-            x_c = chunk(c).detach().requires_grad_(want_dx)
+            x_c, e_c = chunk(c).detach().requires_grad_(want_dx), extras_of(c)
             with torch.enable_grad(), autocast.restore(), named_range(f"fpdt/{self.name}_backward"):
                 try:
-                    self.run_chunk(x_c, *self.bounds[c], stream)
+                    self.run(x_c, c, stream, e_c)
                 except Captured as captured:
                     q, k, v = captured.q, captured.k, captured.v
                 else:
                     raise RuntimeError("streamed layer: the layer never called its attention")
                 dk, dv = sum_kv_replicas(got["dk"], k.shape[2]), sum_kv_replicas(got["dv"], v.shape[2])
-                (d_x,) = differentiate([q, k, v], [got["dq"].to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)], [x_c])
+                d_x, *d_e = differentiate([q, k, v], [got["dq"].to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)],
+                                          [x_c, *e_c])
             if dx is not None and d_x is not None:
                 dx[:, self.bounds[c][0]:self.bounds[c][1]] += d_x
+            add_extras(c, d_e)
 
         sink = _Arrivals(arrive)
         try:
@@ -179,7 +225,7 @@ class _Streamed:
             whole = whole_sinks_grad(dsinks, stream.sinks.shape, opt.group)
             before = d_params[index]
             d_params[index] = whole if before is None else before.add_(whole.to(before.dtype))
-        return [dx, *(None if d is None else d.to(p.dtype) for d, p in zip(d_params, params))]
+        return [dx, *d_extras, *(None if d is None else d.to(p.dtype) for d, p in zip(d_params, params))]
 
 
 class _Arrivals:
@@ -199,34 +245,39 @@ class _Arrivals:
 
 
 class _StreamedLayer(torch.autograd.Function):
-    """``x -> y`` of a :class:`_Streamed` call, keeping only ``x`` (chunk by chunk in its store, when it has one)."""
+    """``(x, *extras) -> y`` (``(y, sums)`` with token sums) of a :class:`_Streamed` call, keeping only ``x`` (chunk
+    by chunk in its store, when it has one) and the extras."""
 
     @staticmethod
-    def forward(ctx: Any, call: _Streamed, x: Tensor, *params: Tensor) -> Tensor:
-        y, ctx.answers = call.forward(x, call.keep_answers)
+    def forward(ctx: Any, call: _Streamed, n_extras: int, x: Tensor, *tensors: Tensor) -> Any:
+        extras = tensors[:n_extras]
+        y, sums, ctx.answers = call.forward(x, extras, call.keep_answers)
         # no backward will come if the graph is dropped: give the answers back then
         ctx.release_answers = None if ctx.answers is None else weakref.finalize(ctx, ctx.answers.close_later)
-        ctx.call, ctx.x_shape, ctx.x_dtype = call, x.shape, x.dtype
+        ctx.call, ctx.x_shape, ctx.x_dtype, ctx.n_extras = call, x.shape, x.dtype, n_extras
         ctx.autocast = AutocastState.capture(x.device.type)
         store = call.store
         if store is None:
-            ctx.save_for_backward(x)
+            ctx.save_for_backward(*extras, x)
             ctx.keys = None
         else:
+            ctx.save_for_backward(*extras)
             # chunk 0 numbered last: the backward before this one prefetches it (recompute.previous_input)
             ctx.keys = [store.new_key(INPUT_CHUNK_KIND) for _ in call.bounds][::-1]
             for key, (lo, hi) in zip(ctx.keys, call.bounds):
                 store.put(key, x[:, lo:hi].detach())
             # no backward will come if the graph is dropped: give the chunks back then
             ctx.release = weakref.finalize(ctx, _delete_later, store, list(ctx.keys))
-        return y
+        return y if sums is None else (y, sums)
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, dy: Tensor, dsums: Tensor | None = None) -> tuple[Tensor | None, ...]:
         call: _Streamed = ctx.call
         store, keys = call.store, ctx.keys
+        saved = ctx.saved_tensors
+        extras = saved[:ctx.n_extras]
         if keys is None:
-            (x,) = ctx.saved_tensors
+            x = saved[-1]
 
             def chunk(c: int) -> Tensor:
                 lo, hi = call.bounds[c]
@@ -253,8 +304,8 @@ class _StreamedLayer(torch.autograd.Function):
         if ctx.release_answers is not None:
             ctx.release_answers.detach()  # the backward's pipeline store now: closed when its pass 2 ends
         try:
-            grads = call.backward(dy, chunk, ctx.x_shape, ctx.x_dtype, ctx.needs_input_grad[1], ctx.autocast,
-                                  ctx.answers)
+            grads = call.backward(dy, dsums, chunk, extras, ctx.x_shape, ctx.x_dtype, ctx.needs_input_grad[2],
+                                  ctx.autocast, ctx.answers)
         except BaseException:
             if ctx.answers is not None:  # the backward closes them as its pass 2 ends: not reached
                 ctx.answers.close()
@@ -262,7 +313,7 @@ class _StreamedLayer(torch.autograd.Function):
         ctx.answers = None
         if keys is not None:
             ctx.release.detach()
-        return (None, *grads)
+        return (None, None, *grads)
 
 
 def _delete_later(store: ChunkStore, keys: list[tuple[str, int]]) -> None:
@@ -271,21 +322,28 @@ def _delete_later(store: ChunkStore, keys: list[tuple[str, int]]) -> None:
 
 
 def streamed_layer_call(run_chunk: ChunkedLayer, module: nn.Module, x: Tensor, local_chunk_size: int,
-                        store: ChunkStore | None = None, name: str = "decoder_layer", keep_answers: bool = False
-                        ) -> Tensor:
+                        store: ChunkStore | None = None, name: str = "decoder_layer", keep_answers: bool = False,
+                        extras: Sequence[Tensor] = (), sums: bool = False) -> Any:
     """``y`` ``[batch, s_local, hidden]`` of the layer ``run_chunk`` computes chunk by chunk (module docstring) on
     ``x`` ``[batch, s_local, hidden]``, in local chunks of ``local_chunk_size`` tokens (:func:`stream_chunk_size`).
     ``module`` owns every parameter ``run_chunk`` uses (their gradients come back once per backward, summed over
     chunks); ``store``: where the input's chunks wait for backward (``None``: the autograd graph). Where the attention's
     chunks live is its pipeline options' business. ``keep_answers``: attention runs once per step, its recomputation
-    answered from what the forward kept (:mod:`lightning_fpdt.attention.kept_answers`). Without a backward to follow,
-    the layer streams and keeps nothing."""
+    answered from what the forward kept (:mod:`lightning_fpdt.attention.kept_answers`). ``extras``: per-token inputs
+    ``[batch, s_local, ...]``, each chunk's given to ``run_chunk`` after its stream; ``sums``: ``run_chunk`` returns
+    ``(y_c, s_c)`` and the call ``(y, sum of s_c)``. Without a backward to follow, the layer streams and keeps
+    nothing."""
     call = _Streamed(run_chunk, module, chunk_bounds(x.shape[1], local_chunk_size), local_chunk_size, store, name,
-                     keep_answers)
+                     keep_answers, sums)
+    for e in extras:
+        if tuple(e.shape[:2]) != tuple(x.shape[:2]):
+            raise ValueError(f"streamed layer {name}: an extra input {tuple(e.shape)} is not per token of the layer's"
+                             f" input {tuple(x.shape)}")
     params = call.params()
-    if not torch.is_grad_enabled() or not (x.requires_grad or params):
-        return call.forward(x)[0]
-    return _StreamedLayer.apply(call, x, *params)
+    if not torch.is_grad_enabled() or not (x.requires_grad or params or any(e.requires_grad for e in extras)):
+        y, total, _ = call.forward(x, extras)
+        return (y, total) if sums else y
+    return _StreamedLayer.apply(call, len(extras), x, *extras, *params)
 
 
 __all__ = ["streamed_layer_call"]

@@ -167,6 +167,25 @@ def shard_indices(seq_len: int, sp_size: int, sp_rank: int, chunk_size: int | No
     return fpdt_permutation(seq_len, sp_size, chunk_size, ring_size).view(sp_size, -1)[sp_rank]
 
 
+def local_token_indices(seq_len: int, sp_size: int, sp_rank: int, chunk_size: int | None, first: int, count: int,
+                        ring_size: int = 1) -> Tensor:
+    """``shard_indices(...)[first:first + count]``: the global indices of the rank's local tokens ``first .. first +
+    count - 1`` (``[count]`` int64), made from the chunks that range meets alone (a streamed layer asks for one chunk's;
+    no index of the whole sequence is built) unless the ring splits chunks (``ring_size`` > 1)."""
+    if ring_size > 1:
+        return shard_indices(seq_len, sp_size, sp_rank, chunk_size, ring_size)[first:first + count]
+    pieces, local, start = [], 0, 0
+    for length in chunk_lengths(seq_len, chunk_size):
+        sub = length // sp_size  # this chunk's tokens on each rank: rank r holds start + r * sub ..
+        lo, hi = max(first, local), min(first + count, local + sub)
+        if lo < hi:
+            pieces.append(torch.arange(lo, hi) + (start + sp_rank * sub - local))
+        local, start = local + sub, start + length
+        if local >= first + count:
+            break
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
 def shard_sequence(x: Tensor, sp_size: int, sp_rank: int, chunk_size: int | None = None, dim: int = 1,
                    ring_size: int = 1) -> Tensor:
     """This rank's shard of a full-sequence tensor along ``dim`` (default: ``[batch, seq, ...]``)."""

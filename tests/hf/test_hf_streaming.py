@@ -1,0 +1,142 @@
+"""Decoder layers that stream beyond plain attention (``lightning_fpdt.hf.streamed``): a router whose statistics feed
+the auxiliary loss (Qwen3-MoE, one routed layer and one dense), Gemma-4's layers (per-layer inputs with a gradient,
+the experts block beside the MLP, the ``shared_kv_states`` mapping passed through) and Llama-4's (temperature-tuned
+NoPE queries, chunked attention, experts).
+
+At sp=2 with four chunks per rank and the full memory stack: loss and every gradient equal one process's on the
+whole batch (float64, 1e-10), on packed documents and, for the auxiliary loss, on padded samples (the router weighs
+each chunk's own tokens), and every decoder layer's backward ran streamed. In one process: no op inside a streamed
+layer makes a tensor sized by the local sequence, forward or backward, which the same check finds in layers recomputed
+whole. The families' own float32 steps (routers, norms, rotary) run in float64 on both sides (the fixtures below).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightning_fpdt.layers.streaming as streaming
+from lightning_fpdt.hf.layers import decoder_modules
+from lightning_fpdt.models import HFCausalLM
+from lightning_fpdt.parallel.batches import shard_batch
+from lightning_fpdt.parallel.binding import bind
+from lightning_fpdt.testing import run_on_ranks
+from tests.hf.test_hf_causal_lm import VOCAB, _redraw
+from tests.hf.test_hf_families import _released
+from tests.hf.test_hf_families import llama4_in_float64 as llama4_in_float64  # autouse fixtures
+from tests.hf.test_hf_gemma4 import _config as gemma4_config
+from tests.hf.test_hf_gemma4 import gemma4_in_float64 as gemma4_in_float64
+from tests.hf.test_hf_moe import _config as moe_config
+from tests.hf.test_hf_moe import routers_in_float64 as routers_in_float64
+from tests.reference import rel_error
+from tests.test_streaming import _batch, _context, _step, _WholeSequenceWork
+
+FAMILIES = {
+    "qwen3_moe": lambda: moe_config("qwen3_moe", 1),  # the auxiliary loss on; layer 1 dense
+    "gemma4": lambda: gemma4_config("experts"),  # per-layer inputs, experts beside the MLP
+    "llama4": lambda: _released("llama4", 1),  # NoPE layer with temperature tuning, chunked attention, experts
+}
+
+
+def _model(family: str, seed: int) -> HFCausalLM:
+    torch.manual_seed(seed)
+    module = HFCausalLM(FAMILIES[family](), mlp_tiles=2, loss_tiles=3).double()
+    _redraw(module.model, seed)
+    assert (module.router_loss is not None) == (family == "qwen3_moe")
+    return module
+
+
+def _data(seed: int, seq: int, padded: bool) -> dict[str, torch.Tensor]:
+    """Packed documents, or right-padded samples (the second one's last 11 tokens, across a chunk boundary)."""
+    if not padded:
+        return _batch(seed, seq)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, seq), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -11:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _sharded_step(rank: int, world: int, family: str, padded: bool, seed: int, seq: int, chunk: int
+                  ) -> dict[str, Any]:
+    module = _model(family, seed)
+    streamed = []
+    original = streaming._Streamed.backward
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        streamed.append(len(self.bounds))
+        return original(self, *args, **kwargs)
+
+    streaming._Streamed.backward = counted  # this forked rank's own copy of the module
+    bind(module, _context(dist.group.WORLD, chunk))
+    loss_sum, grads = _step(module, shard_batch(_data(seed, seq, padded), world, rank, chunk))
+    dist.all_reduce(loss_sum)
+    for g in grads.values():
+        dist.all_reduce(g)
+    return {"loss": loss_sum, "grads": grads, "streamed": streamed}
+
+
+CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("gemma4", False), ("llama4", False)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family,padded", CASES, ids=[f"{f}-{'padded' if p else 'packed'}" for f, p in CASES])
+def test_layers_stream_and_match_one_process(family: str, padded: bool, fresh_seed: int) -> None:
+    seq, chunk = 64, 16
+    results = run_on_ranks(_sharded_step, 2, family, padded, fresh_seed, seq, chunk)
+    reference = _model(family, fresh_seed)
+    ref_loss, ref_grads = _step(reference, _data(fresh_seed, seq, padded))
+    layers = len(decoder_modules(reference.model))
+    for result in results:
+        assert result["streamed"] == [4] * layers, f"{family}: streamed backwards {result['streamed']}"
+        assert rel_error(result["loss"], ref_loss) <= 1e-10, f"{family} seed={fresh_seed}: loss"
+        for name, g in ref_grads.items():
+            assert rel_error(result["grads"][name], g) <= 1e-10, f"{family} seed={fresh_seed}: {name}"
+
+
+def test_the_auxiliary_loss_moves_the_streamed_step(fresh_seed: int) -> None:
+    """The router's share is in the streamed step: without it, loss and router gradients are far off."""
+    seq, chunk = 64, 16
+    batch = shard_batch(_data(fresh_seed, seq, True), 1, 0, chunk)
+    steps = []
+    for coefficient in (None, 0.0):
+        module = _model("qwen3_moe", fresh_seed)
+        if coefficient is not None:
+            module.router_loss.coefficient = coefficient
+        bind(module, _context(None, chunk))
+        steps.append(_step(module, batch))
+    (loss, grads), (plain_loss, plain_grads) = steps
+    assert rel_error(loss, plain_loss) > 1e-6
+    gates = [name for name in grads if name.endswith("mlp.gate.weight")]
+    assert gates and all(rel_error(grads[n], plain_grads[n]) > 1e-3 for n in gates), gates
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_no_layer_work_is_sized_by_the_local_sequence(family: str, fresh_seed: int) -> None:
+    """A full-stack step with six chunks: inside the decoder layers, forward and backward, no op makes a tensor sized
+    by the local sequence (beyond the output and gradient buffers filled chunk by chunk); the same check fails with
+    layers recomputed whole, and both give the same loss and gradients."""
+    seq, chunk = 96, 16
+    batch = shard_batch(_data(fresh_seed, seq, family == "qwen3_moe"), 1, 0, chunk)
+    results, found = [], []
+    for streamed in (True, False):
+        module = _model(family, fresh_seed)
+        bind(module, _context(None, chunk, streamed))
+        watcher = _WholeSequenceWork(seq, 2)
+        handles = watcher.watch([layer for _, layer in decoder_modules(module.model)])
+        with watcher:
+            results.append(_step(module, batch))
+        for handle in handles:
+            handle.remove()
+        assert watcher.depth == 0
+        found.append(watcher.found)
+    assert found[0] == [], f"{family}: whole-sequence work inside a streamed layer: {found[0][:8]}"
+    assert len(found[1]) > 10, f"{family}: the check saw nothing in a layer recomputed whole: {found[1]}"
+    (loss, grads), (whole_loss, whole_grads) = results
+    assert math.isfinite(loss.item()) and rel_error(loss, whole_loss) <= 1e-10
+    for name, g in whole_grads.items():
+        assert rel_error(grads[name], g) <= 1e-10, name
