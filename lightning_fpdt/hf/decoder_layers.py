@@ -11,6 +11,7 @@ from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.layers import decoder_modules
 from lightning_fpdt.hf.recurrent_memory import mixer_memory
 from lightning_fpdt.hf.router_loss import TOP_K_FIELDS, config_number
+from lightning_fpdt.hf.streamed import layer_refusal
 from lightning_fpdt.memory.experts import read_experts
 from lightning_fpdt.parallel.binding import DecoderLayer
 
@@ -39,6 +40,6 @@ def describe_layers(model: PreTrainedModel, heads: tuple[int, int], mlp_tiled: b
             n_kv_heads=n_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, mlp=mlp, experts=beside,
             experts_per_token=top_k,
             mlp_tiled=mlp_tiled, norms=norms, chunked_projections=False,
-            attention=attention is not None, mixers=mixers,
+            attention=attention is not None, mixers=mixers, stream_refusal=layer_refusal(layer),
         ))
     return layers

@@ -154,6 +154,7 @@ class FPDTBlock(nn.Module):
             name="", module=self, hidden_size=attn.q_proj.in_features, n_heads=attn.n_heads,
             n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, mlp=mlp.mlp if tiled else mlp,
             mlp_tiled=tiled and mlp.num_tiles != 1, norms=(self.attention_norm, self.mlp_norm),
+            stream_refusal=None if attn.causal else "its attention is not causal",
         )]
 
     def attention_records(self) -> list[AttentionRecord]:

@@ -182,10 +182,10 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     tile_tokens = largest_tile(t, shape.loss_tiles) if options.loss_tiled else t
     logits = tile_tokens * shape.vocab_size * 4
     # streamed layers (lightning_fpdt.layers.streaming): checkpointed, in two or more chunks, attention and per-token
-    # work only
+    # work only (and sums over tokens); a layer that cannot stream is recomputed whole
     streams = options.streaming and options.activation_checkpointing and chunk_tokens_rank < t
     def streamed(kind: LayerKind) -> bool:
-        return streams and kind.attention and not kind.mixers
+        return streams and kind.attention and not kind.mixers and kind.streams
 
     final = (1 if streams and options.loss_tiled else 3) * t * h * e  # norm input, output, its own; or the input
     loss_saved = 0 if options.loss_tiled else logits  # the log-softmax output, kept for backward

@@ -29,6 +29,7 @@ class LayerKind:
     attention: bool = True
     mlp: bool = True
     mixers: tuple[SequenceMixerMemory, ...] = ()
+    streams: bool = True  # checkpointed, it streams chunk by chunk (DecoderLayer.stream_refusal is None)
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ class ModelShape:
         hidden, heads, kv_heads, head_dim, v_head_dim, norm_extras = shapes[0]
         inter, projections, top_k = mlps[0] if mlps else (0, 2, 1)
         block_params = max(params for _, _, params, _ in read)  # FSDP2 gathers the largest layer too
-        kinds = tuple(LayerKind(layer.attention, mlp is not None, layer.mixers)
+        kinds = tuple(LayerKind(layer.attention, mlp is not None, layer.mixers, layer.stream_refusal is None)
                       for layer, (_, mlp, _, _) in zip(layers, read))
         in_layers = {id(m) for layer in layers for m in layer.module.modules()}
         outside = [m for m in module.modules() if id(m) not in in_layers]

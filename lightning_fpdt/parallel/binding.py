@@ -141,6 +141,8 @@ class DecoderLayer:
         experts: a block of routed experts the layer runs beside its MLP (Gemma-4), or ``None``.
         experts_per_token: the routed experts per token where the layer's router does not say (``None``: it does,
             or no experts).
+        stream_refusal: why the layer, checkpointed, is recomputed whole instead of streaming chunk by chunk
+            (:mod:`lightning_fpdt.layers.streaming`), whatever its arguments; ``None``: it streams.
     """
 
     name: str
@@ -158,6 +160,7 @@ class DecoderLayer:
     v_head_dim: int | None = None
     experts: nn.Module | None = None
     experts_per_token: int | None = None
+    stream_refusal: str | None = None
 
 
 @runtime_checkable

@@ -27,6 +27,7 @@ from lightning_fpdt.layers.accumulation import optimizer_gradients, scale_window
 from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.memory import EstimateOptions, ModelShape
 from lightning_fpdt.memory.planning import AnswerPlanner, ChunkPlanner, resolve_budget, resolve_room
+from lightning_fpdt.memory.unstreamed import report_unstreamed
 from lightning_fpdt.offload.chunk_store import ChunkStore
 from lightning_fpdt.offload.copy_engine import release_copy_engines
 from lightning_fpdt.options import FPDTOptions, OffloadArgument, attention_dtype, check_has_blocks
@@ -274,6 +275,7 @@ class FPDTStrategy(CheckpointHooks):
             rank_zero_info(f"{PREFIX}bound {count} attention layer(s) to the sequence-parallel group"
                            f" (activation_checkpointing={self._options.activation_checkpointing},"
                            f" offload_checkpoints={self._options.offload_checkpoints!r})")
+            report_unstreamed(module, self.estimate_options)  # what cannot stream, named once
 
     # ---- batches and data -----------------------------------------------------------------------
 

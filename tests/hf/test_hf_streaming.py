@@ -12,15 +12,19 @@ whole. The families' own float32 steps (routers, norms, rotary) run in float64 o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 
 import lightning_fpdt.layers.streaming as streaming
 from lightning_fpdt.hf.layers import decoder_modules
+from lightning_fpdt.memory import EstimateOptions, ModelShape, estimate
+from lightning_fpdt.memory.unstreamed import report_unstreamed
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.parallel.batches import shard_batch
 from lightning_fpdt.parallel.binding import bind
@@ -32,6 +36,7 @@ from tests.hf.test_hf_gemma4 import _config as gemma4_config
 from tests.hf.test_hf_gemma4 import gemma4_in_float64 as gemma4_in_float64
 from tests.hf.test_hf_moe import _config as moe_config
 from tests.hf.test_hf_moe import routers_in_float64 as routers_in_float64
+from tests.hf.test_recurrent import _hybrid
 from tests.reference import rel_error
 from tests.test_streaming import _batch, _context, _step, _WholeSequenceWork
 
@@ -140,3 +145,38 @@ def test_no_layer_work_is_sized_by_the_local_sequence(family: str, fresh_seed: i
     assert math.isfinite(loss.item()) and rel_error(loss, whole_loss) <= 1e-10
     for name, g in whole_grads.items():
         assert rel_error(grads[name], g) <= 1e-10, name
+
+
+def _options(**changes: Any) -> EstimateOptions:
+    return EstimateOptions(sequence_parallel_size=2, chunk_size=64, offload=True, activation_checkpointing=True,
+                           offload_checkpoints=True, mlp_tiled=True, loss_tiled=True).replace(**changes)
+
+
+def test_layers_that_cannot_stream_are_named_once_with_their_cost(fresh_seed: int) -> None:
+    """At bind: one line names the layers recomputed whole, why, and the memory model's cost of it per token (a
+    hybrid's gated delta-net layers; Gemma-4's layers that share keys and values); nothing for a model whose layers all
+    stream, or without checkpointing; and the memory model counts such layers whole."""
+    lines: list[str] = []
+    hybrid = _hybrid("qwen3_next", fresh_seed)
+    line = report_unstreamed(hybrid, _options(), log=lines.append)
+    assert lines == [line] and line is not None
+    assert "2 of 3 decoder layers are recomputed whole" in line and "Qwen3NextGatedDeltaNet token mixer" in line, line
+    assert "model.model.layers.0, model.model.layers.2:" in line, line
+    cost = float(line.split("counts them whole: ")[1].split()[0])
+    assert cost > 2, line  # whole-sequence activations, against two hidden vectors per token streamed
+    assert report_unstreamed(hybrid, _options(activation_checkpointing=False), log=lines.append) is None
+    assert report_unstreamed(_model("gemma4", fresh_seed), _options(), log=lines.append) is None
+    assert len(lines) == 1
+
+    shared = HFCausalLM(gemma4_config("kv_shared"))
+    line = report_unstreamed(shared, _options(chunk_size="auto"), log=lines.append)
+    assert line is not None and "4 of 4 decoder layers" in line and "num_kv_shared_layers" in line, line
+    assert "hidden vectors" not in line  # the chunk is picked per batch: no cost before it is known
+    # the memory model: a layer that cannot stream counts whole (a Llama's layers, marked so, against as they are)
+    shape, _ = ModelShape.from_module(
+        HFCausalLM(transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2)))
+    assert [k.streams for k in shape.layer_kinds()] == [True, True]
+    whole = dataclasses.replace(shape, layers=tuple(dataclasses.replace(k, streams=False)
+                                                    for k in shape.layer_kinds()))
+    assert estimate(whole, 4096, _options()).device_peak > estimate(shape, 4096, _options()).device_peak
