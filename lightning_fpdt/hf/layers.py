@@ -38,8 +38,9 @@ from lightning_fpdt.hf.attention import attention_layers, delivering
 from lightning_fpdt.hf.experts import install_experts, routers_of
 from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.router_loss import RouterLoss, split_captured
-from lightning_fpdt.hf.streamed import chunked_layer, stream_refusal
+from lightning_fpdt.hf.streamed import chunked_layer, stream_refusal, token_mixers
 from lightning_fpdt.layers.activation_checkpoint import recomputed_layer_call
+from lightning_fpdt.layers.carried import carried_layer_call
 from lightning_fpdt.layers.layer_stream import stream_chunk_size
 from lightning_fpdt.layers.streaming import streamed_layer_call
 from lightning_fpdt.offload.recompute import needs_backward
@@ -135,7 +136,10 @@ class CheckpointedForward:
                 self._refuse_hidden_state(key, value)
         chunk = stream_chunk_size(context, hidden.shape[1])
         if chunk is not None and stream_refusal(self.layer, hidden, args, kwargs) is None:
-            return self._streamed(run, hidden, args, kwargs, with_grad, chunk, context, backward)
+            carried = bool(token_mixers(self.layer))  # its mixers' state carried from chunk to chunk
+            # under a ring the chunks of the layout are not in sequence order: such layers run whole
+            if not carried or (context.ring_size == 1 and not with_grad):
+                return self._streamed(run, hidden, args, kwargs, with_grad, chunk, context, backward, carried)
         if not backward:
             return run(hidden, *args, **kwargs)
         kwargs = {key: RecomputedWrites(value, self.name) if isinstance(value, MutableMapping) else value
@@ -171,14 +175,19 @@ class CheckpointedForward:
         return y if loss is None or not widths else split_captured(y, hidden.shape[-1], widths, loss)
 
     def _streamed(self, run: Any, hidden: Tensor, args: tuple, kwargs: dict[str, Any], with_grad: list[int | str],
-                  chunk: int, context: SequenceParallelContext, backward: bool) -> Tensor:
+                  chunk: int, context: SequenceParallelContext, backward: bool, carried: bool) -> Tensor:
         """The layer streamed chunk by chunk (:mod:`lightning_fpdt.hf.streamed`): the tensor arguments with a gradient
-        as its extra inputs, the router probabilities' token sums into the auxiliary loss."""
+        as its extra inputs, the router probabilities' token sums into the auxiliary loss; ``carried``: its token
+        mixers' state carried from chunk to chunk (:mod:`lightning_fpdt.layers.carried`)."""
         loss = self.router_loss
         extras = [args[key] if isinstance(key, int) else kwargs[key] for key in with_grad]
         run_chunk = chunked_layer(self.layer, run, hidden, args, kwargs, with_grad, loss, self.name)
-        out = streamed_layer_call(run_chunk, self.layer, hidden, chunk, context.layer_input_store if backward else None,
-                                  keep_answers=context.keep_attention, extras=extras, sums=loss is not None)
+        store = context.layer_input_store if backward else None
+        if carried:
+            out = carried_layer_call(run_chunk, self.layer, hidden, chunk, store, sums=loss is not None)
+        else:
+            out = streamed_layer_call(run_chunk, self.layer, hidden, chunk, store, keep_answers=context.keep_attention,
+                                      extras=extras, sums=loss is not None)
         if loss is None:
             return out
         y, sums = out

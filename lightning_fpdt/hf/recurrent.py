@@ -46,10 +46,12 @@ import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
 from lightning_fpdt.hf.kernel_binding import reached_kernels, rebind
-from lightning_fpdt.hf.short_conv import causal_conv
+from lightning_fpdt.hf.recurrent_heads import delta_rule_split, refuse_split, scan_split
+from lightning_fpdt.hf.short_conv import causal_conv, causal_conv_chunk
+from lightning_fpdt.layers.carried import MixerStream
+from lightning_fpdt.layers.layer_stream import active_stream
 from lightning_fpdt.offload.chunk_store import ChunkStore
 from lightning_fpdt.offload.recompute import INPUT_KIND, recomputed_call
 from lightning_fpdt.parallel.binding import SequenceParallelContext
@@ -124,8 +126,12 @@ class SequenceParallelRecurrence:
               **kwargs: Any) -> Tensor:
         """``causal_conv1d_fn``: ``[b, channels, s_local]`` in and out, ``weight`` ``[channels, K]``."""
         x = hidden_states.transpose(1, 2).to(weight.dtype)  # [b, s_local, channels]
+        stream = self._stream()
         if self.position_wise:  # the last tap only: each position reads itself
             y = x * weight[:, -1]
+        elif stream is not None:  # one chunk of a streamed layer: the tail before it carried
+            y = causal_conv_chunk(x, weight, self._context, self._documents, stream,
+                                  MixerStream.key(self.module, "conv"))
         else:
             y = causal_conv(x, weight, self._context, self._documents)
         if bias is not None:
@@ -151,7 +157,7 @@ class SequenceParallelRecurrence:
             return out.reshape(*value.shape[:2], *out.shape[2:]), None
         p = self._context.size
         n_k, n_v = key.shape[2], value.shape[2]
-        _refuse_split(self._where(), delta_rule_split(n_k, n_v, p))
+        refuse_split(self._where(), delta_rule_split(n_k, n_v, p))
         query, key = expand_kv_heads(query, p), expand_kv_heads(key, p)  # n_k < P: replicated
 
         def run(pieces: list[Tensor], params: list[Tensor], state: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -180,7 +186,7 @@ class SequenceParallelRecurrence:
             return out.reshape(hidden_states.shape)
         p, rank = self._context.size, group_rank(self._context.group)
         heads, groups = hidden_states.shape[2], B.shape[2]
-        _refuse_split(self._where(), scan_split(heads, groups, p))
+        refuse_split(self._where(), scan_split(heads, groups, p))
         local = slice(rank * heads // p, (rank + 1) * heads // p)
         first_group = local.start // (heads // groups)
         kept = slice(first_group, first_group + max(groups // p, 1))  # the groups this rank's heads read
@@ -207,6 +213,9 @@ class SequenceParallelRecurrence:
         is a :func:`~lightning_fpdt.offload.recompute.recomputed_call` keeping only its inputs and starting states (not
         the kernel's ``c x c`` matrices of every head): a checkpointed layer's recomputation holds one chunk's at a
         time."""
+        stream = self._stream()
+        if stream is not None:
+            return self._one_chunk(run, by_head, whole, params, stream)
         ctx = self._context
         group, p, s = ctx.group, ctx.size, by_head[0].shape[1] * ctx.size
         states: list[Tensor] = []  # per group of samples (PackedDocuments.pieces), after the chunk before
@@ -233,6 +242,35 @@ class SequenceParallelRecurrence:
             lo += length
         return torch.cat(outputs, dim=1)
 
+    def _one_chunk(self, run: Kernel, by_head: list[Tensor], whole: list[Tensor], params: list[Tensor],
+                   stream: MixerStream) -> Tensor:
+        """:meth:`_chunk_by_chunk` for one chunk of a streamed layer (:mod:`lightning_fpdt.layers.carried`): the
+        inputs are this rank's sub-chunk of global chunk ``stream.chunk``, the states it starts from carried in and
+        those after it carried out; no recomputed call (the streamed layer recomputes the chunk)."""
+        ctx = self._context
+        group, p, s = ctx.group, ctx.size, stream.s_local * ctx.size
+        lo = stream.lo * p  # local chunk c is global chunk c: its start, every earlier chunk being full
+        length = by_head[0].shape[1] * p
+        inputs = [SeqToHead.apply(t.contiguous(), group) for t in by_head]
+        inputs += [t if p == 1 else all_gather_autograd(t, 1, group) for t in whole]
+        order = gathered_order(s, p, ctx.chunk_size, ctx.ring_size, lo, length)  # a ring's zigzag: sort it
+        inputs = inputs if order is None else [t[:, order.to(t.device)] for t in inputs]
+        keys = [MixerStream.key(self.module, f"state{g}") for g in range(len(self._groups(lo, lo + length)))]
+        states = [state for key in keys if (state := stream.carried(key)) is not None]
+        out, finals = run_pieces(run, lo, lo + length, self._documents, inputs, params, states)
+        for key, final in zip(keys, finals):
+            stream.carry(key, final)
+        out = out if order is None else out[:, inverse_permutation(order).to(out.device)]
+        return HeadToSeq.apply(out.contiguous(), group)
+
+    def _groups(self, lo: int, hi: int) -> list[Any]:
+        return [None] if self._documents is None else self._documents.pieces(lo, hi)
+
+    def _stream(self) -> MixerStream | None:
+        """The carry of the streamed chunk this module runs in, or ``None`` (its layer runs whole)."""
+        stream = active_stream(self.module)
+        return stream if isinstance(stream, MixerStream) else None
+
     # ---- helpers ----------------------------------------------------------------------------------------
 
     def check_heads(self, sp_size: int) -> None:
@@ -245,9 +283,9 @@ class SequenceParallelRecurrence:
         """
         m = self.module
         if self.core == DELTA_RULE and isinstance(n_k := getattr(m, "num_k_heads", None), int):
-            _refuse_split(self._where(), delta_rule_split(n_k, m.num_v_heads, sp_size))
+            refuse_split(self._where(), delta_rule_split(n_k, m.num_v_heads, sp_size))
         if self.core == SCAN and isinstance(heads := getattr(m, "num_heads", None), int):
-            _refuse_split(self._where(), scan_split(heads, m.n_groups, sp_size))
+            refuse_split(self._where(), scan_split(heads, m.n_groups, sp_size))
 
     def _plain(self) -> bool:
         """One process, one chunk, one document per sample, not probed: the family's kernel as it is."""
@@ -283,36 +321,6 @@ class SequenceParallelRecurrence:
 
     def _where(self) -> str:
         return f"{type(self.module).__name__} (layer {getattr(self.module, 'layer_idx', '?')})"
-
-
-def delta_rule_split(n_k: int, n_v: int, p: int) -> str | None:
-    """Why a gated delta rule of ``n_k`` key and ``n_v`` value heads cannot run over ``p`` ranks, or ``None``: each
-    rank takes ``n_v / p`` value heads, with their key heads split too or replicated (``p`` a multiple of ``n_k``)."""
-    return _split(n_v, "value heads", n_k, "key heads", "replicated", p)
-
-
-def scan_split(heads: int, groups: int, p: int) -> str | None:
-    """Why a Mamba-2 scan of ``heads`` heads in ``groups`` ``B``/``C`` groups cannot run over ``p`` ranks, or
-    ``None``: each rank takes ``heads / p`` heads, which must cover whole groups or lie in one."""
-    return _split(heads, "heads", groups, "B/C groups", "shared", p)
-
-
-def _split(outer: int, outer_name: str, inner: int, inner_name: str, kept: str, p: int) -> str | None:
-    """The rule both kernels share (attention's for its KV heads too,
-    :func:`~lightning_fpdt.parallel.comm.check_heads`): ``outer`` divisible by ``p``, ``inner`` divisible by it or
-    dividing it."""
-    if outer % p == 0 and (inner % p == 0 or p % inner == 0):
-        return None
-    sizes = [q for q in range(1, outer + 1) if outer % q == 0 and (inner % q == 0 or q % inner == 0)]
-    return (f"{inner} {inner_name} and {outer} {outer_name}, which sequence_parallel_size={p} cannot split: each rank"
-            f" takes {outer_name} / {p}, with their {inner_name} split too ({inner_name} divisible by {p}) or {kept}"
-            f" (sequence_parallel_size a multiple of the {inner_name}). Use a sequence_parallel_size in"
-            f" {sizes}")
-
-
-def _refuse_split(where: str, why: str | None) -> None:
-    if why is not None:
-        raise FPDTError(f"HFCausalLM: {where} has {why}.")
 
 
 def run_pieces(run: Kernel, lo: int, hi: int, documents: PackedDocuments | None, inputs: list[Tensor],

@@ -28,6 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_fpdt.hf.temperature import token_positions
+from lightning_fpdt.layers.carried import MixerStream
+from lightning_fpdt.layers.layer_stream import active_stream
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from lightning_fpdt.parallel.comm import all_gather_autograd, group_rank, group_size
 from lightning_fpdt.parallel.layout import chunk_lengths, fpdt_permutation, shard_indices
@@ -67,8 +70,12 @@ class SequenceParallelShortConv:
         gate_b, gate_c, x = bcx.chunk(3, dim=-1)
         u = gate_b * x  # the convolution's input, [b, s_local, width]
         weight = m.conv.weight[:, 0, :]  # [width, K]; tap K - 1 multiplies the token itself
+        stream = active_stream(m)
         if self.position_wise:
             y = u * weight[:, -1]
+        elif isinstance(stream, MixerStream):  # one chunk of a streamed layer (lightning_fpdt.layers.carried)
+            y = causal_conv_chunk(u, weight, fpdt_context or SequenceParallelContext(), documents, stream,
+                                  MixerStream.key(m, "conv"))
         else:
             y = causal_conv(u, weight, fpdt_context or SequenceParallelContext(), documents)
         if m.conv.bias is not None:
@@ -117,6 +124,37 @@ def causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, documen
         windows.append(torch.cat([*halo, part], dim=1).unfold(1, k1 + 1, 1))
     valid = _history(b, s_local, p, rank, ctx.chunk_size, documents, k1 + 1, u.device)  # [b, s_local, K]
     return torch.einsum("bswk,wk->bsw", torch.cat(windows, dim=1) * valid.unsqueeze(2).to(u.dtype), weight)
+
+
+def causal_conv_chunk(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, documents: PackedDocuments | None,
+                      stream: MixerStream, key: str) -> Tensor:
+    """:func:`causal_conv` of one chunk of a streamed layer (:mod:`lightning_fpdt.layers.carried`): ``u`` ``[b, n,
+    width]`` is this rank's sub-chunk of global chunk ``stream.chunk``; ``[b, n, width]`` out.
+
+    The ``K - 1`` inputs before the chunk arrive carried under ``key`` (zeros at the start of the sequence); every
+    rank's last ``K - 1`` inputs of the sub-chunk are all-gathered (autograd-aware). In global order the chunk is the
+    carried inputs, then rank 0's sub-chunk, rank 1's, ...: a rank's ``K - 1`` inputs before its sub-chunk are the
+    last ``K - 1`` of the carried ones and the tails of the ranks before it, and the last ``K - 1`` of all of them are
+    carried out for the next chunk.
+    """
+    if ctx.ring_size > 1:
+        raise NotImplementedError("a streamed layer's convolution under a ring (ring_size > 1): the zigzag layout's"
+                                  " chunks are not in sequence order; such layers are recomputed whole")
+    b, n, width = u.shape
+    k1 = weight.shape[1] - 1  # the taps before the token itself
+    p, rank = group_size(ctx.group), group_rank(ctx.group)
+    held = min(n, k1)  # a sub-chunk shorter than K - 1 tokens is its whole tail
+    tail = u[:, n - held:]
+    tails = list(all_gather_autograd(tail, 0, ctx.group).split(b)) if p > 1 else [tail]  # each rank's [b, held, w]
+    before = stream.carried(key)
+    before = u.new_zeros(b, k1, width) if before is None else before.to(u.dtype)
+    halo = torch.cat([before, *tails[:rank]], dim=1)[:, -k1:] if k1 else u.new_zeros(b, 0, width)
+    stream.carry(key, torch.cat([before, *tails], dim=1)[:, -k1:] if k1 else before)
+    windows = torch.cat([halo, u], dim=1).unfold(1, k1 + 1, 1)  # window j ends at token j: [b, n, width, K]
+    positions = token_positions(stream.s_local, p, rank, ctx.chunk_size, documents, u.device, ctx.ring_size,
+                                stream.lo, n)  # [b or 1, n], in each token's document
+    valid = positions.unsqueeze(-1) >= torch.arange(k1, -1, -1, device=u.device)  # tap j reads lag K - 1 - j
+    return torch.einsum("bswk,wk->bsw", windows * valid.unsqueeze(2).to(u.dtype), weight)
 
 
 @functools.lru_cache(maxsize=16)

@@ -35,7 +35,10 @@ from torch import Tensor, nn
 
 from lightning_fpdt.hf.attention import is_attention_layer, receives_keywords
 from lightning_fpdt.hf.experts import ExpertsForward
+from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence
+from lightning_fpdt.hf.recurrent_memory import mixer_memory
 from lightning_fpdt.hf.router_loss import RouterLoss
+from lightning_fpdt.hf.short_conv import SequenceParallelShortConv
 from lightning_fpdt.layers.layer_stream import LayerStream, streaming_into
 
 
@@ -60,18 +63,40 @@ def _known_sharing(layer: nn.Module) -> bool:
 
 
 def layer_refusal(layer: nn.Module) -> str | None:
-    """Why decoder layer ``layer`` cannot stream whatever its arguments (what it holds), or ``None``."""
+    """Why decoder layer ``layer`` cannot stream whatever its arguments (what it holds), or ``None``: it holds one
+    attention layer, or token mixers that carry their state from chunk to chunk
+    (:mod:`lightning_fpdt.layers.carried`) and no attention."""
     attention = [m for m in layer.modules() if is_attention_layer(m)]
+    mixers = token_mixers(layer)
+    if mixers:
+        kind = type(mixers[0]).__name__
+        if attention:
+            return (f"it holds attention and a {kind} token mixer both, whose backwards run their chunks in opposite"
+                    " orders")
+        unready = [m for m in mixers if not carries_state(m)]
+        if unready:
+            return (f"it holds a {type(unready[0]).__name__} token mixer that runs as its family wrote it (not"
+                    " sequence-parallel here), over the whole sequence")
+        return None
     if len(attention) != 1:
-        mixers = [type(m).__name__ for m in layer.modules() if receives_keywords(m) and not is_attention_layer(m)]
-        held = f"a {mixers[0]} token mixer" if mixers else "no attention layer"
-        return f"it holds {held}, which carries state along the sequence" if not attention else \
-            f"it holds {len(attention)} attention layers"
-    if any(receives_keywords(m) and not is_attention_layer(m) for m in layer.modules()):
-        return "it holds a token mixer besides attention, which carries state along the sequence"
+        return f"it holds {len(attention)} attention layers"
     if shares_keys_and_values(attention[0]):
         return "its keys and values are shared with other layers (Gemma-4 num_kv_shared_layers)"
     return None
+
+
+def token_mixers(layer: nn.Module) -> list[nn.Module]:
+    """The modules of ``layer`` that mix tokens besides attention: a gated delta-net, a Mamba-2 mixer or a short
+    convolution (sequence-parallel or not), or any other module that reads the FPDT keywords."""
+    return [m for m in layer.modules() if not is_attention_layer(m)
+            and (receives_keywords(m) or carries_state(m) or mixer_memory(m) is not None)]
+
+
+def carries_state(module: nn.Module) -> bool:
+    """Whether ``module`` runs a sequence-parallel forward that carries its state from chunk to chunk of a streamed
+    layer (:class:`~lightning_fpdt.hf.recurrent.SequenceParallelRecurrence`,
+    :class:`~lightning_fpdt.hf.short_conv.SequenceParallelShortConv`)."""
+    return isinstance(module.__dict__.get("forward"), (SequenceParallelRecurrence, SequenceParallelShortConv))
 
 
 def shares_keys_and_values(attention: nn.Module) -> bool:
@@ -115,6 +140,7 @@ def chunked_layer(layer: nn.Module, run: Callable[..., Any], hidden: Tensor, arg
     With ``router_loss``, the chunk's MoE blocks weigh the chunk's tokens and ``run_chunk`` returns ``(y_c, sums)``
     (:meth:`~lightning_fpdt.hf.router_loss.RouterLoss.chunk_sums`)."""
     attention = [m for m in layer.modules() if is_attention_layer(m)]
+    answering = attention + [m for m in token_mixers(layer) if carries_state(m)]  # what reads the stream
     b, s = hidden.shape[:2]
     moe_calls = sum(isinstance(m.__dict__.get("forward"), ExpertsForward) for m in layer.modules())
     args = tuple(_Untouched(v, name) if isinstance(v, MutableMapping) else v for v in args)
@@ -129,7 +155,7 @@ def chunked_layer(layer: nn.Module, run: Callable[..., Any], hidden: Tensor, arg
             else:
                 call_kwargs[key] = extra
         with ExitStack() as scope:
-            scope.enter_context(streaming_into(attention, stream))
+            scope.enter_context(streaming_into(answering, stream))
             if router_loss is not None:
                 scope.enter_context(router_loss.tokens(lo, hi))
                 captured = scope.enter_context(router_loss.capture())

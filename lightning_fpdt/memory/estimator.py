@@ -182,10 +182,12 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     tile_tokens = largest_tile(t, shape.loss_tiles) if options.loss_tiled else t
     logits = tile_tokens * shape.vocab_size * 4
     # streamed layers (lightning_fpdt.layers.streaming): checkpointed, in two or more chunks, attention and per-token
-    # work only (and sums over tokens); a layer that cannot stream is recomputed whole
+    # work only (and sums over tokens), or token mixers whose state is carried from chunk to chunk without attention
+    # (lightning_fpdt.layers.carried, not under a ring); a layer that cannot stream is recomputed whole
     streams = options.streaming and options.activation_checkpointing and chunk_tokens_rank < t
     def streamed(kind: LayerKind) -> bool:
-        return streams and kind.attention and not kind.mixers and kind.streams
+        carried = bool(kind.mixers) and not kind.attention and r == 1 and all(m.chunked for m in kind.mixers)
+        return streams and kind.streams and (carried or (kind.attention and not kind.mixers))
 
     final = (1 if streams and options.loss_tiled else 3) * t * h * e  # norm input, output, its own; or the input
     loss_saved = 0 if options.loss_tiled else logits  # the log-softmax output, kept for backward
@@ -246,6 +248,11 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     c = min(chunk_tokens_rank, t)
 
     def streamed_backward(kind: LayerKind) -> float:
+        if kind.mixers:  # carried: one chunk recomputed, its saved activations and its kernels' work
+            mixers_saved = sum(m.saved(p, chunk_size, s_pad) for m in kind.mixers)
+            chunk_saved = c * e * ((4 + shape.norm_extras) * h + mixers_saved)
+            mixer_work = max(c * 4 * m.work() for m in kind.mixers)
+            return 2 * t * h * e + chunk_saved + max(mixer_work, streamed_mlp_work if kind.mlp else 0)
         store = (0 if options.offload else pipeline_saved + t * e * od) + (0 if shape.chunked_projections else
                                                                           2 * t * hd * e)
         chunk_graph = c * e * ((4 + shape.norm_extras) * h + 2 * od + qd + 2 * shape.num_kv_heads * hd)
@@ -257,9 +264,13 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     kept_answers = 0
     if options.activation_checkpointing and options.keep_attention:
         kept_answers = sum(k.attention for k in kinds) * t * (od * e + shape.num_heads * 4)
+    # a carried layer's states at its chunk boundaries, from its forward to its backward (with the layer inputs)
+    carries = sum(t * max(e, 4) * m.state / min(chunk, s_pad) for k in kinds if streamed(k) and k.mixers
+                  for m in k.mixers)
     if options.activation_checkpointing:
         stored = 0 if options.offload_checkpoints else layer_input  # one block's input on the device
-        all_stored = shape.num_layers * stored + (0 if options.offload else kept_answers)
+        all_stored = (shape.num_layers * stored + (0 if options.offload else kept_answers)
+                      + (0 if options.offload_checkpoints else carries))
         saved = all_stored + final
         # one block recomputed and its backward: its saved activations besides the above. The loss's saved
         # logits are freed before the first block is recomputed (the final norm's activations are counted on:
@@ -282,7 +293,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     if options.offload:
         host += offloaded_layer if options.activation_checkpointing else offloaded_layers
     if options.activation_checkpointing and options.offload_checkpoints:
-        host += shape.num_layers * layer_input
+        host += shape.num_layers * layer_input + carries
     if options.offload:
         host += kept_answers
     # the blocks' backward, from the last block to the first: the gradients made so far grow by one block's

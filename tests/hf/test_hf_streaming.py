@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -21,6 +22,9 @@ import torch
 import torch.distributed as dist
 import transformers
 
+import lightning_fpdt.hf.recurrent as recurrent
+import lightning_fpdt.hf.short_conv as short_conv
+import lightning_fpdt.layers.carried as carried
 import lightning_fpdt.layers.streaming as streaming
 from lightning_fpdt.hf.layers import decoder_modules
 from lightning_fpdt.memory import EstimateOptions, ModelShape, estimate
@@ -36,7 +40,10 @@ from tests.hf.test_hf_gemma4 import _config as gemma4_config
 from tests.hf.test_hf_gemma4 import gemma4_in_float64 as gemma4_in_float64
 from tests.hf.test_hf_moe import _config as moe_config
 from tests.hf.test_hf_moe import routers_in_float64 as routers_in_float64
+from tests.hf.test_recurrent import _config as recurrent_config
 from tests.hf.test_recurrent import _hybrid
+from tests.hf.test_recurrent import kernels_in_float64 as kernels_in_float64
+from tests.hf.test_short_conv import _lfm2
 from tests.reference import rel_error
 from tests.test_streaming import _batch, _context, _step, _WholeSequenceWork
 
@@ -44,14 +51,23 @@ FAMILIES = {
     "qwen3_moe": lambda: moe_config("qwen3_moe", 1),  # the auxiliary loss on; layer 1 dense
     "gemma4": lambda: gemma4_config("experts"),  # per-layer inputs, experts beside the MLP
     "llama4": lambda: _released("llama4", 1),  # NoPE layer with temperature tuning, chunked attention, experts
+    # hybrids: gated delta-net layers around an attention layer (Qwen3.5), with routed experts and the auxiliary
+    # loss (Qwen3-Next); Mamba-2 layers (Nemotron-H); short convolutions (LFM2)
+    "qwen3_5_text": lambda: recurrent_config("qwen3_5_text"),
+    "qwen3_next": lambda: recurrent_config("qwen3_next"),
+    "nemotron_h": lambda: recurrent_config("nemotron_h"),
+    "lfm2": lambda: _lfm2(0).model.config,
 }
+ROUTER_LOSS = {"qwen3_moe", "qwen3_next"}
 
 
 def _model(family: str, seed: int) -> HFCausalLM:
     torch.manual_seed(seed)
-    module = HFCausalLM(FAMILIES[family](), mlp_tiles=2, loss_tiles=3).double()
+    with warnings.catch_warnings():  # the families' "falling back to the torch implementation" notices
+        warnings.simplefilter("ignore")
+        module = HFCausalLM(FAMILIES[family](), mlp_tiles=2, loss_tiles=3).double()
     _redraw(module.model, seed)
-    assert (module.router_loss is not None) == (family == "qwen3_moe")
+    assert (module.router_loss is not None) == (family in ROUTER_LOSS)
     return module
 
 
@@ -66,17 +82,20 @@ def _data(seed: int, seq: int, padded: bool) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def _counted(backward: Any, calls: list[int]) -> Any:
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(self.bounds))
+        return backward(self, *args, **kwargs)
+
+    return counted
+
+
 def _sharded_step(rank: int, world: int, family: str, padded: bool, seed: int, seq: int, chunk: int
                   ) -> dict[str, Any]:
     module = _model(family, seed)
-    streamed = []
-    original = streaming._Streamed.backward
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        streamed.append(len(self.bounds))
-        return original(self, *args, **kwargs)
-
-    streaming._Streamed.backward = counted  # this forked rank's own copy of the module
+    streamed: list[int] = []
+    for kind in (streaming._Streamed, carried._Carried):  # this forked rank's own copies of the modules
+        kind.backward = _counted(kind.backward, streamed)
     bind(module, _context(dist.group.WORLD, chunk))
     loss_sum, grads = _step(module, shard_batch(_data(seed, seq, padded), world, rank, chunk))
     dist.all_reduce(loss_sum)
@@ -85,7 +104,8 @@ def _sharded_step(rank: int, world: int, family: str, padded: bool, seed: int, s
     return {"loss": loss_sum, "grads": grads, "streamed": streamed}
 
 
-CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("gemma4", False), ("llama4", False)]
+CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("gemma4", False), ("llama4", False), ("qwen3_5_text", False),
+         ("qwen3_next", True), ("nemotron_h", False), ("lfm2", False)]
 
 
 @pytest.mark.distributed
@@ -122,10 +142,10 @@ def test_the_auxiliary_loss_moves_the_streamed_step(fresh_seed: int) -> None:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_no_layer_work_is_sized_by_the_local_sequence(family: str, fresh_seed: int) -> None:
-    """A full-stack step with six chunks: inside the decoder layers, forward and backward, no op makes a tensor sized
-    by the local sequence (beyond the output and gradient buffers filled chunk by chunk); the same check fails with
-    layers recomputed whole, and both give the same loss and gradients."""
-    seq, chunk = 96, 16
+    """A full-stack step with seven chunks: inside the decoder layers, forward and backward, no op makes a tensor
+    sized by the local sequence (beyond the output and gradient buffers filled chunk by chunk); the same check fails
+    with layers recomputed whole, and both give the same loss and gradients. (112 tokens: no width of these models.)"""
+    seq, chunk = 112, 16
     batch = shard_batch(_data(fresh_seed, seq, family == "qwen3_moe"), 1, 0, chunk)
     results, found = [], []
     for streamed in (True, False):
@@ -153,19 +173,21 @@ def _options(**changes: Any) -> EstimateOptions:
 
 
 def test_layers_that_cannot_stream_are_named_once_with_their_cost(fresh_seed: int) -> None:
-    """At bind: one line names the layers recomputed whole, why, and the memory model's cost of it per token (a
-    hybrid's gated delta-net layers; Gemma-4's layers that share keys and values); nothing for a model whose layers all
-    stream, or without checkpointing; and the memory model counts such layers whole."""
+    """At bind: one line names the layers recomputed whole, why, and the memory model's cost of it per token
+    (Falcon-H1's layers, attention and a Mamba-2 mixer side by side; Gemma-4's layers that share keys and values);
+    nothing for a model whose layers all stream (hybrids too), or without checkpointing; and the memory model counts
+    such layers whole."""
     lines: list[str] = []
-    hybrid = _hybrid("qwen3_next", fresh_seed)
+    hybrid = _hybrid("falcon_h1", fresh_seed)  # attention and a Mamba-2 mixer side by side in every layer
     line = report_unstreamed(hybrid, _options(), log=lines.append)
     assert lines == [line] and line is not None
-    assert "2 of 3 decoder layers are recomputed whole" in line and "Qwen3NextGatedDeltaNet token mixer" in line, line
-    assert "model.model.layers.0, model.model.layers.2:" in line, line
+    assert "3 of 3 decoder layers are recomputed whole" in line and "attention and a FalconH1Mixer" in line, line
+    assert "model.model.layers.0, model.model.layers.1, model.model.layers.2:" in line, line
     cost = float(line.split("counts them whole: ")[1].split()[0])
     assert cost > 2, line  # whole-sequence activations, against two hidden vectors per token streamed
     assert report_unstreamed(hybrid, _options(activation_checkpointing=False), log=lines.append) is None
-    assert report_unstreamed(_model("gemma4", fresh_seed), _options(), log=lines.append) is None
+    for family in ("gemma4", "qwen3_next", "lfm2"):  # every layer streams
+        assert report_unstreamed(_model(family, fresh_seed), _options(), log=lines.append) is None, family
     assert len(lines) == 1
 
     shared = HFCausalLM(gemma4_config("kv_shared"))
@@ -180,3 +202,38 @@ def test_layers_that_cannot_stream_are_named_once_with_their_cost(fresh_seed: in
     whole = dataclasses.replace(shape, layers=tuple(dataclasses.replace(k, streams=False)
                                                     for k in shape.layer_kinds()))
     assert estimate(whole, 4096, _options()).device_peak > estimate(shape, 4096, _options()).device_peak
+
+
+def test_a_state_not_carried_or_not_restarted_at_a_document_is_caught(monkeypatch: pytest.MonkeyPatch,
+                                                                       fresh_seed: int) -> None:
+    """A streamed gated delta-net layer (its convolution and its delta rule) equals the layer run whole; with its carry
+    dropped between chunks, or its state and convolution history kept across document starts, it does not."""
+    seq, chunk = 64, 16
+    batch = shard_batch(_data(fresh_seed, seq, False), 1, 0, chunk)
+
+    def step(streamed: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        module = _model("qwen3_5_text", fresh_seed)
+        bind(module, _context(None, chunk, streamed))
+        return _step(module, batch)
+
+    whole_loss, whole_grads = step(False)
+    loss, grads = step(True)
+    assert rel_error(loss, whole_loss) <= 1e-10
+    assert all(rel_error(grads[n], g) <= 1e-10 for n, g in whole_grads.items())
+
+    pieces, positions = recurrent.run_pieces, short_conv.token_positions
+    breakages = {
+        "not carried": [(carried.MixerStream, "carried", lambda self, key: None)],
+        "not restarted": [  # one piece per chunk, every lag of the convolution read
+            (recurrent, "run_pieces", lambda run, lo, hi, documents, *rest: pieces(run, lo, hi, None, *rest)),
+            (short_conv, "token_positions", lambda s, p, r, c, documents, *rest: positions(s, p, r, c, None, *rest)),
+        ],
+    }
+    for name, patches in breakages.items():
+        with monkeypatch.context() as patched:
+            for owner, attribute, replacement in patches:
+                patched.setattr(owner, attribute, replacement)
+            broken_loss, broken_grads = step(True)
+        assert rel_error(broken_loss, whole_loss) > 1e-6, name
+        mixer = [n for n in whole_grads if "linear_attn.in_proj_qkv" in n]
+        assert mixer and all(rel_error(broken_grads[n], whole_grads[n]) > 1e-4 for n in mixer), name
