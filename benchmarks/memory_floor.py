@@ -4,14 +4,17 @@ Llama-3-8B sequence.
 
     python benchmarks/memory_floor.py                       # CPU, 2 gloo processes, 8K and 16K tokens
     python benchmarks/memory_floor.py --seq 8192 32768 --repeats 2
+    python benchmarks/memory_floor.py --models qwen35 qwen3moe --layers 4 --hidden 256
 
 Table 1, on ``--world`` CPU processes, the full stack (attention chunks of ``--chunk-size`` tokens and the layer
 inputs offloaded, emulated on CPU: the offload's host buffers are not counted; tiled MLP and loss; activation
 checkpointing), float32, for the own ``LlamaLM`` and ``HFCausalLM(transformers.LlamaForCausalLM)`` of the same shape,
-each with layers recomputed whole (``streaming=False``, as before) and streamed: the peak of live tensors per rank
-at each length (``TensorMemoryTracker``, a second step: parameters, gradients and AdamW state included), the memory
-model's estimate of it, the slope between the lengths in bytes per token and in hidden vectors (``hidden x 4``
-bytes), and the seconds per step.
+a Qwen3.5-shaped hybrid (gated delta-net layers, their state carried chunk to chunk: ``lightning_fpdt.layers.carried``)
+and a Qwen3-MoE-shaped model with the auxiliary loss on (``--models``), each with layers recomputed whole
+(``streaming=False``, as before) and streamed: the peak of live tensors per rank at each length
+(``TensorMemoryTracker``, a second step: parameters, gradients and AdamW state included), the memory model's
+estimate of it, the slope between the lengths in bytes per token and in hidden vectors (``hidden x 4`` bytes), and
+the seconds per step.
 
 Table 2: the memory model's longest Llama-3-8B sequence (hidden 4096, 32 layers, 32 heads, 8 KV heads,
 intermediate 14336, vocabulary 128256; bf16-mixed, flash attention, chunks of 65536 tokens offloaded, checkpointing
@@ -46,7 +49,8 @@ H200 = 141e9  # bytes of device memory
 
 
 def build(model: str, args: argparse.Namespace) -> CausalLM:
-    """The own Llama or a transformers Llama of the same shape, MLP and loss tiled automatically."""
+    """The own Llama, a transformers Llama of the same shape, a Qwen3.5-shaped hybrid (three gated delta-net layers of
+    every four) or a Qwen3-MoE-shaped model with the auxiliary loss on; MLP and loss tiled automatically."""
     h = args.hidden
     if model == "llama":
         return LlamaLM(LlamaConfig(vocab_size=args.vocab, hidden_size=h, intermediate_size=h * 11 // 4,
@@ -55,10 +59,32 @@ def build(model: str, args: argparse.Namespace) -> CausalLM:
                        loss_tiles=None)
     import transformers
 
+    if model in ("qwen35", "qwen3moe"):
+        return HFCausalLM(hf_config(model, args), mlp_tiles=None, loss_tiles=None)
     return HFCausalLM(transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=h, intermediate_size=h * 11 // 4,
                                                num_hidden_layers=args.layers, num_attention_heads=args.heads,
                                                num_key_value_heads=args.heads // 2, max_position_embeddings=1 << 22),
                       mlp_tiles=None, loss_tiles=None)
+
+
+def hf_config(model: str, args: argparse.Namespace) -> Any:
+    """The transformers config of the two 2026 shapes: Qwen3.5's layer pattern (a full attention layer after three
+    gated delta-net layers; 2 key and 4 value heads of 64), Qwen3-MoE's experts (8, two per token, each of
+    ``hidden x 3 / 4``) with ``output_router_logits`` and a coefficient of 0.01."""
+    import transformers
+
+    h = args.hidden
+    common = dict(vocab_size=args.vocab, hidden_size=h, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                  num_key_value_heads=args.heads // 2, head_dim=h // args.heads, max_position_embeddings=1 << 22)
+    if model == "qwen35":
+        kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.layers)]
+        return transformers.AutoConfig.for_model(
+            "qwen3_5_text", intermediate_size=h * 11 // 4, layer_types=kinds, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, **common)
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe", intermediate_size=h * 11 // 4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=h * 3 // 4, output_router_logits=True, router_aux_loss_coef=0.01, **common)
+    return config
 
 
 def options(args: argparse.Namespace, streaming: bool, offload: bool = False) -> EstimateOptions:
@@ -160,7 +186,8 @@ def model_table() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, nargs=2, default=[8192, 16384])
-    parser.add_argument("--models", nargs="+", default=["llama", "hf"], choices=["llama", "hf"])
+    parser.add_argument("--models", nargs="+", default=["llama", "hf", "qwen35", "qwen3moe"],
+                        choices=["llama", "hf", "qwen35", "qwen3moe"])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=256)

@@ -420,7 +420,7 @@ def test_auto_chunk_size_in_training_fits_the_budget(model: str, tmp_path) -> No
 @pytest.mark.timeout(120)
 def test_auto_chunk_size_refuses_when_nothing_fits(tmp_path) -> None:
     with pytest.raises(Exception, match=r"FPDTStrategy: chunk_size='auto': nothing fits a budget of 1 KiB per rank"
-                                        r" at 256 tokens; the smallest chunk \(2\) still needs 2.6 MiB"):
+                                        r" at 256 tokens; the smallest chunk \(2\) still needs 2.7 MiB"):
         _fit_auto(1024 / 2**30, tmp_path)
 
 

@@ -73,7 +73,7 @@ def layer_refusal(layer: nn.Module) -> str | None:
         if attention:
             return (f"it holds attention and a {kind} token mixer both, whose backwards run their chunks in opposite"
                     " orders")
-        unready = [m for m in mixers if not carries_state(m)]
+        unready = [m for m in mixers if not carries_state(m) and not _installed_with_weights(m)]
         if unready:
             return (f"it holds a {type(unready[0]).__name__} token mixer that runs as its family wrote it (not"
                     " sequence-parallel here), over the whole sequence")
@@ -97,6 +97,14 @@ def carries_state(module: nn.Module) -> bool:
     layer (:class:`~lightning_fpdt.hf.recurrent.SequenceParallelRecurrence`,
     :class:`~lightning_fpdt.hf.short_conv.SequenceParallelShortConv`)."""
     return isinstance(module.__dict__.get("forward"), (SequenceParallelRecurrence, SequenceParallelShortConv))
+
+
+def _installed_with_weights(module: nn.Module) -> bool:
+    """A mixer on the meta device that gets its sequence-parallel forward once its weights are in (what the memory
+    model sizes before they are)."""
+    param = next(module.parameters(), None)
+    memory = mixer_memory(module)
+    return param is not None and param.device.type == "meta" and memory is not None and memory.chunked
 
 
 def shares_keys_and_values(attention: nn.Module) -> bool:
