@@ -22,10 +22,19 @@ from lightning_fpdt.memory.planning import run_options
 from lightning_fpdt.memory.shape import LayerKind, ModelShape
 from lightning_fpdt.parallel.binding import decoder_layers
 
+_RING = ("its token mixers' state cannot be carried from chunk to chunk under a ring (ring_size > 1: the zigzag"
+         " layout's chunks are not in sequence order)")
 
-def unstreamed_layers(module: pl.LightningModule) -> list[tuple[str, str]]:
-    """``(name, why)`` of each decoder layer of ``module`` that cannot stream whatever its arguments, in layer order."""
-    return [(layer.name, why) for layer in decoder_layers(module) if (why := layer.stream_refusal) is not None]
+
+def unstreamed_layers(module: pl.LightningModule, ring_size: int = 1) -> list[tuple[str, str]]:
+    """``(name, why)`` of each decoder layer of ``module`` that cannot stream whatever its arguments (and, under a
+    ring of ``ring_size``, each layer whose token mixers carry state), in layer order."""
+    found = []
+    for layer in decoder_layers(module):
+        why = layer.stream_refusal or (_RING if ring_size > 1 and layer.mixers else None)
+        if why is not None:
+            found.append((layer.name, why))
+    return found
 
 
 def unstreamed_cost(shape: ModelShape, options: EstimateOptions) -> float:
@@ -62,7 +71,7 @@ def report_unstreamed(module: pl.LightningModule, options: EstimateOptions,
     """Name, in one line (logged once with ``log``, and returned), the decoder layers of ``module`` that a checkpointed
     run recomputes whole, why, and their cost (:func:`unstreamed_cost`, where the chunk size is known and the memory
     model can size the model); ``None`` (nothing logged) where every layer streams or nothing is checkpointed."""
-    refused = unstreamed_layers(module)
+    refused = unstreamed_layers(module, options.ring_size)
     if not refused or not options.activation_checkpointing or not options.streaming:
         return None
     reasons: dict[str, list[str]] = {}

@@ -237,3 +237,13 @@ def test_a_state_not_carried_or_not_restarted_at_a_document_is_caught(monkeypatc
         assert rel_error(broken_loss, whole_loss) > 1e-6, name
         mixer = [n for n in whole_grads if "linear_attn.in_proj_qkv" in n]
         assert mixer and all(rel_error(broken_grads[n], whole_grads[n]) > 1e-4 for n in mixer), name
+
+
+def test_a_ring_names_the_mixer_layers_it_keeps_whole(fresh_seed: int) -> None:
+    """Under a ring a hybrid's mixer layers are recomputed whole (their chunks are not in sequence order): named with
+    the ring as the reason, and counted whole by the memory model."""
+    lines: list[str] = []
+    hybrid = _hybrid("qwen3_next", fresh_seed)
+    line = report_unstreamed(hybrid, _options(sequence_parallel_size=4, ring_size=2), log=lines.append)
+    assert line is not None and "2 of 3 decoder layers" in line and "under a ring (ring_size > 1" in line, line
+    assert report_unstreamed(hybrid, _options(), log=lines.append) is None
