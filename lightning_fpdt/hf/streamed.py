@@ -16,10 +16,12 @@ A layer streams when everything it computes besides its one attention layer is p
 - Llama-4's temperature-tuned NoPE layers scale each chunk's queries at the chunk's own tokens' positions
   (:func:`lightning_fpdt.hf.temperature.tuned_queries` reads the chunk's place from the stream);
 - Gemma-4's ``shared_kv_states`` mapping is passed through untouched by layers that do not share keys and values.
-Refused to streaming (recomputed whole instead, exactly as before) by :func:`stream_refusal`, naming why: layers
-without attention or with another token mixer (a gated delta-net, Mamba-2, a short convolution: they carry state
-along the sequence), layers whose keys and values are shared with others (Gemma-4 ``num_kv_shared_layers``), and
-layers given a mapping of unknown use or a tensor argument that is not per token in a recognisable layout.
+A layer whose token mixers carry state along the sequence (a gated delta-net, Mamba-2, a short convolution) and that
+holds no attention streams too, its mixers' state carried from chunk to chunk (:mod:`lightning_fpdt.layers.carried`).
+Refused to streaming (recomputed whole instead, exactly as before) by :func:`stream_refusal`, naming why: layers with
+attention and a token mixer side by side (Falcon-H1, Zamba2's hybrid layers), mixers running their family's own
+forward, layers whose keys and values are shared with others (Gemma-4 ``num_kv_shared_layers``), and layers given a
+mapping of unknown use or a tensor argument that is not per token in a recognisable layout.
 
 The final norm is left to the tiled loss (:func:`norm_skipped`), as the own models leave theirs
 (:func:`lightning_fpdt.models.contract.output_norm`), so the loss keeps one hidden vector per token, not three.
