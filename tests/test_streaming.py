@@ -4,6 +4,7 @@ work sized by the local sequence, forward or backward, for the own Llama and a t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -166,21 +167,29 @@ def test_no_layer_work_is_sized_by_the_local_sequence(kind: str, fresh_seed: int
     the same check fails when layers are recomputed whole, and both give the same loss and gradients."""
     seq, chunk = 96, 16
     batch = shard_batch(_batch(fresh_seed, seq), 1, 0, chunk)
+    assert_layer_work_is_chunk_sized(lambda: _model(kind, fresh_seed), _layers, batch, seq, kind)
+
+
+def assert_layer_work_is_chunk_sized(make: Callable[[], CausalLM], layers_of: Callable[[CausalLM], list[nn.Module]],
+                                     batch: dict[str, Tensor], seq: int, label: str) -> None:
+    """A full-stack step of ``make()``'s model on ``batch`` (one process, chunks of 16): no op inside its decoder
+    layers (``layers_of``) sized by the ``seq`` local tokens when they stream; more than ten when they are recomputed
+    whole (the check sees); the same loss and gradients both ways."""
     results, found = [], []
     for streamed in (True, False):
-        module = _model(kind, fresh_seed)
-        bind(module, _context(None, chunk, streamed))
+        module = make()
+        bind(module, _context(None, 16, streamed))
         watcher = _WholeSequenceWork(seq, 2)
-        handles = watcher.watch(_layers(module))
+        handles = watcher.watch(layers_of(module))
         with watcher:
             results.append(_step(module, batch))
         for handle in handles:
             handle.remove()
         assert watcher.depth == 0
         found.append(watcher.found)
-    assert found[0] == [], f"{kind}: whole-sequence work inside a streamed layer: {found[0][:8]}"
-    assert len(found[1]) > 10, f"{kind}: the check saw nothing in a layer recomputed whole: {found[1]}"
+    assert found[0] == [], f"{label}: whole-sequence work inside a streamed layer: {found[0][:8]}"
+    assert len(found[1]) > 10, f"{label}: the check saw nothing in a layer recomputed whole: {found[1]}"
     (loss, grads), (whole_loss, whole_grads) = results
-    assert rel_error(loss, whole_loss) <= 1e-10
+    assert math.isfinite(loss.item()) and rel_error(loss, whole_loss) <= 1e-10, label
     for name, g in whole_grads.items():
-        assert rel_error(grads[name], g) <= 1e-10, name
+        assert rel_error(grads[name], g) <= 1e-10, f"{label}: {name}"

@@ -13,7 +13,6 @@ whole. The families' own float32 steps (routers, norms, rotary) run in float64 o
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import Any
 
@@ -45,7 +44,7 @@ from tests.hf.test_recurrent import _hybrid
 from tests.hf.test_recurrent import kernels_in_float64 as kernels_in_float64
 from tests.hf.test_short_conv import _lfm2
 from tests.reference import rel_error
-from tests.test_streaming import _batch, _context, _step, _WholeSequenceWork
+from tests.test_streaming import _batch, _context, _step, assert_layer_work_is_chunk_sized
 
 FAMILIES = {
     "qwen3_moe": lambda: moe_config("qwen3_moe", 1),  # the auxiliary loss on; layer 1 dense
@@ -147,24 +146,8 @@ def test_no_layer_work_is_sized_by_the_local_sequence(family: str, fresh_seed: i
     with layers recomputed whole, and both give the same loss and gradients. (112 tokens: no width of these models.)"""
     seq, chunk = 112, 16
     batch = shard_batch(_data(fresh_seed, seq, family == "qwen3_moe"), 1, 0, chunk)
-    results, found = [], []
-    for streamed in (True, False):
-        module = _model(family, fresh_seed)
-        bind(module, _context(None, chunk, streamed))
-        watcher = _WholeSequenceWork(seq, 2)
-        handles = watcher.watch([layer for _, layer in decoder_modules(module.model)])
-        with watcher:
-            results.append(_step(module, batch))
-        for handle in handles:
-            handle.remove()
-        assert watcher.depth == 0
-        found.append(watcher.found)
-    assert found[0] == [], f"{family}: whole-sequence work inside a streamed layer: {found[0][:8]}"
-    assert len(found[1]) > 10, f"{family}: the check saw nothing in a layer recomputed whole: {found[1]}"
-    (loss, grads), (whole_loss, whole_grads) = results
-    assert math.isfinite(loss.item()) and rel_error(loss, whole_loss) <= 1e-10
-    for name, g in whole_grads.items():
-        assert rel_error(grads[name], g) <= 1e-10, name
+    assert_layer_work_is_chunk_sized(lambda: _model(family, fresh_seed),
+                                     lambda m: [layer for _, layer in decoder_modules(m.model)], batch, seq, family)
 
 
 def _options(**changes: Any) -> EstimateOptions:
