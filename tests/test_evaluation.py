@@ -40,7 +40,7 @@ from lightning_fpdt.evaluation.images import heatmap_image
 from lightning_fpdt.evaluation.results import EvaluationResult, PositionLoss, TaskResult
 from lightning_fpdt.evaluation.runner import schedule
 from lightning_fpdt.evaluation.tokenizer import encoder
-from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.models import GPTLM, GPTConfig, LlamaConfig, LlamaLM
 
 ROOT = Path(__file__).resolve().parents[1]
 BYTES = encoder(ByteTokenizer())
@@ -275,3 +275,35 @@ def test_fpdt_eval_runs_the_evaluation_on_a_config(tmp_path: Path, monkeypatch: 
         main(["--config", "examples/configs/tiny_cpu.yaml", "--trainer.devices=1", "--trainer.strategy=auto",
               "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_val_batches=1",
               "--data.init_args.val_seq_len=128", "--evaluation.tasks=[niah_single_1]", "--evaluation.lengths=[96]"])
+
+
+def test_evaluation_settings_that_would_be_silently_wrong_are_refused_or_said(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """fpdt-eval on a run whose validation is off, or with a depth outside [0, 1]: one line, before any process
+    starts; lengths beyond the model's positions: a warning naming both where RoPE extends them, a refusal where a
+    learned position table has no row for them."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["fpdt-eval"])
+    base = ["--config", "examples/configs/tiny_cpu.yaml", "--trainer.devices=1", "--trainer.strategy=auto",
+            "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", "--evaluation.tasks=[passkey]",
+            "--evaluation.lengths=[96]", f"--evaluation.output_dir={tmp_path}"]
+    with pytest.raises(SystemExit, match=r"fpdt-eval: error: fpdt-eval: trainer.limit_val_batches=0 runs no"
+                                         r" validation, so the evaluation .* would never run"):
+        main([*base, "--trainer.limit_val_batches=0"])
+    with pytest.raises(SystemExit, match=r"fpdt-eval: error: LongContextEvaluation: depths \[1.5\] are not"
+                                         r" fractions of the haystack in \[0, 1\]"):
+        main([*base, "--trainer.limit_val_batches=1", "--evaluation.depths=[0.5,1.5]"])
+    assert not list(tmp_path.rglob("results.json"))
+    with pytest.raises(ValueError, match=r"lengths \[0\] are not positive whole numbers"):
+        LongContextEvaluation(lengths=[0])
+
+    task = PasskeyTask(digits=1, key_repeats=8)
+    torch.manual_seed(0)
+    rope = LlamaLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=112))
+    with pytest.warns(UserWarning, match=r"evaluate: lengths \[128\] exceed the model's max_position_embeddings=112"):
+        evaluate(rope, [task], lengths=[96, 128], depths=[0.5], samples_per_cell=1, tokenizer=ByteTokenizer())
+    learned = GPTLM(GPTConfig(vocab_size=256, n_embd=32, n_layer=1, n_head=2, n_positions=112))
+    with pytest.raises(ValueError, match=r"lengths \[128\] exceed the model's 112 positions, and its learned position"
+                                         r" table \(model.wpe\) has no row beyond them"):
+        evaluate(learned, [task], lengths=[128], depths=[0.5], samples_per_cell=1, tokenizer=ByteTokenizer())

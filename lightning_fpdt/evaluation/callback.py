@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.evaluation.evaluate import DEFAULT_DEPTHS, evaluate
+from lightning_fpdt.evaluation.grid import check_grid, check_positions
 from lightning_fpdt.evaluation.images import curve_image, heatmap_image, save_png
 from lightning_fpdt.evaluation.results import EvaluationResult
 from lightning_fpdt.evaluation.samples import EvalTask
@@ -80,6 +81,7 @@ class LongContextEvaluation(pl.Callback):
         if isinstance(position_data, str) and position_data != "validation":
             raise FPDTError(f"LongContextEvaluation: position_data={position_data!r}; use 'validation', a data set"
                             " or None.")
+        check_grid(lengths, depths, "LongContextEvaluation")  # before any process or forward
         self.tasks, self.lengths, self.depths = list(tasks), lengths, list(depths)
         self.samples_per_cell, self.tokenizer, self.batch_size = samples_per_cell, tokenizer, batch_size
         self.position_data, self.position_samples, self.position_buckets = position_data, position_samples, \
@@ -89,6 +91,10 @@ class LongContextEvaluation(pl.Callback):
         self.result: EvaluationResult | None = None
         self._validations = 0
         self._checkpoint_step: int | None = None  # the global step of the checkpoint validate loaded
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """The grid's lengths against the model's positions, before the first forward."""
+        check_positions(pl_module, self._lengths(trainer), "LongContextEvaluation")
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

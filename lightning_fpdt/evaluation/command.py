@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_fpdt.cli import FPDTCLI, check_config_files, console_main
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.evaluation.callback import LongContextEvaluation
 from lightning_fpdt.models import CausalLM
 
@@ -26,6 +27,16 @@ class EvaluationCLI(FPDTCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         super().add_arguments_to_parser(parser)
         parser.add_lightning_class_args(LongContextEvaluation, "evaluation")
+
+    def before_validate(self) -> None:
+        """Refuse, before any process starts, a run whose validation would not run: the evaluation runs at its end."""
+        limit = self.trainer.limit_val_batches
+        if limit == 0:
+            raise FPDTError(
+                f"fpdt-eval: trainer.limit_val_batches={limit} runs no validation, so the evaluation (run at its end)"
+                " would never run and nothing would be written; remove limit_val_batches from the config or pass"
+                " --trainer.limit_val_batches=1.0."
+            )
 
 
 def run(args: list[str] | None = None) -> EvaluationCLI:

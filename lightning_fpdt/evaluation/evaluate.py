@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.evaluation.grid import check_grid, check_positions
 from lightning_fpdt.evaluation.results import EvaluationResult, bucketed, task_result
 from lightning_fpdt.evaluation.runner import document_items, position_loss_sums, score_samples
 from lightning_fpdt.evaluation.samples import EvalTask, sample_grid
@@ -65,6 +66,8 @@ def evaluate(
     """
     if not lengths or not depths:
         raise FPDTError(f"evaluate: lengths={list(lengths)} and depths={list(depths)} must both be non-empty.")
+    check_grid(lengths, depths, "evaluate")
+    check_positions(module, lengths, "evaluate")
     for name, value in (("samples_per_cell", samples_per_cell), ("batch_size", batch_size),
                         ("position_buckets", position_buckets), ("tile_tokens", tile_tokens)):
         if value < 1:

@@ -93,6 +93,7 @@ def build_model(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None
     if overrides:  # into the config before the weights load: RoPE's buffers are computed from it at build
         from_pretrained_kwargs["config"] = hf_config(model, from_pretrained_kwargs, overrides)
     built, info = AutoModelForCausalLM.from_pretrained(model, output_loading_info=True, **from_pretrained_kwargs)
+    built.train()  # from_pretrained returns it in eval mode; training is what it is built for
     missing = sorted(info["missing_keys"])
     if missing and not allow_missing:
         raise missing_weights_error(os.fspath(model), type(built).__name__, missing)

@@ -225,6 +225,12 @@ class CausalLM(PendingWeightsModule):
         or ``None`` (no FLOP/s or MFU logged). A subclass whose model cannot count overrides this."""
         return self.model.flops_per_token(seq_len) if isinstance(self.model, CountsFlops) else None
 
+    def setup(self, stage: str) -> None:
+        """``fit`` trains every module: a model loaded by ``from_pretrained`` comes back in eval mode, where its
+        dropouts would never apply (Lightning keeps the modes it is given)."""
+        if stage == "fit":
+            self.train()
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         ids = batch["input_ids"]
         flops = self.flops_per_token(ids.shape[1] * self.sequence_parallel_size())  # of the global sequence

@@ -345,3 +345,28 @@ def test_a_truncated_or_missing_safetensors_file_is_named(kind: str, shards: str
         file.unlink()
         with pytest.raises(FileNotFoundError, match=f"{owner}: {file} does not exist, but model.safetensors.index"):
             build()
+
+
+class _Modes(L.Callback):
+    """The names of the modules in eval mode at each training batch."""
+
+    def __init__(self) -> None:
+        self.in_eval: list[list[str]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self.in_eval.append([name for name, m in pl_module.named_modules() if not m.training])
+
+
+def test_fit_trains_every_module_of_a_model_loaded_in_eval_mode(tmp_path: Path, fresh_seed: int) -> None:
+    """transformers' from_pretrained returns its model in eval mode, and Lightning keeps the modes it is given: a
+    dropout would never apply. HFCausalLM reads a directory in training mode, and fit trains every module of a model
+    handed over in eval mode."""
+    _saved(LlamaConfig(**SIZES), tmp_path, fresh_seed)
+    assert HFCausalLM(str(tmp_path)).model.training
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert not loaded.training
+    modes = _Modes()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[modes])
+    trainer.fit(HFCausalLM(loaded), DataLoader(TokenDataset(2, 16, SIZES["vocab_size"], fresh_seed), batch_size=2))
+    assert modes.in_eval == [[]], modes.in_eval
