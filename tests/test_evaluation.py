@@ -39,6 +39,7 @@ from lightning_fpdt.evaluation.command import main
 from lightning_fpdt.evaluation.images import heatmap_image
 from lightning_fpdt.evaluation.results import EvaluationResult, PositionLoss, TaskResult
 from lightning_fpdt.evaluation.runner import schedule
+from lightning_fpdt.evaluation.scoring import answer_scores
 from lightning_fpdt.evaluation.tokenizer import encoder
 from lightning_fpdt.models import GPTLM, GPTConfig, LlamaConfig, LlamaLM
 
@@ -307,3 +308,22 @@ def test_evaluation_settings_that_would_be_silently_wrong_are_refused_or_said(tm
     with pytest.raises(ValueError, match=r"lengths \[128\] exceed the model's 112 positions, and its learned position"
                                          r" table \(model.wpe\) has no row beyond them"):
         evaluate(learned, [task], lengths=[128], depths=[0.5], samples_per_cell=1, tokenizer=ByteTokenizer())
+
+
+def test_answer_scores_take_the_log_softmax_in_float32_or_wider() -> None:
+    """bf16 logits (a bf16 model's head): each answer token's log-probability equals the float64 log-softmax of those
+    same logits to float32's precision; a log-softmax in bf16 is ~5e-2 off per token."""
+    g = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(2, 12, 1000, generator=g)).bfloat16()
+
+    class Head(torch.nn.Module):
+        def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return logits.reshape(-1, 1000)[hidden[:, 0].long()]  # each row's own logits, in bf16
+
+    hidden = torch.arange(24, dtype=torch.bfloat16).reshape(2, 12, 1).expand(2, 12, 4).contiguous()
+    targets = torch.randint(0, 1000, (2, 12), generator=g)
+    targets[:, :5] = -100
+    got = answer_scores(Head(), hidden, targets, tile_tokens=5)[:, 0]
+    exact = torch.log_softmax(logits.double(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    expected = torch.where(targets >= 0, exact, 0.0).sum(-1)
+    assert torch.allclose(got, expected, rtol=0, atol=1e-4), (got, expected)

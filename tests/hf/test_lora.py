@@ -403,6 +403,26 @@ def test_a_pretrained_directory_reads_its_base_under_transformers_names(tmp_path
     assert _close(module.double().forward(ids).detach(), _logits(plain, ids)) < 1e-12
 
 
+@pytest.mark.parametrize("init", [True, "gaussian"])
+def test_adapters_drawn_on_a_pending_model_follow_peft(init: bool | str, tmp_path: Path) -> None:
+    """The adapters a meta-device model draws once its weights are in have peft's distributions for its
+    ``init_lora_weights``: A uniform in +-1/sqrt(in) (True) or normal with std 1/r ("gaussian", as peft draws it),
+    against peft drawing the same adapters itself; B zero."""
+    config = LlamaConfig(**dict(SIZES, hidden_size=128, intermediate_size=256, num_key_value_heads=1))
+    AutoModelForCausalLM.from_config(config, dtype=torch.float64).save_pretrained(tmp_path / "base")
+    lora = dict(r=16, target_modules=["q_proj", "down_proj"], init_lora_weights=init)
+    module = HFCausalLM(str(tmp_path / "base"), lora=lora)
+    module.load_weights()
+    torch.manual_seed(0)
+    peft = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(**lora))
+    ours, theirs = (torch.cat([layer.lora_A["default"].weight.flatten() for _, layer in adapter_layers(m)])
+                    for m in (module.model, peft))
+    assert ours.numel() == theirs.numel() > 10000  # the std of each within 1%
+    assert abs(ours.std() / theirs.std() - 1) < 0.05, (init, ours.std(), theirs.std())
+    assert abs(ours.abs().max() / theirs.abs().max() - 1) < 0.5
+    assert all(not layer.lora_B["default"].weight.any() for _, layer in adapter_layers(module.model))
+
+
 def test_the_qwen3_recipe_builds_its_adapters(tmp_path: Path) -> None:
     """examples/configs/lora_qwen3_8b_128k.yaml's model section, its model a tiny Qwen3 config: adapters on every
     attention and MLP projection, the rest frozen; its strategy fills one 8-GPU node."""

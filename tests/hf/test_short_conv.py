@@ -21,7 +21,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import Lfm2Config, Lfm2MoeConfig  # noqa: E402
 
 from lightning_fpdt.hf.mixer_install import install_short_convs  # noqa: E402
-from lightning_fpdt.hf.short_conv import causal_conv, is_short_conv  # noqa: E402
+from lightning_fpdt.hf.short_conv import causal_conv, causal_conv_chunk, is_short_conv  # noqa: E402
+from lightning_fpdt.layers.carried import MixerStream  # noqa: E402
 from lightning_fpdt.models import HFCausalLM  # noqa: E402
 from lightning_fpdt.parallel.binding import SequenceParallelContext  # noqa: E402
 from lightning_fpdt.parallel.packed_documents import PackedDocuments  # noqa: E402
@@ -63,12 +64,15 @@ def test_both_short_convolutions_run_sequence_parallel_and_nothing_else_mixes() 
     module.refuse_token_mixers(2)  # nothing left to refuse
 
 
-@pytest.mark.parametrize("chunk_size", [None, 4, 8])
+@pytest.mark.parametrize("chunk_size", [None, 1, 2, 4, 8])  # 1: sub-chunks shorter than the K - 1 = 2 taps before
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-def test_one_process_tails_and_document_restarts_equal_conv1d(chunk_size: int | None, packed: bool,
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_one_process_tails_and_document_restarts_equal_conv1d(chunk_size: int | None, packed: bool, streamed: bool,
                                                              fresh_seed: int) -> None:
-    """In one process with sub-chunks (the tail carried from the sub-chunk before), against ``Conv1d`` over the
-    whole sequence, or over each document alone."""
+    """In one process with sub-chunks (the tail carried from the sub-chunk before; streamed: one chunk per call, the
+    tail carried from call to call), against ``Conv1d`` over the whole sequence, or over each document alone."""
+    if streamed and chunk_size is None:
+        pytest.skip("a streamed layer runs in chunks")
     g = torch.Generator().manual_seed(fresh_seed)
     b, s, width, k = 2, 16, 6, 3
     conv = nn.Conv1d(width, width, kernel_size=k, groups=width, padding=k - 1, bias=False).double()
@@ -77,7 +81,17 @@ def test_one_process_tails_and_document_restarts_equal_conv1d(chunk_size: int | 
     u = torch.randn(b, s, width, generator=g, dtype=torch.float64)
     lengths = [[1, 6, 9], [5, 11]] if packed else [[s], [s]]
     documents = PackedDocuments(tuple(tuple(sum(n[:i]) for i in range(len(n))) for n in lengths), s) if packed else None
-    ours = causal_conv(u, conv.weight[:, 0, :], SequenceParallelContext(chunk_size=chunk_size), documents)
+    context = SequenceParallelContext(chunk_size=chunk_size)
+    if not streamed:
+        ours = causal_conv(u, conv.weight[:, 0, :], context, documents)
+    else:
+        pieces, carry = [], {}
+        for c, lo in enumerate(range(0, s, chunk_size)):
+            stream = MixerStream(c, lo, min(lo + chunk_size, s), s, carry)
+            pieces.append(causal_conv_chunk(u[:, lo:lo + chunk_size], conv.weight[:, 0, :], context, documents,
+                                            stream, "conv"))
+            carry = stream.carried_out
+        ours = torch.cat(pieces, dim=1)
     expected = torch.zeros_like(u)
     for i, doc_lengths in enumerate(lengths):
         start = 0
