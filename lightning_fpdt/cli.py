@@ -77,7 +77,12 @@ class FPDTCLI(LightningCLI):
             self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
 
     def before_fit(self) -> None:
-        """Print the memory estimate of the run (rank 0, before any process is launched or model moved)."""
+        """Refuse what the configuration alone decides about the model under the strategy (``check_binding``:
+        head counts, token mixers, dropout where layers are recomputed), then print the memory estimate of the run
+        (rank 0), both before any process is launched or model moved."""
+        strategy, check = self.trainer.strategy, getattr(self.model, "check_binding", None)
+        if isinstance(strategy, FPDTStrategy) and callable(check):
+            check(strategy.sequence_parallel_size, strategy.options.activation_checkpointing)
         table = memory_report(self.model, self.datamodule, self.trainer)
         if table is not None:
             rank_zero_info(table)

@@ -352,3 +352,17 @@ def test_hf_causal_lm_run_logs_flops_and_mfu_to_tensorboard(tmp_path: Path) -> N
         assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
         assert scalars[tag] and all(math.isfinite(v) and v > 0 for v in scalars[tag]), (tag, scalars[tag])
     assert scalars["train/device/mfu"][-1] == pytest.approx(scalars["train/device/flops_per_sec"][-1] / 1e12)
+
+
+def test_a_model_the_strategy_would_refuse_is_the_last_line_before_any_process_starts(tmp_path: Path, monkeypatch,
+                                                                                     capsys) -> None:
+    """LoRA's dropout under activation checkpointing (a recomputation would draw another mask): refused by the
+    model's own check in one line, in this process, before any rank is spawned or any data tokenized."""
+    code, _, err = fpdt_train_here(
+        monkeypatch, capsys, "fit", "--config", str(ROOT / "examples" / "configs" / "hf_tiny_cpu.yaml"),
+        "--model.init_args.lora={r: 4, lora_dropout: 0.1, target_modules: [q_proj, v_proj]}",
+        "--trainer.max_steps=1", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}")
+    assert code != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fpdt-train: error: HFCausalLM:") and "lora_dropout" in last, err[-3000:]
+    assert "Traceback" not in err and "[rank" not in err, err[-3000:]

@@ -215,16 +215,22 @@ class HFCausalLM(CausalLM):
             ValueError: a gated delta-net or Mamba-2 layer whose head counts the group cannot split
                 (:meth:`~lightning_fpdt.hf.recurrent.SequenceParallelRecurrence.check_heads`).
         """
-        if context.size > 1:  # every rank binds the same config: every rank raises together
+        self.check_binding(context.size, context.activation_checkpointing)
+        self.context, self._bound = context, True
+
+    def check_binding(self, sequence_parallel_size: int, activation_checkpointing: bool) -> None:
+        """The refusals of :meth:`bind_sequence_parallel` that the run's configuration alone decides: on every rank
+        as it binds (every rank binds the same config, so every rank raises together), and in ``fpdt-train`` before
+        any process starts."""
+        if sequence_parallel_size > 1:
             check_static_rope(self.model.config)
-            self.refuse_token_mixers(context.size)
+            self.refuse_token_mixers(sequence_parallel_size)
             for m in self.model.modules():  # head counts the group cannot split (hf/recurrent.py)
                 if isinstance(forward := m.__dict__.get("forward"), SequenceParallelRecurrence):
-                    forward.check_heads(context.size)
-        if context.activation_checkpointing:
+                    forward.check_heads(sequence_parallel_size)
+        if activation_checkpointing:
             check_adapter_dropout(self.model, checkpointing=True)  # first: its message names the adapter
             check_recomputable(self.model, mlp_tiled=self.mlp_tiles != 1, checkpointing=True)
-        self.context, self._bound = context, True
 
     def attention_heads(self) -> list[tuple[str, int, int]]:
         """``(layer name, n_heads, n_kv_heads)`` of every attention layer, from the model's config."""
