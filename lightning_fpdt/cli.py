@@ -215,8 +215,7 @@ def own_message(err: BaseException) -> str | None:
         if isinstance(err, FPDTError) and text.strip():
             return text.strip().splitlines()[0]
         if "Does not validate against any of the Union subtypes" in text:
-            reasons = [line.strip()[2:] for line in text.splitlines()
-                       if line.strip().startswith("- ") and not line.strip().startswith("- Expected a")]
+            reasons = _union_reasons(text)
             if reasons:
                 return reasons[-1]
         for line in text.splitlines():
@@ -224,6 +223,29 @@ def own_message(err: BaseException) -> str | None:
                 return line.strip()
         err = err.__cause__ or err.__context__
     return None
+
+
+_UNION_NOISE = ("Expected a", "Does not validate against", "Import path ")  # the subtypes it simply is not
+
+
+def _union_reasons(text: str) -> list[str]:
+    """The reasons jsonargparse lists for the subtypes of a union a value did not validate against, each with its
+    indented continuation (transformers' own reason under a config's validation error), without the subtypes the
+    value simply is not."""
+    lines, reasons = text.splitlines(), []
+    for i, line in enumerate(lines):
+        item = line.lstrip()
+        if not item.startswith("- "):
+            continue
+        indent, parts = len(line) - len(item), [item[2:]]
+        for following in lines[i + 1:]:
+            more = following.lstrip()
+            if not more or len(following) - len(more) <= indent or more.startswith(("- ", "Subtypes:", "Errors:",
+                                                                                      "Given value")):
+                break
+            parts.append(more)
+        reasons.append(" ".join(parts))
+    return [r for r in reasons if not r.startswith(_UNION_NOISE)]
 
 
 def console_main(program: str, run: Callable[[], Any]) -> None:

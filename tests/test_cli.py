@@ -366,3 +366,16 @@ def test_a_model_the_strategy_would_refuse_is_the_last_line_before_any_process_s
     last = err.strip().splitlines()[-1]
     assert last.startswith("fpdt-train: error: HFCausalLM:") and "lora_dropout" in last, err[-3000:]
     assert "Traceback" not in err and "[rank" not in err, err[-3000:]
+
+
+def test_a_transformers_config_s_own_reason_is_the_last_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A transformers config that refuses its values (hidden size not a multiple of the heads): its own reason is
+    kept in the one line, not only jsonargparse's 'Class validation error' heading."""
+    code, _, err = fpdt_train_here(
+        monkeypatch, capsys, "fit", "--config", str(ROOT / "examples" / "configs" / "hf_tiny_cpu.yaml"),
+        "--model.init_args.model.init_args.num_attention_heads=5", "--trainer.max_steps=1", "--trainer.logger=false",
+        f"--trainer.default_root_dir={tmp_path}")
+    assert code != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fpdt-train: error: Class validation error") and \
+        "The hidden size (64) is not a multiple of the number of attention heads (5)" in last, err[-3000:]
