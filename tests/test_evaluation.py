@@ -327,3 +327,19 @@ def test_answer_scores_take_the_log_softmax_in_float32_or_wider() -> None:
     exact = torch.log_softmax(logits.double(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     expected = torch.where(targets >= 0, exact, 0.0).sum(-1)
     assert torch.allclose(got, expected, rtol=0, atol=1e-4), (got, expected)
+
+
+def test_a_length_too_short_for_a_task_is_refused_before_the_validation_runs(tmp_path: Path) -> None:
+    """The evaluation makes each task's shortest sample when it is set up: a needle task at 96 tokens is refused
+    before the first validation step, not after a whole validation pass."""
+    torch.manual_seed(0)
+    module = LlamaLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1))
+    steps = []
+    module.validation_step = lambda batch, idx: steps.append(idx)  # type: ignore[method-assign]
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path),
+                        callbacks=[LongContextEvaluation(["niah_single_1"], lengths=[96])])
+    with pytest.raises(ValueError, match=r"NeedleTask: length=96 is too short"):
+        trainer.validate(module, DataLoader(Documents(2, 72, seed=0), batch_size=2))
+    assert steps == []

@@ -32,6 +32,8 @@ from lightning_fpdt.evaluation.grid import check_grid, check_positions
 from lightning_fpdt.evaluation.images import curve_image, heatmap_image, save_png
 from lightning_fpdt.evaluation.results import EvaluationResult
 from lightning_fpdt.evaluation.samples import EvalTask
+from lightning_fpdt.evaluation.tasks import task_named
+from lightning_fpdt.evaluation.tokenizer import encoder, find_tokenizer
 
 
 class LongContextEvaluation(pl.Callback):
@@ -93,8 +95,13 @@ class LongContextEvaluation(pl.Callback):
         self._checkpoint_step: int | None = None  # the global step of the checkpoint validate loaded
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """The grid's lengths against the model's positions, before the first forward."""
-        check_positions(pl_module, self._lengths(trainer), "LongContextEvaluation")
+        """Before the first forward: the grid's lengths against the model's positions, and each task's shortest
+        sample made once (a length too short for a task is refused now, not after a whole validation pass)."""
+        lengths = self._lengths(trainer)
+        check_positions(pl_module, lengths, "LongContextEvaluation")
+        encode = encoder(find_tokenizer(self.tokenizer, trainer.datamodule, pl_module))
+        for task in self.tasks:
+            task_named(task).sample(encode, min(lengths), self.depths[0], 0)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
