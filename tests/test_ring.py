@@ -190,7 +190,8 @@ def _run_cases(rank: int, world: int, seed: int) -> list[list[Tensor]]:
 
 @pytest.mark.distributed
 def test_ring_attention_equals_one_process(fresh_seed: int) -> None:
-    per_rank = run_on_ranks(_run_cases, 4, fresh_seed)
+    # 1 s when right; a returning gradient sent to the wrong peers would wait forever: fail in seconds instead
+    per_rank = run_on_ranks(_run_cases, 4, fresh_seed, timeout=20)
     for n, (ring, chunk, causal, kv, window, packed, _) in enumerate(CASES):
         expected = _reference(*_inputs(fresh_seed + n, kv), _seen(causal, window, DOCS if packed else None))
         for t, (name, want) in enumerate(zip(("out", "dq", "dk", "dv"), expected)):
@@ -248,7 +249,9 @@ def test_kernels_compute_exactly_the_pairs_the_ring_parts_see() -> None:
     query-key pairs times heads, summed over the ranks: the pairs the mask lets through, forward and backward, so
     no remote block that could be skipped is computed whole and masked away; the blocks skipped are those without
     such a pair, and a part is sent once per peer that sees it (no more messages than that)."""
-    per_rank = run_on_ranks(_counted, 4, 0)
+    # 1 s when right; under chunked attention a rank returns gradients to other peers than it reads from: sent to
+    # the wrong ones, they would wait forever (fail in seconds instead)
+    per_rank = run_on_ranks(_counted, 4, 0, timeout=20)
     for n, (ring, attention_chunk) in enumerate(((2, 5), (4, 7), (2, None))):
         seen = _seen(True, None, DOCS)
         if attention_chunk is not None:  # positions counted from each document's start
