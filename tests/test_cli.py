@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_fpdt.cli import main as cli_main
@@ -379,3 +380,22 @@ def test_a_transformers_config_s_own_reason_is_the_last_line(tmp_path: Path, mon
     last = err.strip().splitlines()[-1]
     assert last.startswith("fpdt-train: error: Class validation error") and \
         "The hidden size (64) is not a multiple of the number of attention heads (5)" in last, err[-3000:]
+
+
+def test_recurrent_heads_the_group_cannot_split_are_named_before_any_process_starts(tmp_path: Path, monkeypatch,
+                                                                                    capsys) -> None:
+    """A hybrid of 3 value and 1 key delta-net heads at sp=2: the head counts and the sizes that work, one line."""
+    hybrid = tmp_path / "hybrid.yaml"
+    hybrid.write_text(yaml.safe_dump({"model": {"class_path": "lightning_fpdt.models.HFCausalLM", "init_args": {
+        "model": {"class_path": "transformers.Qwen3_5TextConfig", "init_args": dict(
+            vocab_size=256, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_value_heads=3, linear_num_key_heads=1, linear_key_head_dim=8, linear_value_head_dim=8)}}}}))
+    code, _, err = fpdt_train_here(
+        monkeypatch, capsys, "fit", "--config", str(ROOT / "examples" / "configs" / "hf_tiny_cpu.yaml"), "--config",
+        str(hybrid), "--trainer.max_steps=1", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}")
+    assert code != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fpdt-train: error: HFCausalLM: Qwen3_5GatedDeltaNet (layer 0) has 1 key heads and 3"
+                           " value heads, which sequence_parallel_size=2 cannot split"), err[-3000:]
+    assert last.endswith("Use a sequence_parallel_size in [1, 3]."), last
