@@ -124,6 +124,11 @@ class CausalLM(PendingWeightsModule):
                      for m in mixers]
             raise NotImplementedError(refusal(type(self).__name__, named, sequence_parallel_size))
 
+    def check_binding(self, sequence_parallel_size: int, activation_checkpointing: bool) -> None:
+        """The refusals the run's configuration alone decides about this model under ``FPDTStrategy`` (its token
+        mixers beyond one rank): on every rank in ``setup``, and in ``fpdt-train`` before any process starts."""
+        self.refuse_token_mixers(sequence_parallel_size)
+
     def _weights_loaded(self) -> None:
         """Probe the model read from a pretrained directory for token mixers once its weights are in (under a
         sequence-parallel group of more than one rank)."""
