@@ -64,15 +64,17 @@ def test_both_short_convolutions_run_sequence_parallel_and_nothing_else_mixes() 
     module.refuse_token_mixers(2)  # nothing left to refuse
 
 
-@pytest.mark.parametrize("chunk_size", [None, 1, 2, 4, 8])  # 1: sub-chunks shorter than the K - 1 = 2 taps before
+# chunk 1: sub-chunks shorter than the K - 1 = 2 taps before; a streamed layer runs in chunks (never None)
+RUNS = [(None, False), *((chunk, streamed) for chunk in (1, 2, 4, 8) for streamed in (False, True))]
+
+
+@pytest.mark.parametrize(("chunk_size", "streamed"), RUNS,
+                         ids=[f"C{c}-{'streamed' if s else 'whole'}" for c, s in RUNS])
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
-def test_one_process_tails_and_document_restarts_equal_conv1d(chunk_size: int | None, packed: bool, streamed: bool,
+def test_one_process_tails_and_document_restarts_equal_conv1d(chunk_size: int | None, streamed: bool, packed: bool,
                                                              fresh_seed: int) -> None:
     """In one process with sub-chunks (the tail carried from the sub-chunk before; streamed: one chunk per call, the
     tail carried from call to call), against ``Conv1d`` over the whole sequence, or over each document alone."""
-    if streamed and chunk_size is None:
-        pytest.skip("a streamed layer runs in chunks")
     g = torch.Generator().manual_seed(fresh_seed)
     b, s, width, k = 2, 16, 6, 3
     conv = nn.Conv1d(width, width, kernel_size=k, groups=width, padding=k - 1, bias=False).double()
