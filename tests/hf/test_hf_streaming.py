@@ -55,6 +55,8 @@ FAMILIES = {
     "qwen3_5_text": lambda: recurrent_config("qwen3_5_text"),
     "qwen3_next": lambda: recurrent_config("qwen3_next"),
     "nemotron_h": lambda: recurrent_config("nemotron_h"),
+    "granitemoehybrid": lambda: recurrent_config("granitemoehybrid"),  # Mamba-2 layers around attention
+    "olmo_hybrid": lambda: recurrent_config("olmo_hybrid"),  # gated delta-net layers
     "lfm2": lambda: _lfm2(0).model.config,
 }
 ROUTER_LOSS = {"qwen3_moe", "qwen3_next"}
@@ -104,7 +106,8 @@ def _sharded_step(rank: int, world: int, family: str, padded: bool, seed: int, s
 
 
 CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("gemma4", False), ("llama4", False), ("qwen3_5_text", False),
-         ("qwen3_next", True), ("nemotron_h", False), ("lfm2", False)]
+         ("qwen3_next", True), ("nemotron_h", False), ("lfm2", False), ("granitemoehybrid", False),
+         ("olmo_hybrid", False)]
 
 
 @pytest.mark.distributed
