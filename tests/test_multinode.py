@@ -202,7 +202,11 @@ def test_a_rank_lost_on_one_node_stops_the_other_node_with_a_clear_message(refer
     # broadcasts), printed after this one: "During handling of the above exception, another exception occurred"
     errors = {int(m.group(1)): m.group(2) for m in re.finditer(
         r"^\[rank(\d)\]: RuntimeError: (FPDTStrategy: rank \d lost a peer: .*)$", node0, re.M)}
-    assert sorted(errors) == [0, 1], _tails(logs)
+    # torchrun SIGTERMs a node's other worker once one has failed: caught in a collective still inside DDP's setup
+    # (before Lightning's handler exists: seen on a loaded machine), that worker ends without a word of its own
+    stopped = {int(m.group(1)) for m in re.finditer(
+        r"rank\s+: (\d) \(local_rank: \d\)\s*\n\s*exitcode\s+: -15 ", node0)}
+    assert errors and set(errors) | stopped == {0, 1}, _tails(logs)
     first_loss = ("another rank's process died or closed its connection (none of the ranks on this host is gone)."
                   " Still running on node0: rank(s) [0, 1]; ranks on other hosts (not checked): [2, 3].")
     for rank, error in errors.items():
