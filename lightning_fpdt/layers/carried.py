@@ -28,7 +28,7 @@ chunk, and nothing else.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +36,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.attention.blocks import chunk_bounds
+from lightning_fpdt.layers.streaming import split_token_sums
 from lightning_fpdt.offload.autocast_state import AutocastState
 from lightning_fpdt.offload.chunk_store import ChunkStore, Key
-from lightning_fpdt.offload.recompute import INPUT_CHUNK_KIND, add_param_grads, previous_input
+from lightning_fpdt.offload.recompute import INPUT_CHUNK_KIND, differentiate, previous_input
 from lightning_fpdt.offload.weight_casts import original, weights_cast_once, with_casts
 from lightning_fpdt.profiling import named_range
 
@@ -91,12 +92,7 @@ class _Carried:
         return [original(p) for p in self.module.parameters() if p.requires_grad]
 
     def run(self, x_c: Tensor, lo: int, hi: int, stream: MixerStream) -> tuple[Tensor, Tensor | None]:
-        out = self.run_chunk(x_c, lo, hi, stream)
-        if not self.sums:
-            return out, None
-        if not isinstance(out, tuple) or len(out) != 2:
-            raise RuntimeError(f"streamed layer {self.name}: run_chunk must return (y_c, token sums), got {type(out)}")
-        return out
+        return split_token_sums(self.run_chunk(x_c, lo, hi, stream), self.sums, self.name)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None, list[dict[str, Tensor]]]:
         """``y`` ``[batch, s_local, hidden]`` without a graph, the token sums (``None`` without), and the carry
@@ -144,17 +140,7 @@ class _Carried:
                                                   for k, out in stream.carried_out.items() if out.requires_grad]
                 if s_c is not None and dsums is not None:
                     pairs.append((s_c, dsums))
-                pairs = [(o, g) for o, g in pairs if o.requires_grad]
-                wrt = [x_c, *leaves.values()]
-                needed = [t for t in wrt if t.requires_grad]
-                found: Sequence[Tensor | None] = [None] * (len(needed) + len(params) + len(casts))
-                if pairs:
-                    found = torch.autograd.grad([o for o, _ in pairs], [*needed, *params,
-                                                                         *(t for t in casts if t is not None)],
-                                                [g for _, g in pairs], allow_unused=True)
-                add_param_grads(d_params, params, found[len(needed):], casts)
-                given = iter(found[:len(needed)])
-                grads = [next(given) if t.requires_grad else None for t in wrt]
+                grads = differentiate(pairs, [x_c, *leaves.values()], params, casts, d_params)
                 if dx is not None:
                     dx[:, lo:hi] = grads[0] if grads[0] is not None else 0
                 d_carry = {k: g for k, g in zip(leaves, grads[1:]) if g is not None}

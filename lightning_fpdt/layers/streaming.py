@@ -56,7 +56,7 @@ from lightning_fpdt.attention.pipeline import finish, whole_sinks_grad
 from lightning_fpdt.layers.layer_stream import Captured, ChunkedLayer, LayerStream
 from lightning_fpdt.offload.autocast_state import AutocastState
 from lightning_fpdt.offload.chunk_store import ChunkStore
-from lightning_fpdt.offload.recompute import INPUT_CHUNK_KIND, add_param_grads, previous_input
+from lightning_fpdt.offload.recompute import INPUT_CHUNK_KIND, differentiate, previous_input
 from lightning_fpdt.offload.weight_casts import original, weights_cast_once, with_casts
 from lightning_fpdt.parallel.comm import sum_kv_replicas
 from lightning_fpdt.profiling import named_range
@@ -85,12 +85,7 @@ class _Streamed:
         """Chunk ``c``'s ``(y_c, s_c)`` (``s_c`` ``None`` without token sums)."""
         lo, hi = self.bounds[c]
         stream.lo = lo
-        out = self.run_chunk(x_c, lo, hi, stream, *extras_c)
-        if not self.sums:
-            return out, None
-        if not isinstance(out, tuple) or len(out) != 2:
-            raise RuntimeError(f"streamed layer {self.name}: run_chunk must return (y_c, token sums), got {type(out)}")
-        return out
+        return split_token_sums(self.run_chunk(x_c, lo, hi, stream, *extras_c), self.sums, self.name)
 
     def forward(self, x: Tensor, extras: Sequence[Tensor] = (), keep_answers: bool = False
                 ) -> tuple[Tensor, Tensor | None, ChunkStore | None]:
@@ -138,19 +133,8 @@ class _Streamed:
         stream.mode = "recompute"
         stream.answers = answers
 
-        def differentiate(outputs: Sequence[Tensor], grads: Sequence[Tensor], wrt: Sequence[Tensor]
-                          ) -> list[Tensor | None]:
-            """The gradients of ``wrt`` (those that need one; ``None`` for the others); the parameters' are added
-            into ``d_params``."""
-            pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-            needed = [t for t in wrt if t.requires_grad]
-            if not pairs:
-                return [None] * len(wrt)
-            found = torch.autograd.grad([o for o, _ in pairs], [*needed, *params, *(c for c in casts if c is not None)],
-                                        [g for _, g in pairs], allow_unused=True)
-            add_param_grads(d_params, params, found[len(needed):], casts)
-            given = iter(found[: len(needed)])
-            return [next(given) if t.requires_grad else None for t in wrt]
+        def grads_of(outputs: Sequence[Tensor], grads: Sequence[Tensor], wrt: Sequence[Tensor]) -> list[Tensor | None]:
+            return differentiate(list(zip(outputs, grads)), wrt, params, casts, d_params)
 
         def extras_of(c: int) -> list[Tensor]:
             lo, hi = self.bounds[c]
@@ -175,7 +159,7 @@ class _Streamed:
                 if s_c is not None and dsums is not None:
                     outputs.append(s_c)
                     grads.append(dsums)
-                d_x, d_out, *d_e = differentiate(outputs, grads, [x_c, out_c, *e_c])
+                d_x, d_out, *d_e = grads_of(outputs, grads, [x_c, out_c, *e_c])
             if dx is not None:
                 dx[:, lo:hi] = d_x if d_x is not None else 0
             add_extras(c, d_e, first=True)
@@ -206,8 +190,7 @@ class _Streamed:
                 else:
                     raise RuntimeError("streamed layer: the layer never called its attention")
                 dk, dv = sum_kv_replicas(got["dk"], k.shape[2]), sum_kv_replicas(got["dv"], v.shape[2])
-                d_x, *d_e = differentiate([q, k, v], [got["dq"].to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)],
-                                          [x_c, *e_c])
+                d_x, *d_e = grads_of([q, k, v], [got["dq"].to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)], [x_c, *e_c])
             if dx is not None and d_x is not None:
                 dx[:, self.bounds[c][0]:self.bounds[c][1]] += d_x
             add_extras(c, d_e)
@@ -226,6 +209,16 @@ class _Streamed:
             before = d_params[index]
             d_params[index] = whole if before is None else before.add_(whole.to(before.dtype))
         return [dx, *d_extras, *(None if d is None else d.to(p.dtype) for d, p in zip(d_params, params))]
+
+
+def split_token_sums(out: Any, sums: bool, name: str) -> tuple[Tensor, Tensor | None]:
+    """A chunk's ``run_chunk`` result as ``(y_c, s_c)``: ``(out, None)`` without token sums, else ``out`` itself,
+    checked to be that pair."""
+    if not sums:
+        return out, None
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise RuntimeError(f"streamed layer {name}: run_chunk must return (y_c, token sums), got {type(out)}")
+    return out
 
 
 class _Arrivals:

@@ -125,6 +125,21 @@ def add_param_grads(d_params: list[Tensor | None], params: Sequence[Tensor], fou
                 d_params[n].add_(part)  # type: ignore[union-attr]
 
 
+def differentiate(pairs: Sequence[tuple[Tensor, Tensor | None]], wrt: Sequence[Tensor], params: Sequence[Tensor],
+                  casts: Sequence[Tensor | None], d_params: list[Tensor | None]) -> list[Tensor | None]:
+    """The gradients of ``wrt`` (``None`` for those that need none) from ``(output, its gradient)`` pairs, leaving out
+    outputs without a gradient to give or that need none; the gradients of ``params`` and of their ``casts``
+    (:func:`~.weight_casts.with_casts`) are added into ``d_params`` (:func:`add_param_grads`)."""
+    pairs = [(o, g) for o, g in pairs if g is not None and o.requires_grad]
+    needed = [t for t in wrt if t.requires_grad]
+    targets = [*needed, *params, *(c for c in casts if c is not None)]
+    found = torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
+                                allow_unused=True) if pairs else (None,) * len(targets)
+    add_param_grads(d_params, params, found[len(needed):], casts)
+    given = iter(found[: len(needed)])
+    return [next(given) if t.requires_grad else None for t in wrt]
+
+
 def previous_input(store: ChunkStore, key: Key) -> Key | None:
     """The live input numbered most recently before ``key``: its backward runs next (module docstring); for a
     streamed layer, its first chunk (numbered last of its chunks)."""
@@ -214,19 +229,11 @@ class _Call:
                   d_params: list[Tensor | None]) -> list[Tensor | None]:
         """``fn`` run again with grad on one piece; its parameters' gradients are added into ``d_params`` (a
         parameter whose cast the scope swapped in gets the cast's gradient too: :mod:`~.weight_casts`)."""
-        wanted = [x for x in piece if x.requires_grad]
-        casts = with_casts(params)
-        targets = [*wanted, *params, *(c for c in casts if c is not None)]
         with torch.enable_grad():
             y = self.fn(*piece)
             # the results something used (a recurrence's last states may have no gradient)
-            pairs = [(r, g) for r, g in zip(*((y, grad) if isinstance(y, tuple) else ((y,), (grad,))))
-                     if g is not None and r.requires_grad]
-            found = torch.autograd.grad([r for r, _ in pairs], targets, [g for _, g in pairs],
-                                        allow_unused=True) if pairs else (None,) * len(targets)
-        add_param_grads(d_params, params, found[len(wanted):], casts)
-        d_wanted = iter(found[: len(wanted)])
-        return [next(d_wanted) if x.requires_grad else None for x in piece]
+            pairs = list(zip(*((y, grad) if isinstance(y, tuple) else ((y,), (grad,)))))
+            return differentiate(pairs, piece, params, with_casts(params), d_params)
 
 
 class _Recomputed(torch.autograd.Function):
