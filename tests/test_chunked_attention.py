@@ -23,10 +23,9 @@ from lightning_fpdt.attention.blocks import BlockRules, Rect, plan_blocks
 from lightning_fpdt.attention.kernels import MathKernel
 from lightning_fpdt.hf import attention as hf_attention
 from lightning_fpdt.hf.masks import MaskRule, read_mask_rule
-from lightning_fpdt.hf.temperature import token_positions
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.offload.stats import OffloadStats
-from lightning_fpdt.parallel.packed_documents import PackedDocuments
+from lightning_fpdt.parallel.packed_documents import PackedDocuments, token_positions
 from lightning_fpdt.testing import run_on_ranks
 from tests.distributed import ATTENTION_STEP, sharded_attention_step, unsharded_attention_step
 from tests.reference import rel_error

@@ -28,13 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_fpdt.hf.temperature import token_positions
 from lightning_fpdt.layers.carried import MixerStream
 from lightning_fpdt.layers.layer_stream import active_stream
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from lightning_fpdt.parallel.comm import all_gather_autograd, group_rank, group_size
-from lightning_fpdt.parallel.layout import chunk_lengths, fpdt_permutation, shard_indices
-from lightning_fpdt.parallel.packed_documents import PackedDocuments
+from lightning_fpdt.parallel.layout import chunk_lengths, fpdt_permutation
+from lightning_fpdt.parallel.packed_documents import PackedDocuments, token_positions
 
 
 def is_short_conv(module: nn.Module) -> bool:
@@ -122,7 +121,7 @@ def causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, documen
             need, owner = need - take, owner - 1
         # window j ends at token j of the sub-chunk: [b, n, width, K]
         windows.append(torch.cat([*halo, part], dim=1).unfold(1, k1 + 1, 1))
-    valid = _history(b, s_local, p, rank, ctx.chunk_size, documents, k1 + 1, u.device)  # [b, s_local, K]
+    valid = _taps_in_document(token_positions(s_local, p, rank, ctx.chunk_size, documents, u.device), k1 + 1)
     return torch.einsum("bswk,wk->bsw", torch.cat(windows, dim=1) * valid.unsqueeze(2).to(u.dtype), weight)
 
 
@@ -153,7 +152,7 @@ def causal_conv_chunk(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, d
     windows = torch.cat([halo, u], dim=1).unfold(1, k1 + 1, 1)  # window j ends at token j: [b, n, width, K]
     positions = token_positions(stream.s_local, p, rank, ctx.chunk_size, documents, u.device, ctx.ring_size,
                                 stream.lo, n)  # [b or 1, n], in each token's document
-    valid = positions.unsqueeze(-1) >= torch.arange(k1, -1, -1, device=u.device)  # tap j reads lag K - 1 - j
+    valid = _taps_in_document(positions, k1 + 1)
     return torch.einsum("bswk,wk->bsw", windows * valid.unsqueeze(2).to(u.dtype), weight)
 
 
@@ -193,20 +192,12 @@ def _zigzag_causal_conv(u: Tensor, weight: Tensor, ctx: SequenceParallelContext,
     gathered = all_gather_autograd(sent, 1, ctx.group)  # [b, P x M, width]
     table = torch.cat([u, u.new_zeros(b, 1, width), gathered], dim=1)
     windows = table[:, source]  # [b, s_local, K, width]
-    valid = _history(b, s_local, p, rank, ctx.chunk_size, documents, k1 + 1, u.device, ctx.ring_size)
+    valid = _taps_in_document(token_positions(s_local, p, rank, ctx.chunk_size, documents, u.device, ctx.ring_size),
+                              k1 + 1)
     return torch.einsum("bskw,wk->bsw", windows * valid.unsqueeze(-1).to(u.dtype), weight)
 
 
-def _history(b: int, s_local: int, p: int, rank: int, chunk_size: int | None, documents: PackedDocuments | None,
-             k: int, device: torch.device, ring_size: int = 1) -> Tensor:
-    """``[b, s_local, K]`` bool: whether tap ``j`` (lag ``K - 1 - j``) of each local token is in its document."""
-    index = shard_indices(s_local * p, p, rank, chunk_size, ring_size).to(device)  # global index of each local token
-    if documents is None:
-        position = index.expand(b, -1)
-    else:
-        starts = documents.document_starts(device)  # [b, S]
-        offsets = torch.arange(starts.shape[1], device=device).expand_as(starts)
-        last_start = torch.where(starts, offsets, torch.zeros_like(offsets)).cummax(dim=1).values
-        position = (offsets - last_start)[:, index]  # each local token's position in its document
-    lags = torch.arange(k - 1, -1, -1, device=device)  # tap j reads lag K - 1 - j
-    return position.unsqueeze(-1) >= lags
+def _taps_in_document(positions: Tensor, k: int) -> Tensor:
+    """``[b or 1, n, K]`` bool: whether tap ``j`` (lag ``K - 1 - j``) of each token, at ``positions`` ``[b or 1, n]``
+    in its document (:func:`~lightning_fpdt.parallel.packed_documents.token_positions`), lies in that document."""
+    return positions.unsqueeze(-1) >= torch.arange(k - 1, -1, -1, device=positions.device)

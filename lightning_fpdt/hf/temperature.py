@@ -18,8 +18,7 @@ from torch import Tensor, nn
 
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from lightning_fpdt.parallel.comm import group_rank
-from lightning_fpdt.parallel.layout import local_token_indices
-from lightning_fpdt.parallel.packed_documents import PackedDocuments
+from lightning_fpdt.parallel.packed_documents import PackedDocuments, token_positions
 
 
 def tunes_temperature(module: nn.Module) -> bool:
@@ -31,23 +30,6 @@ def tunes_temperature(module: nn.Module) -> bool:
 def _scales(module: nn.Module, positions: Tensor) -> Tensor:
     """The layer's scale at ``positions``, as transformers computes it (float32)."""
     return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
-
-
-def token_positions(s_local: int, sp: int, rank: int, chunk_size: int | None,
-                    documents: PackedDocuments | None, device: torch.device, ring_size: int = 1, first: int = 0,
-                    count: int | None = None) -> Tensor:
-    """``[batch or 1, count]``: the position of each of this rank's tokens ``first .. first + count - 1`` (default: all
-    ``s_local``) in its document (global offsets in the FPDT layout of ``chunk_size`` and ``ring_size``, less the start
-    of the document holding each)."""
-    count = s_local - first if count is None else count
-    offsets = local_token_indices(s_local * sp, sp, rank, chunk_size, first, count, ring_size).to(device)
-    if documents is None:
-        return offsets[None]
-    rows = []
-    for starts in documents.starts:
-        starts_t = torch.tensor(starts, device=device)
-        rows.append(offsets - starts_t[torch.searchsorted(starts_t, offsets, right=True) - 1])
-    return torch.stack(rows)
 
 
 def tuned_queries(module: nn.Module, query: Tensor, context: SequenceParallelContext,

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.parallel.layout import local_token_indices
 
 
 @dataclass(frozen=True)
@@ -160,3 +161,20 @@ def find_documents(
         for doc, n in zip(base, lengths.tolist())
     )
     return PackedDocuments(starts, s)
+
+
+def token_positions(s_local: int, sp: int, rank: int, chunk_size: int | None,
+                    documents: PackedDocuments | None, device: torch.device, ring_size: int = 1, first: int = 0,
+                    count: int | None = None) -> Tensor:
+    """``[batch or 1, count]``: the position of each of this rank's tokens ``first .. first + count - 1`` (default: all
+    ``s_local``) in its document (global offsets in the FPDT layout of ``chunk_size`` and ``ring_size``, less the start
+    of the document holding each)."""
+    count = s_local - first if count is None else count
+    offsets = local_token_indices(s_local * sp, sp, rank, chunk_size, first, count, ring_size).to(device)
+    if documents is None:
+        return offsets[None]
+    rows = []
+    for starts in documents.starts:
+        starts_t = torch.tensor(starts, device=device)
+        rows.append(offsets - starts_t[torch.searchsorted(starts_t, offsets, right=True) - 1])
+    return torch.stack(rows)
