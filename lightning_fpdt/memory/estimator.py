@@ -181,13 +181,11 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     # the loss: full float32 logits unless tiled (then one tile of the rank's tokens at a time)
     tile_tokens = largest_tile(t, shape.loss_tiles) if options.loss_tiled else t
     logits = tile_tokens * shape.vocab_size * 4
-    # streamed layers (lightning_fpdt.layers.streaming): checkpointed, in two or more chunks, attention and per-token
-    # work only (and sums over tokens), or token mixers whose state is carried from chunk to chunk without attention
-    # (lightning_fpdt.layers.carried, not under a ring); a layer that cannot stream is recomputed whole
+    # streamed layers (LayerKind.can_stream): checkpointed, in two or more chunks; a layer that cannot stream is
+    # recomputed whole
     streams = options.streaming and options.activation_checkpointing and chunk_tokens_rank < t
     def streamed(kind: LayerKind) -> bool:
-        carried = bool(kind.mixers) and not kind.attention and r == 1 and all(m.chunked for m in kind.mixers)
-        return streams and kind.streams and (carried or (kind.attention and not kind.mixers))
+        return streams and kind.can_stream(r)
 
     final = (1 if streams and options.loss_tiled else 3) * t * h * e  # norm input, output, its own; or the input
     loss_saved = 0 if options.loss_tiled else logits  # the log-softmax output, kept for backward

@@ -29,7 +29,14 @@ class LayerKind:
     attention: bool = True
     mlp: bool = True
     mixers: tuple[SequenceMixerMemory, ...] = ()
-    streams: bool = True  # checkpointed, it streams chunk by chunk (DecoderLayer.stream_refusal is None)
+    streams: bool = True  # nothing refuses it streaming (DecoderLayer.stream_refusal is None)
+
+    def can_stream(self, ring_size: int) -> bool:
+        """Whether, checkpointed in two or more chunks, the layer streams: attention with per-token work
+        (:mod:`lightning_fpdt.layers.streaming`), or token mixers whose state is carried from chunk to chunk and no
+        attention (:mod:`lightning_fpdt.layers.carried`: not under a ring, whose chunks are not in sequence order)."""
+        carried = bool(self.mixers) and not self.attention and ring_size == 1 and all(m.chunked for m in self.mixers)
+        return self.streams and (carried or (self.attention and not self.mixers))
 
 
 @dataclass(frozen=True)

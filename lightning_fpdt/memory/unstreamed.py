@@ -20,17 +20,17 @@ from lightning_fpdt.memory.estimate_options import PRECISION_BYTES, EstimateOpti
 from lightning_fpdt.memory.estimator import estimate
 from lightning_fpdt.memory.planning import run_options
 from lightning_fpdt.memory.shape import LayerKind, ModelShape
-from lightning_fpdt.parallel.binding import decoder_layers
+from lightning_fpdt.parallel.binding import DecoderLayer, decoder_layers
 
 _RING = ("its token mixers' state cannot be carried from chunk to chunk under a ring (ring_size > 1: the zigzag"
          " layout's chunks are not in sequence order)")
 
 
-def unstreamed_layers(module: pl.LightningModule, ring_size: int = 1) -> list[tuple[str, str]]:
-    """``(name, why)`` of each decoder layer of ``module`` that cannot stream whatever its arguments (and, under a
-    ring of ``ring_size``, each layer whose token mixers carry state), in layer order."""
+def unstreamed_layers(layers: list[DecoderLayer], ring_size: int = 1) -> list[tuple[str, str]]:
+    """``(name, why)`` of each of ``layers`` that cannot stream whatever its arguments (and, under a ring of
+    ``ring_size``, each layer whose token mixers carry state), in layer order."""
     found = []
-    for layer in decoder_layers(module):
+    for layer in layers:
         why = layer.stream_refusal or (_RING if ring_size > 1 and layer.mixers else None)
         if why is not None:
             found.append((layer.name, why))
@@ -51,8 +51,7 @@ def unstreamed_cost(shape: ModelShape, options: EstimateOptions) -> float:
         raise FPDTError(f"unstreamed_cost needs a chunk size in tokens, got {chunk!r}")
     # each layer that cannot stream as one that streams: attention and its MLP, no other mixer
     streamed = dataclasses.replace(shape, layers=tuple(
-        k if k.streams and k.attention and not k.mixers else LayerKind(attention=True, mlp=k.mlp)
-        for k in shape.layer_kinds()))
+        k if k.can_stream(options.ring_size) else LayerKind(attention=True, mlp=k.mlp) for k in shape.layer_kinds()))
     short, long = 4 * chunk, 8 * chunk  # four and eight chunks per rank: every layer that can stream does
 
     def growth(s: ModelShape) -> float:  # bytes per global token
@@ -71,13 +70,14 @@ def report_unstreamed(module: pl.LightningModule, options: EstimateOptions,
     """Name, in one line (logged once with ``log``, and returned), the decoder layers of ``module`` that a checkpointed
     run recomputes whole, why, and their cost (:func:`unstreamed_cost`, where the chunk size is known and the memory
     model can size the model); ``None`` (nothing logged) where every layer streams or nothing is checkpointed."""
-    refused = unstreamed_layers(module, options.ring_size)
+    layers = decoder_layers(module)
+    refused = unstreamed_layers(layers, options.ring_size)
     if not refused or not options.activation_checkpointing or not options.streaming:
         return None
     reasons: dict[str, list[str]] = {}
     for name, why in refused:
         reasons.setdefault(why, []).append(name)
-    total = len(decoder_layers(module))
+    total = len(layers)
     why = "; ".join(f"{_names(names)}: {reason}" for reason, names in reasons.items())
     line = (f"{PREFIX}{len(refused)} of {total} decoder layers are recomputed whole under activation checkpointing,"
             f" not streamed chunk by chunk ({why})")
