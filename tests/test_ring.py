@@ -281,3 +281,47 @@ def test_kernels_compute_exactly_the_pairs_the_ring_parts_see() -> None:
         assert sum(r[n][3] for r in per_rank) == moves * ulysses, label
         if attention_chunk is not None:  # the geometry leaves something to skip and a part nobody needs
             assert skipped > 0 and moves < len(chunks) * ring * (ring - 1), label
+
+
+def _returning_moves(rank: int, world: int, seed: int) -> tuple[list[str], int]:
+    """Every batch of returning key/value gradients in backward, checked against its peers before it starts: each
+    ring rank's (sent to, received from) lists are gathered in the ring group and every send must meet a receive.
+    A mismatch is raised on every rank at once (a wrong list would otherwise wait forever for a move never made).
+    Returns the faults and the number of batches whose two lists differed."""
+    from lightning_fpdt.attention import backward
+
+    real, faults, differing = backward.exchange_parts, [], [0]
+
+    def checked(group, sends, receives, *args, **kwargs):
+        mine = (sorted(sends), sorted(receives))
+        differing[0] += mine[0] != mine[1]
+        lists: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(lists, mine, group=group)
+        me = dist.get_rank(group)
+        for peer, (their_sends, their_receives) in enumerate(lists):
+            if (me in their_sends) != (peer in mine[1]) or (me in their_receives) != (peer in mine[0]):
+                faults.append(f"ring rank {me} sends to {mine[0]} and receives from {mine[1]}; ring rank {peer}"
+                              f" sends to {their_sends} and receives from {their_receives}")
+        if faults:
+            raise AssertionError(faults[0])
+        return real(group, sends, receives, *args, **kwargs)
+
+    backward.exchange_parts = checked  # in this rank's process only
+    for ring, attention_chunk in ((2, 5), (4, 7), (4, None)):
+        group, ring_group = _groups(world, ring)
+        q, k, v, dout = (shard_sequence(x, world, rank, 16, ring_size=ring) for x in _inputs(seed, 2))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        out = fpdt_attention(q, k, v, group=group, ring_group=ring_group, chunk_size=16, backend="math",
+                             documents=PackedDocuments(DOCS, SEQ), attention_chunk_size=attention_chunk)
+        out.backward(dout)
+    return faults, differing[0]
+
+
+@pytest.mark.distributed
+def test_returning_gradients_go_to_the_peers_that_sent_the_parts(fresh_seed: int) -> None:
+    """Backward sends each peer's part gradient home and receives its own parts' sums from the peers it sent them to
+    in forward (under attention chunks the two lists differ): every send meets a receive, checked before each batch
+    starts, so a list read from the wrong plan fails here in seconds instead of hanging another test."""
+    per_rank = run_on_ranks(_returning_moves, 4, fresh_seed, timeout=60)
+    assert [faults for faults, _ in per_rank] == [[]] * 4
+    assert sum(differing for _, differing in per_rank) > 0  # the check can tell the lists apart
