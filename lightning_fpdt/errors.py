@@ -17,6 +17,32 @@ class FPDTError(ValueError):
     it as their last line instead of a traceback. A ``ValueError``, so ``except ValueError`` still catches it."""
 
 
+class Unsupported(NotImplementedError, FPDTError):
+    """A model, layer or setting this package does not run as asked (a family's mechanism, a LoRA option, a release
+    of transformers): the message names it, the real reason and what runs instead. Also a ``NotImplementedError``."""
+
+
+class WrongType(TypeError, FPDTError):
+    """A value of a type this package cannot use (a batch that is not a dict, a tokenizer without ``encode``): the
+    message names what was given and what is expected. Also a ``TypeError``."""
+
+
+_SAID_BY_EVERY_RANK = "_fpdt_said_by_every_rank"
+
+
+def said_by_every_rank(error: BaseException) -> BaseException:
+    """Mark ``error`` as one that every rank raises alike (a refusal of the configuration, the model or the data
+    files made before the first batch): a console script prints it once, from global rank 0, and the other ranks
+    exit with the same status without a word. Returns ``error``."""
+    setattr(error, _SAID_BY_EVERY_RANK, True)
+    return error
+
+
+def is_said_by_every_rank(error: BaseException) -> bool:
+    """Whether :func:`said_by_every_rank` marked ``error``."""
+    return bool(getattr(error, _SAID_BY_EVERY_RANK, False))
+
+
 def is_positive_int(value: Any) -> bool:
     """The one rule for a count a user gives (a size, a number of tiles): an ``int`` above 0, and not a ``bool``
     (``True`` is an ``int`` to Python, never a count to a user)."""

@@ -34,7 +34,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_fpdt.backends import BACKENDS, resolve_backend
-from lightning_fpdt.errors import PREFIX, FPDTError, is_positive_int
+from lightning_fpdt.errors import PREFIX, FPDTError, WrongType, is_positive_int
 from lightning_fpdt.parallel.batches import DEFAULT_SEQUENCE_KEYS
 from lightning_fpdt.parallel.binding import SequenceParallelContext, attention_heads
 from lightning_fpdt.parallel.comm import check_heads
@@ -136,7 +136,7 @@ class FPDTOptions:
         object.__setattr__(self, "offload", offload_mode("offload", self.offload))
         object.__setattr__(self, "offload_checkpoints", offload_mode("offload_checkpoints", self.offload_checkpoints))
         if isinstance(self.sequence_keys, str) or not isinstance(self.sequence_keys, Sequence):
-            raise TypeError(f"{PREFIX}sequence_keys must be a list of batch keys, got {self.sequence_keys!r}.")
+            raise WrongType(f"{PREFIX}sequence_keys must be a list of batch keys, got {self.sequence_keys!r}.")
         object.__setattr__(self, "sequence_keys", tuple(self.sequence_keys))
         sp = self.sequence_parallel_size
         if sp != "auto" and not is_positive_int(sp):

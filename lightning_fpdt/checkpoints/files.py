@@ -228,7 +228,7 @@ def save_sharded(
     on_rank_zero(commit, f"saving {path}")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FPDTError):
     """A checkpoint that cannot be read or does not fit this run; the message names the file and why."""
 
 

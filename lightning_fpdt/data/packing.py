@@ -34,7 +34,7 @@ IGNORE = -100
 OWNER = "HFDataModule: "
 
 
-class DataError(ValueError):
+class DataError(FPDTError):
     """Bad input data or options; the message names the file, row or field and the fix."""
 
 

@@ -23,6 +23,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import WrongType
 from lightning_fpdt.evaluation.samples import EvalSample
 from lightning_fpdt.evaluation.scoring import SCORES, answer_scores, max_over_world, position_sums, sum_over_world
 
@@ -69,7 +70,7 @@ def forward(module: nn.Module, trainer: pl.Trainer | None, batch: dict[str, Any]
     """
     for method in ("hidden_states", "prepared"):
         if not callable(getattr(module, method, None)):
-            raise TypeError(f"LongContextEvaluation: {type(module).__name__} has no {method}(batch); evaluate a"
+            raise WrongType(f"LongContextEvaluation: {type(module).__name__} has no {method}(batch); evaluate a"
                             " CausalLM or HFCausalLM (or a module with their hidden_states/prepared methods).")
     if trainer is not None:  # FPDTStrategy: the batch gate and this rank's shard
         batch = trainer.strategy.batch_to_device(batch)
@@ -124,7 +125,7 @@ def document_items(data: Any, limit: int | None, targets: Literal["all", "labels
     for item in _first(data, limit):
         ids = item.get("input_ids") if isinstance(item, Mapping) else None
         if ids is None or torch.as_tensor(ids).dim() != 1:
-            raise TypeError("LongContextEvaluation: position_data must yield dict items with 'input_ids' [seq] (a"
+            raise WrongType("LongContextEvaluation: position_data must yield dict items with 'input_ids' [seq] (a"
                             f" data set's items, before batching); got {type(item).__name__}.")
         items.append({k: torch.as_tensor(v) for k, v in item.items() if k in keep})
     return items
@@ -136,7 +137,7 @@ def _first(data: Any, limit: int | None) -> Iterator[Any]:
             yield data[i]
         return
     if not isinstance(data, Iterable):
-        raise TypeError(f"LongContextEvaluation: position_data is a {type(data).__name__}; give a data set.")
+        raise WrongType(f"LongContextEvaluation: position_data is a {type(data).__name__}; give a data set.")
     for i, item in enumerate(data):
         if limit is not None and i >= limit:
             return

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import WrongType
 from lightning_fpdt.parallel.layout import IGNORE_INDEX
 
 SCORES = ("log_likelihood", "correct", "tokens")  # the columns of answer_scores
@@ -40,7 +41,7 @@ def head_logits(module: nn.Module, hidden: Tensor) -> Tensor:
         return logits(hidden)
     head = getattr(getattr(module, "model", None), "lm_head", None)
     if not callable(head):
-        raise TypeError(f"LongContextEvaluation: {type(module).__name__} has no logits(hidden) and no model.lm_head;"
+        raise WrongType(f"LongContextEvaluation: {type(module).__name__} has no logits(hidden) and no model.lm_head;"
                         " evaluate a CausalLM or HFCausalLM, or give the module a logits(hidden) method.")
     return head(hidden)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_fpdt.data.passkey import passkey_sample
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, WrongType
 from lightning_fpdt.evaluation.needle import RULER_TASKS, NeedleTask
 from lightning_fpdt.evaluation.samples import EvalSample, EvalTask
 
@@ -79,6 +79,6 @@ def task_named(task: str | EvalTask) -> EvalTask:
         known = ", ".join(["passkey", *RULER_TASKS])
         raise FPDTError(f"LongContextEvaluation: unknown task {task!r}; use one of {known}, or a task object.")
     if not isinstance(task, EvalTask):
-        raise TypeError(f"LongContextEvaluation: a task must be a name or an object with `name` and"
+        raise WrongType(f"LongContextEvaluation: a task must be a name or an object with `name` and"
                         f" `sample(encode, length, depth, index)`, got {type(task).__name__}.")
     return task

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_fpdt.data.byte_tokenizer import ByteTokenizer
 from lightning_fpdt.data.tokenizing import load_tokenizer
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, WrongType
 from lightning_fpdt.parallel.batches import input_vocab_size
 
 
@@ -36,7 +36,7 @@ def find_tokenizer(tokenizer: Any, datamodule: Any = None, module: nn.Module | N
         return load_tokenizer(tokenizer)
     if tokenizer is not None:
         if not callable(getattr(tokenizer, "encode", None)):
-            raise TypeError(f"LongContextEvaluation: tokenizer {type(tokenizer).__name__} has no encode(text);"
+            raise WrongType(f"LongContextEvaluation: tokenizer {type(tokenizer).__name__} has no encode(text);"
                             " give a tokenizer object, a local tokenizer directory, or None (the data module's).")
         return tokenizer
     found = getattr(datamodule, "tokenizer", None)

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, WrongType
 from lightning_fpdt.export.adapter import adapted_module, write_adapter
 from lightning_fpdt.export.checks import (
     OWNER,
@@ -81,7 +81,7 @@ def plan_for(module: pl.LightningModule, tokenizer_dir: str | None = None) -> Ex
     if isinstance(module, HFCausalLM):
         return hf_plan(module.model, "model.", tokenizer_dir or _source_dir(_source_of(module)))
     if not isinstance(module, BundledLM):
-        raise TypeError(f"{OWNER}HFCausalLM, LlamaLM or GPTLM can be exported, not {type(module).__name__}.")
+        raise WrongType(f"{OWNER}HFCausalLM, LlamaLM or GPTLM can be exported, not {type(module).__name__}.")
     ours = module.model
     table = module.family.weights(ours)
     names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, WrongType
 from lightning_fpdt.hf.weights import build_on_meta, pretrained_dtype, unmatched
 from lightning_fpdt.models.class_paths import instantiate
 from lightning_fpdt.models.weight_files import SafetensorsFiles, tensor_names
@@ -54,7 +54,7 @@ def hf_config(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None,
     if isinstance(model, (str, os.PathLike)):
         config = AutoConfig.from_pretrained(os.fspath(model), **_config_kwargs(from_pretrained_kwargs or {}))
         return apply_config_overrides(config, overrides)
-    raise TypeError(
+    raise WrongType(
         f"HFCausalLM: model must be a transformers PreTrainedModel, a PretrainedConfig, a config dict with"
         f" 'model_type', or a name/local path for from_pretrained; got {type(model).__name__}."
     )

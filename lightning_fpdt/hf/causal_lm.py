@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.errors import FPDTError, is_positive_int
+from lightning_fpdt.errors import FPDTError, Unsupported, is_positive_int
 from lightning_fpdt.hf.attention import (
     LayerRecords,
     attention_layers,
@@ -186,7 +186,7 @@ class HFCausalLM(CausalLM):
             NotImplementedError: naming the first such layer, or each module that mixes tokens outside attention.
         """
         if sequence_parallel_size > 1 and self.not_installed:
-            raise NotImplementedError(unsupported_release(type(self).__name__, {
+            raise Unsupported(unsupported_release(type(self).__name__, {
                 f"model.{name}": why for name, why in self.not_installed.items()}, sequence_parallel_size))
         super().refuse_token_mixers(sequence_parallel_size)
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from lightning_fpdt.errors import Unsupported
 from lightning_fpdt.hf.attention import is_attention_layer
 from lightning_fpdt.hf.feed_forward import feed_forward
 from lightning_fpdt.hf.router_loss import EXPERT_COUNT_FIELDS, RouterLoss
@@ -82,7 +83,7 @@ def check_experts(model: PreTrainedModel, layers: list[tuple[str, nn.Module]]) -
         moe = [f"{sub}: {type(m).__name__}" for sub, m in layer.named_modules()
                if any(word in type(m).__name__.lower() for word in _MOE_CLASS_WORDS)]
         if moe and found is None:
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: layer model.{layer_name} ({type(layer).__name__}) has experts ({moe[0]}) but {name}"
                 " declares no router_logits output, so its routing cannot be checked to be per token"
                 " (docs/hf-support.md#mixture-of-experts)."
@@ -92,14 +93,14 @@ def check_experts(model: PreTrainedModel, layers: list[tuple[str, nn.Module]]) -
         experts = {k: getattr(config, k) for k in EXPERT_COUNT_FIELDS if getattr(config, k, None)}
         if experts and any(word in type(m).__name__.lower() for m in model.modules() for word in ("expert", "moe")):
             settings = ", ".join(f"{k}={v}" for k, v in experts.items())
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: {name}'s config has experts ({settings}) but the model declares no router; its"
                 " routing cannot be checked to be per token (docs/hf-support.md#mixture-of-experts)."
             )
         return
     jitter = getattr(model.config.get_text_config(), "router_jitter_noise", 0.0) or 0.0
     if jitter > 0 and routers_of(model):
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {name} has router_jitter_noise={jitter}: the router multiplies its input by fresh random"
             " noise in training, which a recomputation (tiled MLP, checkpointing) would draw again and one"
             " process would draw for other tokens. Set router_jitter_noise=0.0."

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig, PreTrainedModel
 
+from lightning_fpdt.errors import Unsupported
 from lightning_fpdt.hf.attention import LayerRecords, attention_layers
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from lightning_fpdt.parallel.packed_documents import PackedDocuments
@@ -62,7 +63,7 @@ def check_context_arrived(
         [f"FPDT chunks (chunk_size={context.chunk_size})"] if context.chunk_size is not None else []) + (
         ["packed documents"] if documents is not None else []) or ["the FPDT attention pipeline"]
     name, layer = missed[0]
-    raise NotImplementedError(
+    raise Unsupported(
         f"HFCausalLM: attention layer model.{name} ({type(layer).__name__}) of {type(model).__name__} ran without"
         f" the FPDT context ({', '.join(features)}; {len(missed)} of {len(attention_layers(model))} layers):"
         " its attention does not call the attention function transformers registers for the model"
@@ -85,7 +86,7 @@ def check_static_rope(config: PretrainedConfig) -> None:
     for layer_type, entry in ({t: parameters[t] for t in nested} if nested else {"all": parameters}).items():
         rope_type = (entry or {}).get("rope_type", "default")
         if rope_type in ("dynamic", "longrope"):
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: RoPE type {rope_type!r} (layers: {layer_type}) picks its frequencies from the largest"
                 " position id of each forward, which under sequence parallelism is one rank's shard; set a fixed"
                 " schedule with config_overrides={'rope_parameters': {'rope_type': 'yarn', 'factor': ...}}"

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, Unsupported
 
 # A forward that casts its logits to float32 (some families do) is reproduced to float32 rounding per logit;
 # any real transform (a scale, a cap, a bias) differs by far more.
@@ -95,14 +95,14 @@ def find_head_transform(model: PreTrainedModel) -> HeadTransform:
     try:
         logits, hidden, seen = _forward_on(model, head_name, raw)
     except Exception as error:  # any failure of the stood-in forward: refused, never guessed
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: could not check {where}: {type(model).__name__}.forward failed on a stood-in base model"
             f" and output embedding ({type(error).__name__}: {error}), so what it does to the logits after the"
             " output embedding is unknown and the loss could silently differ; this model is not supported."
         ) from error
     if not isinstance(logits, Tensor) or logits.shape != raw.shape:
         shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {where}: {type(model).__name__}.forward returns logits {shape} for output-embedding"
             f" logits {tuple(raw.shape)}; the loss computes them per token from the output embedding, so it would"
             " silently differ from the model's own. This model is not supported."
@@ -114,7 +114,7 @@ def find_head_transform(model: PreTrainedModel) -> HeadTransform:
         transform = HeadTransform(hidden_scale * (transform.multiplier or 1.0), transform.divisor, transform.softcap)
     if transform is None:
         worst = ((logits - raw).abs() / raw.abs().clamp_min(1e-12)).max().item()
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {where} is followed in {type(model).__name__}.forward by a transform of the logits that"
             f" the FPDT loss cannot reproduce: its logits differ from the output embedding's by up to {worst:.3g}"
             " (relative), and no per-logit function (a scale, then a softcap c * tanh(logits / c)) matches them."
@@ -128,7 +128,7 @@ def _refuse_unused_parameters(model: PreTrainedModel, head: nn.Module, where: st
     used = {id(p) for p in model.base_model.parameters()} | {id(p) for p in head.parameters()}
     unused = [name for name, p in model.named_parameters() if id(p) not in used]
     if unused:
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {type(model).__name__} has parameters outside its base model and {where}"
             f" ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}); the loss is computed from the base"
             " model's hidden states and the output embedding, so they would silently never be trained."
@@ -224,7 +224,7 @@ def _hidden_scale(model: PreTrainedModel, head: nn.Module, hidden: Tensor, seen:
     """
     if seen is None or seen.shape != hidden.shape:
         shape = None if seen is None else tuple(seen.shape)
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {where} is given hidden states {shape} by {type(model).__name__}.forward where the base"
             f" model returns {tuple(hidden.shape)}; the loss applies the output embedding to every token's hidden"
             " state, so it would silently differ from the model's own. This model is not supported."
@@ -232,7 +232,7 @@ def _hidden_scale(model: PreTrainedModel, head: nn.Module, hidden: Tensor, seen:
     seen = seen.to(hidden.dtype)
     scale = _scale(hidden, seen)
     if scale is None or not bool(((scale * hidden - seen).abs() <= _TOLERANCE * seen.abs() + 1e-300).all()):
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {type(model).__name__}.forward transforms the base model's hidden states before {where}"
             " otherwise than by one scale; the loss applies the output embedding to the hidden states themselves,"
             " so it would silently differ from the model's own. This model is not supported."
@@ -240,7 +240,7 @@ def _hidden_scale(model: PreTrainedModel, head: nn.Module, hidden: Tensor, seen:
     if _close(scale, 1.0):
         return 1.0
     if getattr(head, "bias", None) is not None:
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {type(model).__name__}.forward scales the hidden states by {scale:.6g} before {where},"
             " which has a bias, so the scale is no scale of the logits the loss could apply. This model is not"
             " supported."

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from lightning_fpdt.errors import Unsupported
 from lightning_fpdt.hf.attention import attention_layers, delivering
 from lightning_fpdt.hf.experts import install_experts, routers_of
 from lightning_fpdt.hf.feed_forward import feed_forward
@@ -75,7 +76,7 @@ def check_decoder_modules(model: PreTrainedModel) -> list[tuple[str, nn.Module]]
     attention = attention_layers(model)
     holders = {layer for name, _ in attention for layer, _ in layers if name.startswith(f"{layer}.")}
     if len(holders) != len(attention):
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {type(model).__name__} has {len(attention)} attention layers but {len(holders)} decoder"
             " layers that hold them (transformers GradientCheckpointingLayer modules); activation checkpointing,"
             " MLP tiling and per-layer sharding are applied to decoder layers, so this model cannot get them."
@@ -102,7 +103,7 @@ def check_recomputable(model: PreTrainedModel, mlp_tiled: bool, checkpointing: b
             continue
         for sub, m in scope.named_modules(prefix=prefix):
             if isinstance(m, nn.Dropout) and m.p > 0:
-                raise NotImplementedError(
+                raise Unsupported(
                     f"HFCausalLM: model.{name}.{sub} is a dropout with p={m.p}; {why} in backward, which would"
                     " draw another dropout mask than the forward did. Set the config's dropout to 0 (e.g."
                     " hidden_dropout=0.0), or train with mlp_tiles=1 and activation_checkpointing=False."
@@ -159,7 +160,7 @@ class CheckpointedForward:
                 with loss.capture() as captured:
                     out = run(x, *call_args, **call_kwargs)
             if not isinstance(out, Tensor):
-                raise NotImplementedError(
+                raise Unsupported(
                     f"HFCausalLM: decoder layer model.{self.name} ({type(self.layer).__name__}) returns"
                     f" {type(out).__name__}, not one hidden-states tensor; activation checkpointing supports"
                     " layers that return their hidden states only. Use activation_checkpointing=False."
@@ -198,7 +199,7 @@ class CheckpointedForward:
         """Refuse tensors with a gradient inside a container: only plain tensor arguments become inputs of the
         recomputed call."""
         if isinstance(value, (tuple, list)) and any(isinstance(t, Tensor) and t.requires_grad for t in value):
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: decoder layer model.{self.name} receives argument {key!r} holding tensors with a"
                 " gradient; activation checkpointing recomputes the layer from its hidden states and its tensor"
                 " arguments only, so that gradient would be lost. Train this model with"
@@ -223,7 +224,7 @@ class RecomputedWrites(MutableMapping):
         try:  # on the mapping itself: every layer of this forward sees it, and it goes with the mapping
             setattr(mapping, _WRITES, self.writes)
         except AttributeError as error:  # a plain dict takes no attribute: its writes could not be followed
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: decoder layer model.{layer_name} receives a {type(mapping).__name__} it may fill for"
                 " later layers; under activation checkpointing what a recomputed layer leaves there carries no"
                 " gradient, and this mapping cannot be followed. Train with activation_checkpointing=False."
@@ -232,7 +233,7 @@ class RecomputedWrites(MutableMapping):
     def __getitem__(self, key: Any) -> Any:
         writer = self.writes.get(key)
         if writer is not None and writer != self.layer_name:
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: decoder layer model.{self.layer_name} reads {key!r}, which decoder layer model.{writer}"
                 " left for it (as Gemma-4 shares keys and values across layers, num_kv_shared_layers);"
                 " activation checkpointing recomputes layers, and what a layer's first run leaves carries no"

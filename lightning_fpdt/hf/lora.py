@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, Unsupported, WrongType
 from lightning_fpdt.hf.experts import ExpertsForward
 from lightning_fpdt.hf.layers import decoder_modules
 from lightning_fpdt.hf.weights import PretrainedWeights, compute_buffers, named_tensor
@@ -69,7 +69,7 @@ def lora_config(spec: dict[str, Any]) -> Any:
     LoraConfig = require("peft", "HFCausalLM(lora=...)").LoraConfig  # imported only when adapters are asked for
 
     if not isinstance(spec, dict):
-        raise TypeError(f"HFCausalLM: lora must be a dict of LoraConfig options (r, lora_alpha, target_modules,"
+        raise WrongType(f"HFCausalLM: lora must be a dict of LoraConfig options (r, lora_alpha, target_modules,"
                         f" lora_dropout, ...) or None, got {type(spec).__name__}.")
     fields = set(LoraConfig.__dataclass_fields__)
     unknown = sorted(set(spec) - fields)
@@ -77,17 +77,17 @@ def lora_config(spec: dict[str, Any]) -> Any:
         raise FPDTError(f"HFCausalLM: lora option(s) {unknown} are not LoraConfig options; use {', '.join(OPTIONS)}.")
     unsupported = sorted(set(spec) - set(OPTIONS) - {"task_type"})
     if unsupported:
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: lora option(s) {unsupported} are not supported (plain LoRA on nn.Linear projections is: DoRA,"
             f" modules_to_save, LoRA biases, target_parameters and the other variants are not tested under FPDT)."
             f" Supported: {', '.join(OPTIONS)}."
         )
     if spec.get("bias", "none") != "none":
-        raise NotImplementedError(f"HFCausalLM: lora bias={spec['bias']!r} trains the base model's biases too; only"
+        raise Unsupported(f"HFCausalLM: lora bias={spec['bias']!r} trains the base model's biases too; only"
                                   " bias='none' (the adapters alone) is supported.")
     init = spec.get("init_lora_weights", True)
     if not any(init is x or init == x for x in INITS) or isinstance(init, int) and not isinstance(init, bool):
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: lora init_lora_weights={init!r} is not supported; use True (peft's default: A uniform, B"
             " zero), 'gaussian' or False (both random). Initialisations from the base weights (pissa, olora, loftq,"
             " eva, corda) are not: a model built on the meta device has no weights when its adapters are drawn."
@@ -142,7 +142,7 @@ def add_adapters(model: PreTrainedModel, spec: dict[str, Any] | None) -> Any:
         base = layer.base_layer
         where = f"model.{name}"
         if "forward" in vars(base):
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: lora targets {where}, which runs FPDT's own forward"
                 f" ({type(vars(base)['forward']).__name__}: a router whose logits the auxiliary loss reads, which"
                 " would miss the adapter). Leave it out of target_modules (or exclude_modules)."
@@ -151,14 +151,14 @@ def add_adapters(model: PreTrainedModel, spec: dict[str, Any] | None) -> Any:
             why = ("the sequence-parallel convolutions read their weights directly, so an adapter would be skipped"
                    if isinstance(base, nn.modules.conv._ConvNd) else "only nn.Linear projections are supported under"
                    " FPDT (fused experts, embeddings and other layers are not)")
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: lora targets {where}, a {type(base).__name__}: {why}. Target the attention and MLP"
                 " projections by name, or leave it out with exclude_modules."
             )
         if not any(name.startswith(f"{layer_name}.") for layer_name in layers):
             why = ("the output embedding, whose weight the tiled loss reads directly" if base is head else
                    "no decoder layer the strategy binds, tiles and shards")
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: lora targets {where}, which lies outside the decoder layers ({why}); under FPDT LoRA"
                 " adapts the projections inside decoder layers only. Leave it out of target_modules (or"
                 " exclude_modules)."
@@ -194,7 +194,7 @@ def check_adapter_dropout(model: PreTrainedModel, checkpointing: bool) -> None:
             why = "activation_checkpointing recomputes each decoder layer in backward"
         else:
             continue
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: lora_dropout={p} on model.{name}; {why}, and a recomputation draws another dropout mask than"
             " the forward did (random numbers are not replayed), so its gradients would belong to neither. Use"
             " lora_dropout=0.0, or keep the adapters out of what is recomputed (mlp_tiles=1 for the MLP's,"
@@ -240,7 +240,7 @@ class AdapterCalls:
         missed = [f"model.{name}" for name, _ in layers if name not in called]
         if missed:
             shown = ", ".join(missed[:3]) + (f" and {len(missed) - 3} more" if len(missed) > 3 else "")
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: the adapted layer(s) {shown} did not run in the forward: the family reads their weights"
                 " directly or does not use them for text, so their adapters would never train. Leave them out of"
                 " lora's target_modules (or exclude_modules)."

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
+from lightning_fpdt.errors import Unsupported
+
 _PROBE = "lightning_fpdt_mask_probe"
 _FAR = 1 << 40  # a query position beyond any window: the rule read there holds for every position
 _CHUNK = "_fpdt_attention_chunk_size"  # an attention layer's attribute: its chunked attention's chunk size
@@ -140,7 +142,7 @@ def check_mask_windows(model: PreTrainedModel, layers: list[tuple[str, nn.Module
             return False  # a value-dependent step on the meta device: probed once the weights are in
         if isinstance(error, NotImplementedError) and str(error).startswith("HFCausalLM"):
             raise  # a refusal of ours, raised inside the forward
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: the mask probe could not run {type(model).__name__}'s base model on two tokens"
             f" ({type(error).__name__}: {error}): its forward computes with transformers' attention mask outside the"
             " attention function (as a tensor: a sparse-attention indexer such as DeepSeek-V3.2's, a gate), or its"
@@ -161,7 +163,7 @@ def check_mask_windows(model: PreTrainedModel, layers: list[tuple[str, nn.Module
             mask = f"a sliding window of {rule.window}" if rule.pattern and rule.window else (
                 f"chunked attention of {rule.chunk} tokens" if rule.chunk else "full causal attention"
                 if rule.pattern else "a pattern that is neither a sliding window nor chunked attention")
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: layer {name} ({type(m).__name__}): transformers' mask for this layer has {mask}, but"
                 f" its attention call passes sliding_window={window}. Under FPDT no mask is built and the pipeline"
                 " computes what the call says, so it would attend differently from the model; this family is not"

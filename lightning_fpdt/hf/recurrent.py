@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
+from lightning_fpdt.errors import Unsupported
 from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
 from lightning_fpdt.hf.kernel_binding import reached_kernels, rebind
 from lightning_fpdt.hf.recurrent_heads import delta_rule_split, refuse_split, scan_split
@@ -294,7 +295,7 @@ class SequenceParallelRecurrence:
 
     def _refuse_cached(self, cached: bool) -> None:
         if cached:
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: {self._where()} was called with a recurrent state to start from or to return (a"
                 " generation cache) under chunks or sequence parallelism; training passes neither (use_cache=False).")
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, Unsupported
 from lightning_fpdt.hf.head_transform import head_name_of, stood_in
 
 # The family's loss against the formula on probe logits: float32 steps inside a family's loss function move it by
@@ -235,7 +235,7 @@ def router_loss_for(model: PreTrainedModel, routers: list[nn.Module], wrapped: l
                 out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
             losses.append(out.loss.to(torch.float64))
     except Exception as error:  # the forward could not run on stood-in router logits: its loss is unknown
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: could not check whether {name}'s loss adds an auxiliary router loss: its forward failed on"
             f" stood-in router logits [{shape[0] * shape[1]}, {width}] x {len(routers)} routers"
             f" ({type(error).__name__}: {error}); set output_router_logits=False if the family's config has it, or"
@@ -248,7 +248,7 @@ def router_loss_for(model: PreTrainedModel, routers: list[nn.Module], wrapped: l
     expected = None if experts is None or top_k is None else coefficient * (
         load_balancing_aux(draws[0], experts, top_k, mask) - load_balancing_aux(draws[1], experts, top_k, mask)).item()
     if expected is None or abs(moved - expected) > _FORM_TOLERANCE * abs(expected):
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {name}'s forward adds an auxiliary router loss that is not router_aux_loss_coef x the"
             f" load-balancing loss of Mixtral and Qwen3-MoE: on two draws of stood-in router logits its loss moves by"
             f" {moved:.6g}, where router_aux_loss_coef={coefficient} x load_balancing_loss_func (experts={experts},"
@@ -258,7 +258,7 @@ def router_loss_for(model: PreTrainedModel, routers: list[nn.Module], wrapped: l
     outside = [r for r in routers if not any(r is w for w in wrapped)]
     if outside:
         where = next(n for n, m in model.named_modules() if m is outside[0])
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {name}'s router model.{where} ({type(outside[0]).__name__}) is called outside a"
             " mixture-of-experts block of its decoder layer's feed-forward (by the layer itself or inside its"
             " attention), so its share of the auxiliary loss cannot be collected through a recomputed layer. Set"

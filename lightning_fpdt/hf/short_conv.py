@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import Unsupported
 from lightning_fpdt.layers.carried import MixerStream
 from lightning_fpdt.layers.layer_stream import active_stream
 from lightning_fpdt.parallel.binding import SequenceParallelContext
@@ -137,7 +138,7 @@ def causal_conv_chunk(u: Tensor, weight: Tensor, ctx: SequenceParallelContext, d
     carried out for the next chunk.
     """
     if ctx.ring_size > 1:
-        raise NotImplementedError("a streamed layer's convolution under a ring (ring_size > 1): the zigzag layout's"
+        raise Unsupported("a streamed layer's convolution under a ring (ring_size > 1): the zigzag layout's"
                                   " chunks are not in sequence order; such layers are recomputed whole")
     b, n, width = u.shape
     k1 = weight.shape[1] - 1  # the taps before the token itself

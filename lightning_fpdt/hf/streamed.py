@@ -35,6 +35,7 @@ from typing import Any, NoReturn
 
 from torch import Tensor, nn
 
+from lightning_fpdt.errors import Unsupported
 from lightning_fpdt.hf.attention import is_attention_layer, receives_keywords
 from lightning_fpdt.hf.experts import ExpertsForward
 from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence
@@ -171,7 +172,7 @@ def chunked_layer(layer: nn.Module, run: Callable[..., Any], hidden: Tensor, arg
                 captured = scope.enter_context(router_loss.capture())
             out = run(x, *call_args, **call_kwargs)
         if not isinstance(out, Tensor):
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: decoder layer {type(layer).__name__} returns {type(out).__name__}, not one"
                 " hidden-states tensor; a streamed layer supports layers that return their hidden states only."
             )
@@ -192,7 +193,7 @@ class _Untouched(MutableMapping):
         self.mapping, self.layer_name = mapping, layer_name
 
     def _refuse(self, key: Any) -> NoReturn:
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: streamed decoder layer model.{self.layer_name} reads {key!r} of a mapping it shares with"
             " other layers; a streamed layer runs one chunk of tokens at a time, so it would read one chunk's tensors"
             " (a layer that shares keys and values should not have streamed: please report this model)."

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, Unsupported
 
 RopeType = Literal["linear", "llama3", "yarn"]
 # the fields each type reads (besides rope_type); the first ones listed are required
@@ -100,7 +100,7 @@ class RopeScaling:
         if rope_type == "default":
             return None
         if rope_type not in _REQUIRED:
-            raise NotImplementedError(
+            raise Unsupported(
                 f"RoPE type {rope_type!r} is not supported by the own models; use linear, llama3 or yarn."
             )
         keys = set(_REQUIRED[rope_type]) | set(_OPTIONAL[rope_type])

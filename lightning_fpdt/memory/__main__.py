@@ -22,7 +22,7 @@ import torch
 import yaml
 from torch import nn
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, WrongType
 from lightning_fpdt.memory import EstimateOptions, ModelShape, communication_bytes, format_bytes, report
 from lightning_fpdt.models import GPTConfig, LlamaConfig
 from lightning_fpdt.models.convert import FAMILIES
@@ -39,7 +39,7 @@ def shape_from_config(config: LlamaConfig | GPTConfig) -> ModelShape:
     """
     family = next((f for f in FAMILIES if type(config) is f.config_class), None)
     if family is None:
-        raise TypeError(f"shape_from_config takes a LlamaConfig or GPTConfig, got {type(config).__name__};"
+        raise WrongType(f"shape_from_config takes a LlamaConfig or GPTConfig, got {type(config).__name__};"
                         " for any other model use ModelShape.from_module(model).")
     with torch.device("meta"):
         model = family.model_class(config)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.errors import FPDTError, is_positive_int
+from lightning_fpdt.errors import FPDTError, Unsupported, is_positive_int
 from lightning_fpdt.layers.accumulation import TokenWindow, optimizer_gradients, scale_window_gradients
 from lightning_fpdt.layers.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
 from lightning_fpdt.layers.token_mixing import TokenMixer, refusal
@@ -122,7 +122,7 @@ class CausalLM(PendingWeightsModule):
         if mixers:
             named = [dataclasses.replace(m, layer=f"model.{m.layer}" if m.layer else "", module=f"model.{m.module}")
                      for m in mixers]
-            raise NotImplementedError(refusal(type(self).__name__, named, sequence_parallel_size))
+            raise Unsupported(refusal(type(self).__name__, named, sequence_parallel_size))
 
     def check_binding(self, sequence_parallel_size: int, activation_checkpointing: bool) -> None:
         """The refusals the run's configuration alone decides about this model under ``FPDTStrategy`` (its token

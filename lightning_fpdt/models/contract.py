@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, WrongType
 from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 OWN_MODEL_DOC = "docs/own-model.md"
@@ -89,7 +89,7 @@ def check_decoder_model(model: nn.Module, owner: str, loss_tiles: int | None) ->
     name = type(model).__name__
     method = getattr(model, "hidden_states", None)
     if not callable(method):
-        raise TypeError(
+        raise WrongType(
             f"{owner}: the model {name} has no hidden_states(input_ids, position_ids, documents=None) method"
             f" returning the final hidden states [batch, s_local, hidden]; add one ({OWN_MODEL_DOC})."
         )
@@ -97,7 +97,7 @@ def check_decoder_model(model: nn.Module, owner: str, loss_tiles: int | None) ->
     try:
         signature.bind(None, None)
     except TypeError:
-        raise TypeError(
+        raise WrongType(
             f"{owner}: {name}.hidden_states{signature} cannot be called as hidden_states(input_ids,"
             f" position_ids); give it that signature, with an optional third parameter documents"
             f" ({OWN_MODEL_DOC})."
@@ -105,7 +105,7 @@ def check_decoder_model(model: nn.Module, owner: str, loss_tiles: int | None) ->
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear):
         found = "no lm_head" if head is None else f"lm_head of type {type(head).__name__}"
-        raise TypeError(
+        raise WrongType(
             f"{owner}: the model {name} has {found}; CausalLM needs model.lm_head, the output projection as an"
             f" nn.Linear(hidden, vocab) (tied to the token embedding or not) ({OWN_MODEL_DOC})."
         )

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, WrongType
 from lightning_fpdt.models import gpt, llama
 from lightning_fpdt.models.family import Family, check_table
 from lightning_fpdt.models.gpt import GPT
@@ -38,7 +38,7 @@ def family_of(model: nn.Module) -> Family:
         if isinstance(model, family.model_class):
             return family
     names = ", ".join(f.name for f in FAMILIES)
-    raise TypeError(f"to_hf: expected a lightning_fpdt {names.replace(', ', ' or ')}, got {type(model).__name__}.")
+    raise WrongType(f"to_hf: expected a lightning_fpdt {names.replace(', ', ' or ')}, got {type(model).__name__}.")
 
 
 def family_holding(config: Mapping[str, Any]) -> Family | None:
@@ -147,7 +147,7 @@ def _resolve(model: Any, expected: str) -> Any:
             raise FileNotFoundError(f"No Hugging Face checkpoint directory at {os.fspath(model)!r}.")
         model = transformers.AutoModelForCausalLM.from_pretrained(os.fspath(model), local_files_only=True)
     if type(model).__name__ != expected:
-        raise TypeError(f"Expected a transformers {expected}, got {type(model).__name__}.")
+        raise WrongType(f"Expected a transformers {expected}, got {type(model).__name__}.")
     return model
 
 

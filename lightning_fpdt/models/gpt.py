@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, Unsupported
 from lightning_fpdt.layers.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layers.rope import RotaryEmbedding
 from lightning_fpdt.models.bundled import BundledLM
@@ -203,9 +203,9 @@ def gpt_config_from_hf(config: Any, **overrides: Any) -> GPTConfig:
     """
     c = config
     if getattr(c, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise NotImplementedError(f"gpt_from_hf: activation_function={c.activation_function!r} is not supported.")
+        raise Unsupported(f"gpt_from_hf: activation_function={c.activation_function!r} is not supported.")
     if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False):
-        raise NotImplementedError(
+        raise Unsupported(
             "gpt_from_hf: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported."
         )
     mapped = dict(
@@ -223,7 +223,7 @@ def gpt_config_to_hf(c: GPTConfig) -> dict[str, Any]:
         NotImplementedError: rotary positions (GPT-2 has learned ones only).
     """
     if c.position_embedding != "learned":
-        raise NotImplementedError(
+        raise Unsupported(
             "to_hf: a GPT with rotary positions has no GPT-2 counterpart; use position_embedding='learned'."
         )
     return dict(vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, Unsupported
 from lightning_fpdt.layers.block import FPDTAttention, FPDTBlock
 from lightning_fpdt.layers.rope import RopeScaling, RotaryEmbedding, rope_frequencies, rope_theta_of
 from lightning_fpdt.models.bundled import BundledLM
@@ -257,7 +257,7 @@ def llama_config_from_hf(config: Any, **overrides: Any) -> LlamaConfig:
     )
     ours = LlamaConfig(**{**mapped, **overrides})
     if getattr(c, "head_dim", ours.head_dim) != ours.head_dim:
-        raise NotImplementedError(f"llama_from_hf: head_dim={c.head_dim} != hidden_size / heads is not supported.")
+        raise Unsupported(f"llama_from_hf: head_dim={c.head_dim} != hidden_size / heads is not supported.")
     return ours
 
 

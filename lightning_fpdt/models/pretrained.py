@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, WrongType
 from lightning_fpdt.models.configs import with_overrides
 from lightning_fpdt.models.family import Family, Weight, check_table
 from lightning_fpdt.models.weight_files import SafetensorsFiles, fill_shard, tensor_names
@@ -166,7 +166,7 @@ def _read_config(directory: Path, family: Family, owner: str) -> Any:
     auto_config = require("transformers", f"{owner}(hf_checkpoint=...)").AutoConfig
     hf_config = auto_config.from_pretrained(str(directory), local_files_only=True)
     if hf_config.model_type != family.model_type:
-        raise TypeError(
+        raise WrongType(
             f"{owner}: {directory} holds a {hf_config.model_type!r} checkpoint"
             f" ({', '.join(hf_config.architectures or [])}); {owner} reads {family.model_type!r}"
             f" ({family.hf_class}). Train it with HFCausalLM({str(directory)!r}), which takes any transformers"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.errors import PREFIX, FPDTError
+from lightning_fpdt.errors import PREFIX, FPDTError, WrongType
 from lightning_fpdt.parallel.layout import (
     IGNORE_INDEX,
     default_position_ids,
@@ -97,7 +97,7 @@ def check_tokens(batch: Any, vocab_size: int | None) -> None:
         if not isinstance(x, Tensor):
             continue
         if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-            raise TypeError(
+            raise WrongType(
                 f"{PREFIX}batch[{key!r}] has dtype {x.dtype}; token ids must be integers. Return"
                 f" torch.long tensors from your dataset (e.g. torch.tensor(ids, dtype=torch.long))."
             )
@@ -192,7 +192,7 @@ def shard_batch(
     if not isinstance(batch, Mapping):
         if sp_size == 1:
             return batch  # nothing to shard: the module gets it as it is
-        raise TypeError(
+        raise WrongType(
             f"{owner}: sequence_parallel_size={sp_size} needs dict batches with 'input_ids' [batch, seq]"
             f" to shard; got a {type(batch).__name__}."
         )
