@@ -10,10 +10,12 @@ with its options; the model and data by ``class_path``.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,11 +23,11 @@ from typing import Any
 import lightning.pytorch as pl
 import yaml
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_fpdt.checkpoints import files as checkpoint_files
 from lightning_fpdt.data import PasskeyDataModule
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, is_said_by_every_rank
 from lightning_fpdt.memory import ModelShape, report
 from lightning_fpdt.models import CausalLM, LlamaLM
 from lightning_fpdt.models.class_paths import class_path_of
@@ -249,16 +251,35 @@ def _union_reasons(text: str) -> list[str]:
 
 
 def console_main(program: str, run: Callable[[], Any]) -> None:
-    """A console script: ``run()``, with the errors of the objects it builds (strategy, model, data) and of the
-    refusals made before the ranks start (:func:`own_message`) printed as one last line, ``{program}: error: ...``,
-    instead of behind a usage dump or a traceback; any other error is raised as it is."""
+    """A console script: ``run()``, with the package's own errors (:func:`own_message`: a refusal of the objects it
+    builds, of the run before or after the ranks start, a lost peer) printed as one last line, ``{program}: error:
+    ...``, instead of behind a usage dump or a traceback; any other error is raised as it is.
+
+    A refusal every rank makes alike (:func:`~lightning_fpdt.errors.said_by_every_rank`) is printed by global rank 0
+    only; the other ranks exit with the same status, quietly. Under torchrun each rank also leaves the line in its
+    error file, so torchrun's failure summary names it."""
     try:
         run()
-    except (ValueError, TypeError, NotImplementedError) as err:
+    except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
         message = own_message(err)
         if message is None:
             raise
-        raise SystemExit(f"{program}: error: {message}") from None
+        line = f"{program}: error: {message}"
+        leave_for_torchrun(line)
+        if is_said_by_every_rank(err) and getattr(rank_zero_only, "rank", 0) != 0:
+            raise SystemExit(1) from None
+        raise SystemExit(line) from None
+
+
+def leave_for_torchrun(line: str) -> None:
+    """Write ``line`` to this worker's error file when torchrun gave it one, in torchelastic's error-file format, with
+    the line as its call stack: torchrun's failure summary then shows the line, not the console script's frames."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+    with open(path, "w") as f:
+        json.dump({"message": record}, f)
 
 
 def main() -> None:

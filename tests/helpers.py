@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
+import signal
 import textwrap
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -174,3 +176,15 @@ def training_step_peak(module: torch.nn.Module, batch: dict[str, Any], optimizer
 
     step()
     return peak_step_bytes(step, module, optimizer, resizable=resizable)
+
+
+class KillRank(L.Callback):
+    """SIGKILL this process when it is global rank ``rank`` and its training batch ``batch`` starts: as the kernel's
+    out-of-memory killer or a scheduler stops a process (no error, no output). For a YAML's ``trainer.callbacks``."""
+
+    def __init__(self, rank: int = 1, batch: int = 1) -> None:
+        self.rank, self.batch = rank, batch
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.batch and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_fpdt.backends import route_description
 from lightning_fpdt.checkpoints.resume import resumable
-from lightning_fpdt.errors import PREFIX
+from lightning_fpdt.errors import PREFIX, FPDTError, said_by_every_rank
 from lightning_fpdt.layers.accumulation import optimizer_gradients, scale_window_gradients
 from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.memory import EstimateOptions, ModelShape
@@ -122,6 +122,7 @@ class FPDTStrategy(CheckpointHooks):
         self._keep_attention = keep_attention is not False  # "auto": decided per batch shape
         self._guard = StepGuard(nonfinite_loss)
         self._gate: BatchGate | None = None  # made in setup, once the model is known
+        self._batch_seen = False  # a refusal before the first batch is every rank's alike (on_exception)
         self._peers: tuple[Peer, ...] = ()  # every rank's host and pid, to name a rank that dies
 
     # ---- properties ---------------------------------------------------------------------------
@@ -291,6 +292,7 @@ class FPDTStrategy(CheckpointHooks):
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self._gate is None:
             raise RuntimeError(f"{PREFIX}batches are sharded only once the strategy is set up (Trainer.fit/validate).")
+        self._batch_seen = True
         return self._gate(batch, self.shard_batch)  # checks, agreement across ranks, this rank's shard
 
     def shard_batch(self, batch: Any) -> Any:
@@ -343,6 +345,8 @@ class FPDTStrategy(CheckpointHooks):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        if isinstance(exception, FPDTError) and not self._batch_seen:  # the configuration's, the model's, the files'
+            said_by_every_rank(exception)
         explain_peer_failure(exception, self._peers, self.global_rank)  # which rank died, not gloo's words
 
     @override

@@ -29,12 +29,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
+
+from lightning_fpdt.errors import PREFIX, FPDTError, said_by_every_rank
 
 # what gloo, NCCL and the TCP store say when the process at the other end of a connection is gone
 _PEER_GONE = re.compile(
@@ -169,6 +172,23 @@ def refuse_before_launch(strategy: Any) -> None:
         refuse(strategy.sequence_parallel_size)
 
 
+def check_external_world(environment: ClusterEnvironment, devices: int, num_nodes: int) -> None:
+    """Refuse, on every rank and before any collective, a world that a launcher outside Lightning (torchrun, srun)
+    made with another number of processes than the trainer's ``devices x num_nodes`` (Lightning says the same inside
+    two tracebacks); the message names both and the settings that agree."""
+    if not environment.creates_processes_externally or environment.world_size() == devices * num_nodes:
+        return
+    launcher = {"TorchElasticEnvironment": "torchrun", "SLURMEnvironment": "srun"}.get(
+        type(environment).__name__, type(environment).__name__)
+    per_node = os.environ.get("LOCAL_WORLD_SIZE")
+    agree = (f" (--trainer.devices={per_node} --trainer.num_nodes={environment.world_size() // int(per_node)})"
+             if per_node and per_node.isdigit() and int(per_node) > 0 else "")
+    raise said_by_every_rank(FPDTError(
+        f"{PREFIX}{launcher} started {environment.world_size()} processes, but the trainer asks for devices={devices}"
+        f" x num_nodes={num_nodes} = {devices * num_nodes}. Set trainer.devices to the processes per node and"
+        f" trainer.num_nodes to the nodes{agree}, or start {devices * num_nodes} processes."))
+
+
 class CheckedScriptLauncher(_SubprocessScriptLauncher):
     """Lightning's ``popen`` launcher, which first makes :func:`refuse_before_launch`'s refusals: under it the
     launching process is rank 0 and starts the other ranks' scripts (unless a launcher such as torchrun made them)."""
@@ -179,6 +199,7 @@ class CheckedScriptLauncher(_SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        check_external_world(self.cluster_environment, self.num_processes, self.num_nodes)
         refuse_before_launch(self._strategy)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
