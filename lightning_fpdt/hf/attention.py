@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.attention import attention_options, fpdt_attention
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, Unsupported
 from lightning_fpdt.hf.masks import attention_chunk_size, check_mask_windows
 from lightning_fpdt.hf.temperature import tuned_queries, tunes_temperature
 from lightning_fpdt.layers.layer_stream import active_stream
@@ -186,7 +186,7 @@ def fpdt_attention_forward(
     where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     _refuse_call_features(where, module, dropout, kwargs)
     if key.shape[2] != query.shape[2] or value.shape[2] != query.shape[2]:
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {where} attends with {key.shape[2]} keys to {query.shape[2]} queries of this rank's"
             " tokens (keys compressed along the sequence, or kept from elsewhere): the FPDT pipeline attends each"
             " token's query to the keys of the same tokens, exchanged between ranks chunk by chunk, so this layer's"
@@ -236,18 +236,18 @@ def _refuse_call_features(where: str, module: nn.Module, dropout: float, kwargs:
     # (a config may have been changed after construction, and a layer may pass is_causal per call)
     causal = kwargs.get("is_causal")
     if not (getattr(module, "is_causal", True) if causal is None else causal):
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {where} is bidirectional (is_causal=False), which the FPDT pipeline does not compute:"
             " it is causal only (each rank's later chunks are never sent to earlier queries)."
         )
     if kwargs.get("position_bias") is not None:
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {where} adds a position bias ({_short(kwargs['position_bias'])}) to its attention"
             " logits, which the FPDT pipeline does not compute: a [heads, seq, seq] bias over the whole sequence"
             " is what chunking avoids. Use a family with rotary positions."
         )
     if dropout > 0:
-        raise NotImplementedError(
+        raise Unsupported(
             f"HFCausalLM: {where} uses attention dropout {dropout} in training, which the FPDT pipeline does not"
             " compute; set the config's attention dropout to 0."
         )
@@ -327,6 +327,7 @@ def check_supported(model: PreTrainedModel) -> bool:
             " a 'layer_idx'); this model family is not supported."
         )
     for name, m in layers:
+        refuse_selected_keys(model, name, m)
         problems = []
         if not getattr(m, "is_causal", True):
             problems.append(("bidirectional attention (is_causal=False), where every token sees later ones",
@@ -339,11 +340,37 @@ def check_supported(model: PreTrainedModel) -> bool:
                              " in the config"))
         if problems:
             feature, fix = problems[0]
-            raise NotImplementedError(
+            raise Unsupported(
                 f"HFCausalLM: layer {name} ({type(m).__name__}) uses {feature}, which the FPDT attention pipeline"
                 f" does not compute: {fix}."
             )
     return check_mask_windows(model, layers)  # a window the mask has and the call does not pass
+
+
+# attention layers whose keys are not those of their mask: a submodule of this role picks or makes them
+_SELECTED_KEYS = {
+    "Indexer": "sparse attention: a lightning indexer scores every earlier key for each query, and the query attends"
+               " only to its top-k keys",
+    "Compressor": "compressed attention: a compressor pools every few tokens' keys and values into one entry, and"
+                  " the queries attend to those entries beside a window of plain keys",
+}
+
+
+def refuse_selected_keys(model: PreTrainedModel, name: str, layer: nn.Module) -> None:
+    """Refuse an attention layer that selects its keys (DeepSeek-V3.2's indexer) or adds keys of its own
+    (DeepSeek-V4's compressors): the FPDT pipeline attends each query to every key its mask allows, chunk by chunk
+    and across the ranks, so a layer's top-k choice over all earlier keys, or keys pooled from other ranks' tokens,
+    is not computed; before this check such a model failed inside its first forward (an ``AttributeError`` in the
+    mask probe, a shape error)."""
+    for sub_name, sub in layer.named_modules():
+        role = next((r for r in _SELECTED_KEYS if type(sub).__name__.endswith(r)), None)
+        if role is not None:
+            raise Unsupported(
+                f"HFCausalLM: layer {name} ({type(layer).__name__}) of {type(model).__name__} uses"
+                f" {_SELECTED_KEYS[role]} ({type(sub).__name__} at {name}.{sub_name}); the FPDT pipeline attends each"
+                " query to every key its mask allows, chunk by chunk across the ranks, so the keys this layer"
+                " selects or pools are not computed. This family is not supported."
+            )
 
 
 def install(model: PreTrainedModel) -> None:

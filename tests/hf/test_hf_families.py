@@ -13,6 +13,7 @@ call is checked against the mask transformers builds, not against itself.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -288,3 +289,30 @@ def _module_from(config: PretrainedConfig, seed: int) -> HFCausalLM:
 
 
 assert HEADS == 4  # the head counts the cases' kv_heads are chosen against
+
+
+def _support_matrix_config(model_type: str) -> PretrainedConfig:
+    """The support matrix's tiny config of ``model_type`` (benchmarks/support_matrix.py's own shrinker)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "support_matrix.py"
+    spec = importlib.util.spec_from_file_location("support_matrix", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.tiny_config(model_type)
+
+
+@pytest.mark.parametrize(("family", "mechanism", "module"), [
+    ("deepseek_v32", "sparse attention: a lightning indexer scores every earlier key", "DeepseekV32Indexer"),
+    ("deepseek_v4", "compressed attention: a compressor pools every few tokens' keys", "DeepseekV4HCACompressor"),
+])
+def test_attention_that_selects_or_pools_its_keys_is_refused_at_construction(family: str, mechanism: str,
+                                                                             module: str) -> None:
+    """DeepSeek-V3.2's indexer (each query attends to its top-k keys) and DeepSeek-V4's compressors (pooled keys
+    beside a window) choose keys the pipeline does not: refused by name when the model is built, where V3.2 failed
+    inside the mask probe (an AttributeError) and V4 at its first step (a shape error)."""
+    with pytest.raises(NotImplementedError, match=re.escape(mechanism)) as refused:
+        HFCausalLM(_support_matrix_config(family))
+    assert f"({module} at model.layers.0.self_attn." in str(refused.value)
+    assert "This family is not supported." in str(refused.value)
