@@ -31,13 +31,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_fpdt.data import cache, files
 from lightning_fpdt.data.packing import OWNER, DataError, build_samples, fill, has_generation_prompt, hold_out, shared
-from lightning_fpdt.data.tokenizing import check_tokenizer, load_tokenizer, tokenize_rows
+from lightning_fpdt.data.sources import DataSource, chosen, mixture_report
+from lightning_fpdt.data.tokenizing import check_tokenizer, load_tokenizer, tokenize_source
 from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.parallel.batches import input_vocab_size
 
 KEYS = ("input_ids", "labels", "position_ids")
-VERSION = 3  # bump when the samples of the same inputs change (2: headers of templates without a generation prompt;
-# 3: content parts joined, duplicates held out together)
 
 
 class PackedSamples(Dataset):
@@ -61,8 +60,12 @@ class HFDataModule(pl.LightningDataModule):
     ``[batch_size, seq_len]``; positions restart at every document, so attention and targets stay inside it.
 
     Args:
-        train_files: jsonl, json, parquet or csv files (globs allowed), or ``save_to_disk`` directories.
+        train_files: jsonl, json, parquet or csv files (globs allowed), or ``save_to_disk`` directories; or give
+            ``mixture`` instead.
         val_files: the same for validation; ``None``: ``val_fraction`` of the training documents.
+        mixture: datasets mixed into one set of samples (:class:`~lightning_fpdt.data.sources.DataSource`: files,
+            row format such as ShareGPT or Alpaca, field and role names, a weight or a number of documents, the
+            split), instead of ``train_files``/``val_files``; its counts are logged and kept in ``stats``.
         tokenizer: a local path for ``AutoTokenizer.from_pretrained``; ``None``: the path the
             ``HFCausalLM`` was loaded from (its ``model`` argument), so a config does not repeat it.
         format: ``"text"`` (documents packed back to back) or ``"chat"`` (conversations, loss on assistant
@@ -86,8 +89,9 @@ class HFDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        train_files: str | list[str],
+        train_files: str | list[str] | None = None,
         val_files: str | list[str] | None = None,
+        mixture: list[DataSource] | None = None,
         tokenizer: str | None = None,
         format: Literal["text", "chat"] = "text",
         seq_len: int = 4096,
@@ -111,7 +115,20 @@ class HFDataModule(pl.LightningDataModule):
                             " (>= 1) are out of range.")
         if not 0.0 <= val_fraction < 1.0:
             raise FPDTError(f"{OWNER}val_fraction={val_fraction} must be in [0, 1).")
+        if (train_files is None) == (mixture is None) or (mixture is not None and val_files is not None):
+            raise FPDTError(f"{OWNER}give train_files (and val_files), or a mixture of datasets (each with its split),"
+                            " not both.")
         self.save_hyperparameters()
+        chat = format == "chat"
+        if mixture is None:
+            named = [DataSource(train_files, field=messages_field if chat else text_field)]
+            named += [DataSource(val_files, field=messages_field if chat else text_field, split="val")] * (
+                val_files is not None)
+        else:
+            named = [DataSource(**m) if isinstance(m, dict) else m for m in mixture]
+        self.sources = [source.resolved(chat, i) for i, source in enumerate(named)]
+        if not any(source.split == "train" for source in self.sources):
+            raise FPDTError(f"{OWNER}the mixture has no dataset of split 'train'.")
         self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
         self.format, self.seq_len, self.batch_size = format, seq_len, batch_size
         self.field = messages_field if format == "chat" else text_field
@@ -143,11 +160,11 @@ class HFDataModule(pl.LightningDataModule):
             f" is {type(module).__name__ if module is not None else 'not attached yet'}."
         )
 
-    def _sources(self) -> dict[str, list[str]]:
-        sources = {"train": files.resolve(self.train_files, "train_files")}
-        if self.val_files is not None:
-            sources["val"] = files.resolve(self.val_files, "val_files")
-        return sources
+    def _sources(self) -> list[tuple[DataSource, list[str]]]:
+        """Each dataset with its files, globs expanded."""
+        what = {"train": "train_files", "val": "val_files"}
+        return [(s, files.resolve(s.path, f"mixture[{i}].path" if self.hparams.mixture else what[s.split]))
+                for i, s in enumerate(self.sources)]
 
     def cache_key(self) -> str:
         """SHA-256 of the files' and the tokenizer's content, the libraries' versions and the options (16 digits).
@@ -161,11 +178,12 @@ class HFDataModule(pl.LightningDataModule):
         """The cache key, the tokenizer's hash and each data file's (a path's content hash)."""
         memo = self.cache_dir / "hashes"
         tokenizer = cache.tokenizer_hash(self.tokenizer_path(), memo)
-        sources = {s: [[p, cache.source_hash(p, memo)] for p in paths] for s, paths in self._sources().items()}
+        sources = [(s, [[p, cache.source_hash(p, memo)] for p in paths]) for s, paths in self._sources()]
         options = {k: self.hparams[k] for k in ("format", "seq_len", "too_long", "val_fraction", "seed")}
-        key = {"version": VERSION, "libraries": cache.versions(), "tokenizer": tokenizer, "field": self.field,
-               "files": {s: [[os.path.abspath(p), h] for p, h in f] for s, f in sources.items()}, **options}
-        return cache.digest(key), tokenizer, {p: h for f in sources.values() for p, h in f}
+        key = {"version": cache.VERSION, "libraries": cache.versions(), "tokenizer": tokenizer, "field": self.field,
+               "files": [[s.split, s.spec(), s.weight, s.samples, [[os.path.abspath(p), h] for p, h in f]]
+                         for s, f in sources], **options}
+        return cache.digest(key), tokenizer, {p: h for _, f in sources for p, h in f}
 
     # ---- prepare_data: one process per node --------------------------------------------------------------
 
@@ -192,7 +210,7 @@ class HFDataModule(pl.LightningDataModule):
         tokenizer = load_tokenizer(self.tokenizer_path(), digest)
         check_tokenizer(tokenizer, self.tokenizer_path(), self.format == "chat")
         start = time.perf_counter()
-        docs = {split: self._tokenize(paths, split, digest, contents) for split, paths in self._sources().items()}
+        docs = self._mix(digest, contents)
         self.stats["tokenize_s"], start = time.perf_counter() - start, time.perf_counter()
         if "val" in docs:  # given files: a document in both is counted in a warning
             self.stats["val_in_train"] = shared(docs["val"][0], docs["train"][0])
@@ -222,57 +240,29 @@ class HFDataModule(pl.LightningDataModule):
         shutil.rmtree(target, ignore_errors=True)
         os.replace(building, target)
 
-    def _tokenize(self, paths: list[str], split: str, digest: str,
-                  contents: dict[str, str]) -> tuple[list[list[int]], list[list[int]]]:
-        """Every row of ``paths`` tokenized (``num_proc`` processes): ``(ids, labels)`` per kept document.
-
-        ``datasets`` keeps a file's rows and tokens in a directory of that content (:func:`cache.datasets_dir`),
-        the tokens in a file named by what else determines them: never those of another content or tokenizer."""
-        ids: list[list[int]] = []
-        labels: list[list[int]] = []
-        skipped = too_long = rows = 0
-        option = "messages_field" if self.format == "chat" else "text_field"
-        tokens = cache.digest({"version": VERSION, "libraries": cache.versions(), "tokenizer": digest,
-                               "field": self.field, "format": self.format})
-        for path in paths:
-            where = cache.datasets_dir(self.cache_dir, contents[path])
-            cache.check_writable(where)
-            data = files.load(path, str(where))
-            files.check_field(data, self.field, option, path)
-            rows += len(data)
-            if len(data) == 0:
-                continue
-            kwargs = {"tokenizer_path": self.tokenizer_path(), "tokenizer_digest": digest, "field": self.field,
-                      "chat": self.format == "chat"}
-            made = data.map(tokenize_rows, batched=True, batch_size=256, fn_kwargs=kwargs,
-                            remove_columns=data.column_names, num_proc=min(self.num_proc, len(data)),
-                            cache_file_name=str(where / f"tokens-{tokens}.arrow"),
-                            new_fingerprint=cache.digest([tokens, contents[path]]),
-                            desc=f"HFDataModule: tokenizing {Path(path).name}")
-            problems = made["problem"]
-            bad = next((i for i, p in enumerate(problems) if p), None)
-            if bad is not None:
-                raise DataError(f"{OWNER}{path!r} row {bad} (field {self.field!r}) {problems[bad]}.")
-            for row_ids, row_labels, skip in zip(made["input_ids"], made["labels"], made["skipped"]):
-                if skip:
-                    skipped += 1
-                elif len(row_ids) > self.seq_len and self.format == "chat":
-                    too_long += 1
-                    if self.too_long == "truncate":
-                        ids.append(row_ids[:self.seq_len])
-                        labels.append(row_labels[:self.seq_len])
-                else:
-                    ids.append(row_ids)
-                    labels.append(row_labels)
-        if rows == 0:
-            raise DataError(f"{OWNER}the {split} files {paths} have no rows; give files with data.")
-        if not ids:
-            raise DataError(
-                f"{OWNER}none of the {rows} {split} rows is left: {skipped} conversations without an assistant turn,"
-                f" {too_long} longer than seq_len={self.seq_len} dropped. Check the data, seq_len and too_long."
-            )
-        self.stats[f"{split}_skipped"], self.stats[f"{split}_too_long"] = skipped, too_long
-        return ids, labels
+    def _mix(self, digest: str, contents: dict[str, str]) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+        """``(ids, labels)`` of every document per split: each dataset's documents, as many as its weight or
+        sample count asks for (:func:`~lightning_fpdt.data.sources.chosen`), in the order of the list."""
+        docs: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+        counts = []
+        option = "a mixture dataset's field" if self.hparams.mixture else (
+            "messages_field" if self.format == "chat" else "text_field")
+        self.stats.update(train_skipped=0, train_too_long=0, val_skipped=0, val_too_long=0)
+        for index, (source, paths) in enumerate(self._sources()):
+            ids, labels, skipped, too_long = tokenize_source(
+                source, paths, self.tokenizer_path(), digest, contents, self.cache_dir, num_proc=self.num_proc,
+                seq_len=self.seq_len if self.format == "chat" else None, truncate=self.too_long == "truncate",
+                option=option)
+            self.stats[f"{source.split}_skipped"] += skipped
+            self.stats[f"{source.split}_too_long"] += too_long
+            keep = chosen(len(ids), source, self.seed, index)
+            split_ids, split_labels = docs.setdefault(source.split, ([], []))
+            split_ids.extend(ids[i] for i in keep)
+            split_labels.extend(labels[i] for i in keep)
+            counts.append({"name": ", ".join(Path(p).name for p in paths), "format": source.format,
+                           "split": source.split, "documents": len(ids), "chosen": len(keep)})
+        self.stats["mixture"] = counts
+        return docs
 
     # ---- setup: every rank --------------------------------------------------------------------------------
 
@@ -329,6 +319,8 @@ class HFDataModule(pl.LightningDataModule):
             rank_zero_warn(f"{OWNER}{meta['val_in_train']} of the {meta['val']['documents']} validation documents"
                            " (val_files) are also training documents (train_files), so the validation loss is partly"
                            " measured on trained text; remove them from one of the files.")
+        if self.hparams.mixture:
+            rank_zero_info(f"HFDataModule: mixture: {mixture_report(meta['mixture'])}")
         for split in ("train", "val"):
             if split in meta:
                 m = meta[split]
