@@ -193,11 +193,13 @@ def test_sequence_parallel_evaluation_equals_one_process(trained: tuple[LlamaLM,
     """``Trainer.validate`` at sp=2 with 32-token chunks, offload emulated (float64, ``math``): every sample's
     exact-match decision and log-likelihood (1e-10) and the loss of every position bucket equal the plain model's in
     one process, at lengths that are not multiples of sp x chunk = 64 (96, 200 and 420: each sample padded, its pad
-    tokens scored nowhere); the heatmap and the curve are images in the TensorBoard event file, the results in JSON, CSV, PNG."""
+    tokens scored nowhere); the heatmap and the curve are images in the TensorBoard event file, the results in JSON,
+    CSV, PNG."""
     model = trained[0]
     tasks = [PasskeyTask(digits=1, key_repeats=8), NeedleTask(haystack="noise", name="niah_noise")]
     grids = {"passkey": ([96, 200], [0.0, 0.5, 1.0]), "niah_noise": ([420], [0.0, 1.0])}
-    assert [n % (2 * 32) for n in (96, 200, 420)] == [32, 8, 36]  # the issue-45 case (200 at sp=2, 32-token chunks) among them
+    # the issue-45 case (200 tokens at sp=2, 32-token chunks) among them
+    assert [n % (2 * 32) for n in (96, 200, 420)] == [32, 8, 36]
     documents = Documents(4, 72, seed=3)
     evaluation = [LongContextEvaluation([t], grids[t.name][0], grids[t.name][1], samples_per_cell=2,
                                         position_data="validation" if t.name == "passkey" else None,
