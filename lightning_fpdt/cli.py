@@ -22,8 +22,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import yaml
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch.optim import Optimizer
 
 from lightning_fpdt.checkpoints import files as checkpoint_files
 from lightning_fpdt.data import PasskeyDataModule
@@ -42,12 +43,25 @@ from lightning_fpdt.strategy import FPDTStrategy
 
 
 class FPDTCLI(LightningCLI):
-    """LightningCLI with the project's models and data modules as defaults."""
+    """LightningCLI with the project's models and data modules as defaults, and LightningCLI's top-level
+    ``optimizer:`` and ``lr_scheduler:`` keys given to the model (``CausalLM``'s arguments of those names), which
+    makes them on the parameters the strategy set up (``auto_configure_optimizers`` would make them here, before the
+    strategy shards or loads any weight, and drop the model's weight-decay groups)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("auto_configure_optimizers", False)
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         # the model key as lightning_fpdt.models.from_config.model_parser builds it (fpdt-export and the memory CLI)
         parser.set_defaults({"model": MODEL_DEFAULT,
                              "data": {"class_path": "lightning_fpdt.data.PasskeyDataModule"}})
+        # LightningCLI's top-level optimizer and lr_scheduler keys, linked to the model's arguments of those names:
+        # made in configure_optimizers on the parameters the strategy set up, kept in the checkpoint as plain data
+        for key, bases in (("optimizer", (Optimizer,)), ("lr_scheduler", LRSchedulerTypeTuple)):
+            parser.add_subclass_arguments(bases, key, instantiate=False, fail_untyped=False, required=False,
+                                          skip={"params", "optimizer"})
+            parser.link_arguments(key, f"model.init_args.{key}", compute_fn=_plain_spec)
 
     def _parse_ckpt_path(self) -> None:
         """The model of a run resumed with ``--ckpt_path`` (a file, or a sharded checkpoint's directory): the
@@ -73,10 +87,31 @@ class FPDTCLI(LightningCLI):
         hparams.pop("_instantiator", None)
         if not hparams:
             return
+        self._keep_optimizers(ckpt_path, subcommand, {k: hparams.pop(k, None) for k in ("optimizer", "lr_scheduler")})
         given = self.config[subcommand].model.as_dict()
         model = resumed_model(ckpt_path, hparams, None if given == _default_model() else given)
         if model is not None:
             self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
+
+    def _keep_optimizers(self, ckpt_path: str, subcommand: str, saved: dict[str, Any]) -> None:
+        """A resumed run makes the optimizer and scheduler the checkpoint's state belongs to: the checkpoint's
+        when the config gives none, the config's when it gives the same classes (other arguments may change).
+
+        Raises:
+            SystemExit: the config gives another optimizer or scheduler class than the checkpoint's (its state
+                would not load), naming both."""
+        for key, spec in saved.items():
+            given = _plain_spec(self.config[subcommand].get(key))
+            if given is None and spec is not None:
+                self.config = self.parser.parse_object({subcommand: {key: spec}}, self.config)
+                continue
+            theirs, ours = (s["class_path"] if s else "the default" for s in (spec, given))
+            if theirs != ours:
+                raise SystemExit(
+                    f"fpdt-train: --ckpt_path {ckpt_path} was trained with {key} {theirs}, whose state it holds; the"
+                    f" config gives {ours}. Resume with the same {key} class (its arguments may change), or start"
+                    " a new run without --ckpt_path."
+                )
 
     def before_fit(self) -> None:
         """Refuse what the configuration alone decides about the model under the strategy (``check_binding``:
@@ -88,6 +123,11 @@ class FPDTCLI(LightningCLI):
         table = memory_report(self.model, self.datamodule, self.trainer)
         if table is not None:
             rank_zero_info(table)
+
+
+def _plain_spec(spec: Any) -> dict[str, Any] | None:
+    """A parsed optimizer or scheduler (``class_path`` and ``init_args``) as the plain dict a model keeps."""
+    return None if spec is None else (spec.as_dict() if hasattr(spec, "as_dict") else dict(spec))
 
 
 def _default_model() -> dict[str, Any]:

@@ -337,6 +337,16 @@ def set_optimizer_state(module: torch.nn.Module, optimizer: Any, state: dict[str
             )
         optimizer.load_state_dict(state)
     else:
+        # an optimizer that keeps None in a state (SGD without momentum: momentum_buffer) makes it again when it is
+        # missing; torch's loader by name places no None, and no state at all ("Expected device to be set"): then
+        # only the groups' hyper-parameters (the learning rate the schedule reached) are loaded
+        saved = state.get("state", {})
+        kept = {name: {k: v for k, v in entry.items() if v is not None} for name, entry in saved.items()}
+        state = {**state, "state": {name: entry for name, entry in kept.items() if entry}}
+        if not state["state"] and len(state.get("param_groups", [])) == len(optimizer.param_groups):
+            for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):  # nothing per parameter
+                group.update({k: v for k, v in saved_group.items() if k != "params"})
+            return
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 

@@ -11,7 +11,6 @@ A model built on the meta device reads its weights where they are needed
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from lightning_fpdt.models.class_paths import class_path_of
 from lightning_fpdt.models.contract import OWN_MODEL_DOC, CountsFlops, DecoderModel, check_decoder_model, output_norm
 from lightning_fpdt.models.metrics import AnswerAccuracy
 from lightning_fpdt.models.mixing import own_token_mixers
+from lightning_fpdt.models.optimizers import SCHEDULER_BASES, checked_spec, make_optimizers
 from lightning_fpdt.models.pending_weights import PendingWeightsModule
 from lightning_fpdt.parallel.batches import shard_batch
 from lightning_fpdt.parallel.binding import SequenceParallelContext
@@ -46,11 +46,16 @@ class CausalLM(PendingWeightsModule):
         loss_tiles: token tiles of the output projection + cross-entropy, each recomputed in backward, so
             no full ``[tokens, vocab]`` logits tensor exists (``None``: tiles of 1024 tokens; ``1``: off,
             full logits kept for backward). Read by the memory model for ``chunk_size="auto"``.
-        learning_rate: peak AdamW learning rate.
+        learning_rate: peak AdamW learning rate (without ``optimizer``).
         weight_decay: AdamW weight decay for matrices (not for norms, biases and embeddings).
         betas: AdamW betas.
-        warmup_steps: linear warm-up steps.
+        warmup_steps: linear warm-up steps (without ``lr_scheduler``).
         min_lr_ratio: the cosine schedule decays to ``learning_rate * min_lr_ratio``.
+        optimizer: any torch optimizer instead of AdamW, as a class path or ``{"class_path", "init_args"}`` (its
+            own ``lr`` and ``weight_decay``; norms, biases and embeddings get weight decay 0); ``fpdt-train``'s
+            top-level ``optimizer:`` key sets it (:mod:`lightning_fpdt.models.optimizers`).
+        lr_scheduler: any torch scheduler instead of the warm-up and cosine, the same way, stepped every optimizer
+            step (``ReduceLROnPlateau`` watches ``train/loss``); ``fpdt-train``'s ``lr_scheduler:`` key sets it.
     """
 
     def __init__(
@@ -61,8 +66,13 @@ class CausalLM(PendingWeightsModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
+        optimizer: dict | str | None = None,
+        lr_scheduler: dict | str | None = None,
     ) -> None:
         super().__init__()
+        owner = type(self).__name__
+        self.optimizer_spec = checked_spec(optimizer, "optimizer", (torch.optim.Optimizer,), owner)
+        self.lr_scheduler_spec = checked_spec(lr_scheduler, "lr_scheduler", SCHEDULER_BASES, owner)
         if loss_tiles is not None and not is_positive_int(loss_tiles):
             raise FPDTError(
                 f"{type(self).__name__}: loss_tiles must be a positive int or None (automatic), got {loss_tiles!r}."
@@ -276,24 +286,9 @@ class CausalLM(PendingWeightsModule):
             hparams.setdefault("_class_path", class_path_of(type(self), within=CausalLM))
 
     def configure_optimizers(self) -> Any:
-        decay, no_decay = [], []
-        for name, p in self.named_parameters():
-            if not p.requires_grad:
-                continue
-            (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.learning_rate,
-            betas=self.betas,
-        )
+        """:func:`~lightning_fpdt.models.optimizers.make_optimizers`: ``optimizer`` and ``lr_scheduler`` when given,
+        else AdamW under a warm-up and a cosine decay, on the parameters the strategy set up."""
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1000
-        warmup, floor = self.warmup_steps, self.min_lr_ratio
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        adamw = {"lr": self.learning_rate, "betas": self.betas, "weight_decay": self.weight_decay}
+        return make_optimizers(self, self.optimizer_spec, self.lr_scheduler_spec, adamw, self.warmup_steps,
+                               self.min_lr_ratio, total)
