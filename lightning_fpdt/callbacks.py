@@ -108,15 +108,29 @@ class TokenThroughputMonitor(ThroughputMonitor):
         separator: between the stage and the metric name in logged keys.
         available_flops: peak FLOP/s of one device for MFU, where Lightning does not know the device (a CPU, a
             GPU missing from its table) or to override it; ``None``: Lightning's figure (none on a CPU: no MFU).
+        prog_bar: also show the tokens per second (``tok/s``) in the progress bar, once a window is measured.
     """
 
-    def __init__(self, window_size: int = 20, separator: str = "/", available_flops: float | None = None) -> None:
+    def __init__(self, window_size: int = 20, separator: str = "/", available_flops: float | None = None,
+                 prog_bar: bool = True) -> None:
         super().__init__(batch_size_fn=samples_in_batch, length_fn=tokens_in_batch, window_size=window_size,
                          separator=separator)
         if available_flops is not None and not available_flops > 0:
             raise FPDTError(f"TokenThroughputMonitor: available_flops must be a positive peak FLOP/s per device,"
                             f" got {available_flops!r}; leave it None to use Lightning's table of GPUs.")
         self.peak_flops = available_flops
+        self.prog_bar = prog_bar
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args)  # rank zero measures
+        throughput = self._throughputs.get(trainer.state.stage)
+        if not (self.prog_bar and trainer.is_global_zero and throughput is not None and self._batches.get(
+                trainer.state.stage)):
+            return
+        measured = throughput.compute()  # every rank's shard counted: the world's tokens once a window is full
+        rate = measured.get("items_per_sec", measured.get(f"device{throughput.separator}items_per_sec"))
+        if rate is not None:
+            pl_module.log("tok/s", float(rate), prog_bar=True, logger=False, rank_zero_only=True)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)

@@ -11,11 +11,13 @@ with its options; the model and data by ``class_path``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -298,6 +300,7 @@ def console_main(program: str, run: Callable[[], Any]) -> None:
     A refusal every rank makes alike (:func:`~lightning_fpdt.errors.said_by_every_rank`) is printed by global rank 0
     only; the other ranks exit with the same status, quietly. Under torchrun each rank also leaves the line in its
     error file, so torchrun's failure summary names it."""
+    quiet_lightning()
     try:
         run()
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
@@ -309,6 +312,28 @@ def console_main(program: str, run: Callable[[], Any]) -> None:
         if is_said_by_every_rank(err) and getattr(rank_zero_only, "rank", 0) != 0:
             raise SystemExit(1) from None
         raise SystemExit(line) from None
+
+
+# what Lightning and its dependencies print that says nothing about the run (a console script's output only)
+_NOISE_WARNINGS = (
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's pytree helper on torch >= 2.10, per rank
+    r"LightningCLI's args parameter is intended",  # fpdt-eval gives LightningCLI its own arguments on purpose
+)
+
+
+class _NoTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+def quiet_lightning() -> None:
+    """Silence, for a console script, what says nothing about the run: Lightning's advertisements for its cloud
+    packages and the warnings of :data:`_NOISE_WARNINGS` (each naming Lightning's or the CLI's own code)."""
+    for pattern in _NOISE_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoTips) for f in logger.filters):
+        logger.addFilter(_NoTips())
 
 
 def leave_for_torchrun(line: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,3 +140,22 @@ def test_the_torchrun_error_file_holds_the_line(tmp_path: Path, monkeypatch: pyt
     assert code == 1
     record = json.loads(error_file.read_text())["message"]
     assert record["message"] == record["extraInfo"]["py_callstack"] == "fpdt-train: error: FPDTStrategy: no"
+
+
+@pytest.mark.distributed
+def test_the_quick_start_s_console_holds_no_warning_and_shows_progress(tmp_path: Path) -> None:
+    """The quick start (2 processes, warnings on): no warning, deprecation or advertisement on the console, the
+    progress bar with the loss and the tokens per second, and last.ckpt written."""
+    env = _environment()
+    env.pop("PYTHONWARNINGS")
+    proc = subprocess.run([sys.executable, "-m", "lightning_fpdt.cli", "fit", "--config", str(TINY),
+                           "--trainer.max_steps=6", "--trainer.val_check_interval=6", "--trainer.limit_val_batches=1",
+                           "--trainer.logger.init_args.save_dir=runs"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=200)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    noise = [line for line in output.replace("\r", "\n").splitlines()
+             if re.search(r"warn|deprecat|\N{ELECTRIC LIGHT BULB}|Tip:|Total FLOPs|Traceback", line, re.IGNORECASE)]
+    assert not noise, noise
+    assert re.search(r"Epoch 0: .*it/s.*train/loss=[0-9.]+.*tok/s=", output), output[-3000:]
+    assert (tmp_path / "runs" / "tiny_cpu" / "version_0" / "checkpoints" / "last.ckpt").is_file()

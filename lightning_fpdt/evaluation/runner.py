@@ -76,7 +76,8 @@ def forward(module: nn.Module, trainer: pl.Trainer | None, batch: dict[str, Any]
         batch = trainer.strategy.batch_to_device(batch)
     else:
         device = next(module.parameters()).device
-        batch = move_data_to_device(module.on_before_batch_transfer(batch, 0), device)
+        complete = getattr(module, "complete_batch", None)
+        batch = move_data_to_device(complete(batch) if complete is not None else batch, device)
     batch = module.prepared(batch)  # one process: the one-rank shard; already sharded batches pass through
     with torch.no_grad():
         return module.hidden_states(batch), batch

@@ -301,7 +301,7 @@ class HFCausalLM(CausalLM):
             loss_sum = self.router_loss.add_to(loss_sum, num_tokens)
         return loss_sum, num_tokens
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+    def complete_batch(self, batch: Any) -> Any:
         """A mixture of experts counts the tokens of ``attention_mask`` in its auxiliary loss: a batch without
         one gets ones before the strategy pads it (its padding then gets zeros, as no token of one process)."""
         if self.router_loss is not None and isinstance(batch, dict) and "attention_mask" not in batch:

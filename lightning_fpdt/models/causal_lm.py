@@ -153,6 +153,12 @@ class CausalLM(PendingWeightsModule):
             position_ids = default_position_ids(*input_ids.shape, device=input_ids.device)
         return self.model.lm_head(self.model.hidden_states(input_ids, position_ids))
 
+    def complete_batch(self, batch: Any) -> Any:
+        """``batch`` with what it lacks filled in, before ``FPDTStrategy`` shards and pads it (here: as it is; a
+        subclass adds what its loss needs). Called by the strategy rather than through Lightning's
+        ``on_before_batch_transfer``, which a data module's own hook would replace."""
+        return batch
+
     def prepared(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The batch as ``FPDTStrategy`` hands it over: pre-shifted targets, position ids, documents.
 

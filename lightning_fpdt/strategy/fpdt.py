@@ -290,6 +290,9 @@ class FPDTStrategy(CheckpointHooks):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
+        complete = getattr(self.lightning_module, "complete_batch", None)  # CausalLM's: before any padding
+        if complete is not None:
+            batch = complete(batch)
         if self._gate is None:
             raise RuntimeError(f"{PREFIX}batches are sharded only once the strategy is set up (Trainer.fit/validate).")
         self._batch_seen = True
