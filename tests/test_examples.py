@@ -25,10 +25,13 @@ def test_hugging_face_data_examples_train(config: str, tmp_path: Path, monkeypat
         "fit", "--config", str(ROOT / "examples" / "configs" / config), "--trainer.max_steps=5",
         "--trainer.val_check_interval=5", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}",
         f"--data.init_args.cache_dir={tmp_path / 'cache'}", "--trainer.strategy.init_args.start_method=spawn",
-        cwd=ROOT,
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", cwd=ROOT,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     losses = {int(m[1]): float(m[2]) for m in re.finditer(r"step +(\d+) +loss ([-\w.]+)", out)}
     assert set(losses) >= {5} and all(math.isfinite(v) for v in losses.values()), out[-4000:]
     assert re.search(r"val/loss +[0-9.]+", out), out[-4000:]
+    run = tmp_path / "runs" / config.removesuffix(".yaml") / "version_0"  # the template ends in files to go on from
+    assert (run / "checkpoints" / "last.ckpt").is_file(), sorted(map(str, run.rglob("*")))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in (run / "hf").iterdir()}

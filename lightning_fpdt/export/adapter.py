@@ -56,9 +56,12 @@ def adapted_module(module: pl.LightningModule) -> HFCausalLM:
 
 
 def base_model_of(module: HFCausalLM) -> str | None:
-    """The base model's name or directory, as ``adapter_config.json`` names it (``None``: built from a config)."""
+    """The base model's name or directory, as ``adapter_config.json`` names it (``None``: built from a config): a
+    directory as an absolute path, so the adapter finds its base from any working directory; a hub name as given."""
     model = module.hparams.get("model")
-    return str(model) if isinstance(model, (str, Path)) else None
+    if not isinstance(model, (str, Path)):
+        return None
+    return str(Path(model).resolve()) if Path(model).is_dir() else str(model)
 
 
 def write_adapter(module: HFCausalLM, read: Callable[[str], Tensor], out: str | Path, dtype: torch.dtype | None = None,

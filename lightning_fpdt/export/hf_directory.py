@@ -247,7 +247,8 @@ class HFExport(pl.Callback):
     (every rank takes part; rank 0 writes).
 
     Args:
-        dirpath: the output directory.
+        dirpath: the output directory; ``None``: ``hf/`` in the run's log directory (``trainer.log_dir``, beside
+            the checkpoints of a ``ModelCheckpoint`` without its own ``dirpath``).
         every_n_steps: also export every this many steps (``None``: only at the end).
         dtype: the export dtype (float32, bfloat16, float16, float64 or an alias such as ``bf16``, or the torch
             dtype; ``None``: the trained one).
@@ -264,16 +265,20 @@ class HFExport(pl.Callback):
         ValueError: a dtype or shard size refused (at construction).
     """
 
-    def __init__(self, dirpath: str, every_n_steps: int | None = None, dtype: str | torch.dtype | None = None,
-                 max_shard_size: int | str = "5GB", tokenizer: str | None = None, adapter: bool = False) -> None:
+    def __init__(self, dirpath: str | None = None, every_n_steps: int | None = None,
+                 dtype: str | torch.dtype | None = None, max_shard_size: int | str = "5GB",
+                 tokenizer: str | None = None, adapter: bool = False) -> None:
         self.dirpath, self.every_n_steps, self.tokenizer, self.adapter = dirpath, every_n_steps, tokenizer, adapter
+        self.out = Path(dirpath) if dirpath is not None else None  # the run's log directory's hf/ once fit starts
         shard_bytes(max_shard_size)
         self.max_shard_size = max_shard_size
         self.dtype = export_dtype(dtype)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Refuse a directory that is the model's source (or ``adapter`` without LoRA), before training, not after."""
-        check_out(Path(self.dirpath), True, [self.tokenizer, _source_dir(_source_of(pl_module))])
+        # every rank asks: trainer.log_dir is rank 0's, broadcast
+        self.out = Path(self.dirpath or Path(trainer.log_dir or trainer.default_root_dir) / "hf")
+        check_out(self.out, True, [self.tokenizer, _source_dir(_source_of(pl_module))])
         if self.adapter:
             adapted_module(pl_module)
 
@@ -281,10 +286,10 @@ class HFExport(pl.Callback):
         step = trainer.global_step
         if self.every_n_steps and step % self.every_n_steps == 0 and step != getattr(self, "_last", None):
             self._last = step
-            self.write(trainer, pl_module, Path(self.dirpath) / f"step={step}")
+            self.write(trainer, pl_module, self.out / f"step={step}")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.write(trainer, pl_module, Path(self.dirpath))
+        self.write(trainer, pl_module, self.out)
 
     def write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, out: Path) -> None:
         """Every rank: gather and (rank 0) write ``pl_module``'s export to ``out``."""
