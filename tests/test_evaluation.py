@@ -8,6 +8,7 @@ import io
 import json
 import math
 import random
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,10 @@ def test_heatmap_image() -> None:
     image = heatmap_image([[0.0, 1.0], [math.nan, 0.5]], [0.0, 1.0], [256, 2048], "t")
     assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
     assert image.shape[0] > 2 * 32 and image.shape[1] > 2 * 64  # a cell is 64 x 32 pixels
+    title = "niah_multivalue: exact match (teacher forcing), step 12000"
+    narrow = heatmap_image([[1.0]], [0.5], [4096], title)  # one column: the title sets the width
+    ink = np.argwhere((narrow[:20] < 128).all(axis=2))[:, 1]  # the title's dark pixels, in the top rows
+    assert ink.min() > 0 and ink.max() < narrow.shape[1] - 1, (ink.min(), ink.max(), narrow.shape)
 
 
 def test_the_batches_are_split_over_data_parallel_groups() -> None:
@@ -347,3 +352,50 @@ def test_a_length_too_short_for_a_task_is_refused_before_the_validation_runs(tmp
     with pytest.raises(ValueError, match=r"NeedleTask: length=96 is too short"):
         trainer.validate(module, DataLoader(Documents(2, 72, seed=0), batch_size=2))
     assert steps == []
+
+
+def test_default_lengths_are_those_the_tasks_can_make(caplog: pytest.LogCaptureFixture) -> None:
+    """lengths=None: a quarter, half and all of seq_len, less those too short for a needle task (377 tokens for
+    niah_single_2 in bytes); with none left, the shortest doubling of seq_len that fits; the choice is said."""
+    module = LlamaLM(LlamaConfig.tiny(vocab_size=256, num_hidden_layers=1))
+
+    def chosen(seq_len: int, tasks: list[str]) -> list[int]:
+        callback = LongContextEvaluation(tasks, depths=[0.0, 1.0], samples_per_cell=1, position_data=None)
+        trainer = type("Trainer", (), {"datamodule": type("Data", (), {"seq_len": seq_len})()})()
+        callback.setup(trainer, module, "validate")
+        return callback._lengths(trainer)
+
+    assert chosen(2048, ["niah_single_2"]) == [512, 1024, 2048]
+    assert chosen(1024, ["niah_single_2"]) == [512, 1024]
+    assert "lengths [256] are too short for the tasks; evaluating at [512, 1024]" in caplog.text
+    assert chosen(256, ["niah_single_2"]) == [512]
+    assert chosen(256, ["passkey"]) == [128, 256]  # its 5-digit key written once needs 85 tokens
+
+
+@pytest.mark.distributed
+def test_fpdt_eval_on_a_run_s_checkpoint_writes_into_that_run(tmp_path: Path) -> None:
+    """fpdt-eval on <save_dir>/<name>/version_0/checkpoints/last.ckpt: the results, images and scalars go to that
+    run (no version_1), its config.yaml is kept, and the console holds no warning."""
+    from tests.test_console import _environment
+
+    env = _environment()
+    env.pop("PYTHONWARNINGS")
+    common = ["--config", str(ROOT / "examples" / "configs" / "tiny_cpu.yaml"), "--trainer.devices=1",
+              "--trainer.strategy.init_args.sequence_parallel_size=1", "--trainer.limit_val_batches=1",
+              f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", "--data.init_args.val_seq_len=128"]
+    fit = subprocess.run([sys.executable, "-m", "lightning_fpdt.cli", "fit", *common, "--trainer.max_steps=2",
+                          "--trainer.val_check_interval=2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=200)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny_cpu" / "version_0"
+    config = (run / "config.yaml").read_text()
+    evaluation = subprocess.run(
+        [sys.executable, "-m", "lightning_fpdt.evaluation", *common, "--ckpt_path",
+         str(run / "checkpoints" / "last.ckpt"), "--evaluation.tasks=[passkey]", "--evaluation.samples_per_cell=1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    output = evaluation.stdout + evaluation.stderr
+    assert evaluation.returncode == 0, output[-3000:]
+    assert not [line for line in output.splitlines() if "warn" in line.lower()], output[-3000:]
+    assert (run / "evaluation" / "validate-step2" / "results.json").is_file()
+    assert (run / "evaluation.yaml").is_file() and (run / "config.yaml").read_text() == config
+    assert sorted(p.name for p in (tmp_path / "runs" / "tiny_cpu").iterdir()) == ["version_0"]

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.evaluation.evaluate import DEFAULT_DEPTHS, evaluate
-from lightning_fpdt.evaluation.grid import check_grid, check_positions
+from lightning_fpdt.evaluation.grid import check_grid, check_positions, position_limit
 from lightning_fpdt.evaluation.images import curve_image, heatmap_image, save_png
 from lightning_fpdt.evaluation.results import EvaluationResult
 from lightning_fpdt.evaluation.samples import EvalTask
@@ -43,7 +43,8 @@ class LongContextEvaluation(pl.Callback):
         tasks: task names (``"passkey"``, RULER's ``"niah_single_1"`` ... ``"niah_multiquery"``) or task objects
             (:class:`~lightning_fpdt.evaluation.PasskeyTask`, :class:`~lightning_fpdt.evaluation.NeedleTask`).
         lengths: sample lengths in tokens (global); ``None``: a quarter, half and all of the data module's
-            ``seq_len`` (its training length).
+            ``seq_len`` (its training length), those every task can make (a needle task needs a few hundred tokens
+            for its header, needles and question: shorter ones are left out, and said so).
         depths: where the answer's needle sits, fractions of the haystack (the heatmap's rows).
         samples_per_cell: samples per (length, depth) cell.
         tokenizer: the model's tokenizer (an object with ``encode``, or a local directory); ``None``: the data
@@ -93,15 +94,37 @@ class LongContextEvaluation(pl.Callback):
         self.result: EvaluationResult | None = None
         self._validations = 0
         self._checkpoint_step: int | None = None  # the global step of the checkpoint validate loaded
+        self._fitted: list[int] | None = None  # the default lengths every task can make (setup)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Before the first forward: the grid's lengths against the model's positions, and each task's shortest
         sample made once (a length too short for a task is refused now, not after a whole validation pass)."""
+        self._fitted = None
         lengths = self._lengths(trainer)
-        check_positions(pl_module, lengths, "LongContextEvaluation")
         encode = encoder(find_tokenizer(self.tokenizer, trainer.datamodule, pl_module))
+        if self.lengths is None:  # the defaults: those every task can make (a needle task needs a few hundred)
+            fitting = [n for n in lengths if all(self._fits(task, encode, n) for task in self.tasks)]
+            longer, limit = lengths[-1], position_limit(pl_module) or 16 * lengths[-1]
+            while not fitting and 2 * longer <= limit:  # seq_len too short for the tasks: the shortest that fits
+                longer *= 2
+                fitting = [longer] if all(self._fits(task, encode, longer) for task in self.tasks) else []
+            if fitting and fitting != lengths:
+                rank_zero_info(f"LongContextEvaluation: lengths {sorted(set(lengths) - set(fitting))} are too short"
+                               f" for the tasks; evaluating at {fitting} (give lengths=[...] to choose)")
+            self._fitted = lengths = fitting or lengths[-1:]
+        check_positions(pl_module, lengths, "LongContextEvaluation")
         for task in self.tasks:
             task_named(task).sample(encode, min(lengths), self.depths[0], 0)
+
+    def _fits(self, task: str | EvalTask, encode: Any, length: int) -> bool:
+        """Whether ``task`` makes every sample of a cell of ``length`` tokens (each depth's first samples)."""
+        try:
+            for depth in self.depths:
+                for index in range(self.samples_per_cell):
+                    task_named(task).sample(encode, length, depth, index)
+        except FPDTError:
+            return False
+        return True
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -111,6 +134,8 @@ class LongContextEvaluation(pl.Callback):
     def _lengths(self, trainer: pl.Trainer) -> list[int]:
         if self.lengths is not None:
             return list(self.lengths)
+        if self._fitted:
+            return list(self._fitted)
         seq_len = getattr(trainer.datamodule, "seq_len", None)
         if not isinstance(seq_len, int):
             which = "the trainer has no data module" if trainer.datamodule is None else \
@@ -144,22 +169,25 @@ class LongContextEvaluation(pl.Callback):
         self._log_scalars(pl_module, result)
         directory = self._directory(trainer, result.step)  # on every rank: trainer.log_dir is a broadcast
         if trainer.is_global_zero:
-            images = self.images(result)
+            images = self.images(result, self.position_targets)
             self._log_images(trainer, images, result.step)
             paths = result.write(directory)
             paths += [save_png(image, directory / f"{stem}.png") for stem, image in images.items()]
             rank_zero_info(f"LongContextEvaluation: wrote {len(paths)} files to {directory}")
 
     @staticmethod
-    def images(result: EvaluationResult) -> dict[str, np.ndarray]:
-        """The result's pictures by file stem: ``<task>_heatmap`` per task, ``position_loss`` with documents."""
+    def images(result: EvaluationResult, position_targets: str = "all") -> dict[str, np.ndarray]:
+        """The result's pictures by file stem: ``<task>_heatmap`` per task, ``position_loss`` with documents (its
+        subtitle says which targets it scores)."""
         out = {f"{name}_heatmap": heatmap_image(r.grid("exact_match"), r.depths, r.lengths,
                                                 f"{name}: exact match (teacher forcing), step {result.step}")
                for name, r in result.tasks.items()}
         p = result.position_loss
         if p is not None and p.starts:
+            targets = {"all": "targets: every next token (a model trained on answers only was not trained on them)",
+                       "labels": "targets: the documents' own labels"}.get(position_targets, "")
             out["position_loss"] = curve_image(p.starts, p.ends, p.loss,
-                                               f"loss by position, held-out documents, step {result.step}")
+                                               f"loss by position, held-out documents, step {result.step}", targets)
         return out
 
     @staticmethod

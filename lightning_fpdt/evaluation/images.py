@@ -44,6 +44,11 @@ def _centred(draw: ImageDraw.ImageDraw, xy: tuple[float, float], text: str, font
     draw.text((xy[0] - (right - left) / 2, xy[1] - (bottom - top) / 2 - top), text, font=font, fill=fill)
 
 
+def _text_width(text: str, font: object) -> int:
+    left, _, right, _ = ImageDraw.Draw(Image.new("RGB", (1, 1))).textbbox((0, 0), text, font=font)
+    return int(right - left)
+
+
 def _length_label(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
@@ -63,7 +68,7 @@ def heatmap_image(values: Sequence[Sequence[float]], depths: Sequence[float], le
     """
     cell_w, cell_h, left, top, bottom, bar = 64, 32, 86, 34, 44, 70
     rows, cols = len(depths), len(lengths)
-    width, height = left + cols * cell_w + bar, top + rows * cell_h + bottom
+    width, height = max(left + cols * cell_w + bar, _text_width(title, _font(13)) + 16), top + rows * cell_h + bottom
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
     small, label = _font(11), _font(12)
@@ -90,17 +95,22 @@ def heatmap_image(values: Sequence[Sequence[float]], depths: Sequence[float], le
     return np.asarray(image)
 
 
-def curve_image(starts: Sequence[int], ends: Sequence[int], loss: Sequence[float], title: str) -> np.ndarray:
-    """The mean loss of each position bucket (``[starts[i], ends[i])``) as a line over the bucket's middle.
+def curve_image(starts: Sequence[int], ends: Sequence[int], loss: Sequence[float], title: str,
+                subtitle: str = "") -> np.ndarray:
+    """The mean loss of each position bucket (``[starts[i], ends[i])``) as a line over the bucket's middle, under
+    ``title`` and a smaller ``subtitle`` (what the loss scores).
 
     Returns:
         ``[height, width, 3]`` uint8; a bucket without targets (NaN) breaks the line.
     """
-    width, height, left, right, top, bottom = 520, 300, 60, 20, 34, 46
+    width, height, left, right, top, bottom = 520, 300, 60, 20, 34 + 14 * bool(subtitle), 46
+    width = max(width, _text_width(title, _font(13)) + 16, _text_width(subtitle, _font(11)) + 16)
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
     small, label = _font(11), _font(12)
     _centred(draw, (width / 2, 14), title, _font(13))
+    if subtitle:
+        _centred(draw, (width / 2, 30), subtitle, small)
     finite = [v for v in loss if not math.isnan(v)]
     low, high = (min(finite), max(finite)) if finite else (0.0, 1.0)
     if high - low < 1e-12:
