@@ -54,6 +54,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from lightning_fpdt.cli import main as cli_main
+from lightning_fpdt.evaluation.command import main as eval_main
 from lightning_fpdt.export import main as export_main
 from lightning_fpdt.memory.__main__ import main as memory_main
 
@@ -120,7 +121,8 @@ def examples() -> list[Example]:
     return found
 
 
-_INLINE = re.compile(r"`((?:fpdt-train |python3? -m lightning_fpdt\.memory|python3? benchmarks/|pip install )[^`]*)`")
+_INLINE = re.compile(r"`((?:fpdt-train |fpdt-eval |python3? -m lightning_fpdt\.memory|python3? benchmarks/|"
+                     r"pip install )[^`]*)`")
 
 
 def _inline_commands(path: str, line: int, text: str) -> list[Example]:
@@ -192,7 +194,9 @@ def check_python_statically(code: str, where: str) -> int:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and len(node.targets) == 1:
             made = resolve(node.value.func)
             cls = made if inspect.isclass(made) else getattr(made, "__self__", None)
-            if inspect.isclass(cls) and isinstance(node.targets[0], ast.Name):
+            # transformers' Auto* classes make instances of other classes (AutoTokenizer.from_pretrained: a
+            # PreTrainedTokenizerFast): what they return is not known here
+            if inspect.isclass(cls) and isinstance(node.targets[0], ast.Name) and not cls.__name__.startswith("Auto"):
                 names[node.targets[0].id] = _Instance(cls)
         if not isinstance(node, ast.Call):
             continue
@@ -392,6 +396,25 @@ def check_fpdt_train(words: list[str], where: str, monkeypatch: pytest.MonkeyPat
     assert exit_.value.code in (0, None), f"{where}: fpdt-train {' '.join(args)}:\n{out.err[-2000:]}"
 
 
+def check_fpdt_eval(words: list[str], where: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                    parse: bool = True) -> None:
+    """``fpdt-eval ARGS``: its config files exist and LightningCLI parses the rest (``--print_config``), the
+    checkpoint left out (read when validating, not when parsing)."""
+    args = [w for i, w in enumerate(words[1:]) if w != "--ckpt_path" and words[i] != "--ckpt_path"
+            and not w.startswith("--ckpt_path=")]
+    for i, word in enumerate(args[:-1]):
+        if word in ("--config", "-c"):
+            assert (ROOT / args[i + 1]).is_file(), f"{where}: config file {args[i + 1]} does not exist"
+    if not parse:
+        return
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["fpdt-eval"])
+    with pytest.raises(SystemExit) as exit_:
+        eval_main([*args, "--print_config"])
+    out = capsys.readouterr()
+    assert exit_.value.code in (0, None), f"{where}: fpdt-eval {' '.join(args)}:\n{out.err[-2000:]}"
+
+
 def check_memory_cli(words: list[str], where: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
                      run: bool = True) -> None:
     argv = words[3:]
@@ -467,6 +490,15 @@ def check_command(words: list[str], where: str, monkeypatch: pytest.MonkeyPatch,
     if program == "fpdt-export":
         parse_only(export_main, words[1:], program, where, monkeypatch, capsys)
         return "fpdt-export"
+    if program == "fpdt-eval":
+        check_fpdt_eval(words, where, monkeypatch, capsys, parse=not _abbreviated(words))
+        return "fpdt-eval"
+    if program in ("python", "python3") and len(words) > 1 and re.fullmatch(r"examples/[\w/]+\.py", words[1]):
+        script = ROOT / words[1]
+        assert script.is_file(), f"{where}: {words[1]} does not exist"
+        if not _abbreviated(words):
+            parse_only(_benchmark_main(script), words[2:], words[1], where, monkeypatch, capsys)
+        return "example script"
     if program in TOOLS:
         assert program in _dependency_names(), f"{where}: {program} is not a dependency"
         return "tool"

@@ -64,7 +64,8 @@ def _run_yaml(tmp_path: Path, kind: str, checkpoint: Path) -> Path:
     # hung when one was)
     trainer["strategy"]["init_args"].update(chunk_size=32, start_method="spawn")
     trainer.update(max_steps=3, limit_val_batches=0, default_root_dir=str(tmp_path / "run"),
-                   enable_checkpointing=True)
+                   enable_checkpointing=True, logger=False)  # the template's HFExport writes to run/hf
+    trainer["callbacks"] = [c for c in trainer["callbacks"] if not c["class_path"].endswith(".ModelCheckpoint")]
     trainer["callbacks"].append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                                  "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True}})
     document["data"]["init_args"].update(seq_len=FACTOR * ORIGINAL, batch_size=2)

@@ -152,3 +152,12 @@ def test_a_mixture_s_validation_dataset_is_the_validation_set(tokenizer_dir: str
     data.prepare_data()
     data.setup("fit")
     assert len(_documents(data, "train")) == 6 and len(_documents(data, "val")) == 3
+
+
+def test_a_dataset_without_its_format_s_columns_is_named(tokenizer_dir: str, tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "share.jsonl", iter([{"dialogue": [{"from": "human", "value": "hi"}]}]))
+    data = HFDataModule(mixture=[{"path": str(tmp_path / "share.jsonl"), "format": "sharegpt"}],
+                        tokenizer=tokenizer_dir, format="chat", seq_len=256, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(FPDTError, match=r"share.jsonl' has no field 'conversations' \(its fields are \['dialogue'\]\)."
+                                        r" Set a mixture dataset's field to the field that holds the data"):
+        data.setup("fit")
