@@ -98,12 +98,24 @@ def check_experts(model: PreTrainedModel, layers: list[tuple[str, nn.Module]]) -
                 " routing cannot be checked to be per token (docs/hf-support.md#mixture-of-experts)."
             )
         return
-    jitter = getattr(model.config.get_text_config(), "router_jitter_noise", 0.0) or 0.0
-    if jitter > 0 and routers_of(model):
+    config = model.config.get_text_config()
+    if not routers_of(model):
+        return
+    drawn = "which a recomputation (tiled MLP, checkpointing) would draw again and one process would draw for other"
+    for field in ("router_jitter_noise", "input_jitter_noise"):
+        jitter = getattr(config, field, 0.0) or 0.0
+        if jitter <= 0:
+            continue
+        if field == "router_jitter_noise" and hasattr(config, "input_jitter_noise"):  # PhiMoE's sparse mixer
+            raise Unsupported(
+                f"HFCausalLM: {name} has router_jitter_noise={jitter}, the threshold of its sparse mixer: in training"
+                f" it samples each token's experts at random among those within 2 x {jitter} of the best (Gumbel"
+                f" noise) and draws a step of Heun's method for the gradient, {drawn} tokens. Set"
+                " router_jitter_noise=0.0: each token then takes its best experts, exactly."
+            )
         raise Unsupported(
-            f"HFCausalLM: {name} has router_jitter_noise={jitter}: the router multiplies its input by fresh random"
-            " noise in training, which a recomputation (tiled MLP, checkpointing) would draw again and one"
-            " process would draw for other tokens. Set router_jitter_noise=0.0."
+            f"HFCausalLM: {name} has {field}={jitter}: the mixture-of-experts block multiplies the router's input by"
+            f" fresh random noise in training, {drawn} tokens. Set {field}=0.0."
         )
 
 
@@ -115,7 +127,8 @@ class RouterTap:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = type(self.router).forward(self.router, *args, **kwargs)
-        self.latest = out[self.index]
+        # a router that returns its logits alone (DBRX's) is recorded whole, as transformers' OutputRecorder does
+        self.latest = out[self.index] if isinstance(out, tuple) else out
         return out
 
 

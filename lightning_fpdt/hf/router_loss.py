@@ -186,12 +186,19 @@ def split_captured(y: Tensor, hidden: int, widths: list[int], loss: RouterLoss) 
 
 
 def config_number(config: object, names: tuple[str, ...]) -> int | None:
-    """The first of the config fields ``names`` that holds an int (families name expert counts differently)."""
-    return next((v for k in names if isinstance(v := getattr(config, k, None), int) and not isinstance(v, bool)), None)
+    """The first of the config fields ``names`` that holds an int (families name expert counts differently), in the
+    config or its feed-forward sub-config (DBRX's ``ffn_config``)."""
+    for where in (config, getattr(config, "ffn_config", None)):
+        found = next((v for k in names if isinstance(v := getattr(where, k, None), int) and not isinstance(v, bool)),
+                     None)
+        if found is not None:
+            return found
+    return None
 
 
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-TOP_K_FIELDS = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k")
+TOP_K_FIELDS = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k", "moe_top_k")
+COEFFICIENT_FIELDS = ("router_aux_loss_coef", "moe_loss_weight")  # DBRX: ffn_config.moe_loss_weight
 
 
 def router_loss_for(model: PreTrainedModel, routers: list[nn.Module], wrapped: list[nn.Module]) -> RouterLoss | None:
@@ -244,7 +251,8 @@ def router_loss_for(model: PreTrainedModel, routers: list[nn.Module], wrapped: l
     moved = (losses[0] - losses[1]).item()
     if moved == 0.0:
         return None
-    coefficient = float(getattr(config, "router_aux_loss_coef", None) or 0.0)
+    coefficient = next((float(v) for where in (config, getattr(config, "ffn_config", None)) for k in COEFFICIENT_FIELDS
+                        if isinstance(v := getattr(where, k, None), (int, float)) and not isinstance(v, bool)), 0.0)
     expected = None if experts is None or top_k is None else coefficient * (
         load_balancing_aux(draws[0], experts, top_k, mask) - load_balancing_aux(draws[1], experts, top_k, mask)).item()
     if expected is None or abs(moved - expected) > _FORM_TOLERANCE * abs(expected):

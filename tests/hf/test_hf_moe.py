@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 from transformers import (
+    DbrxConfig,
     DeepseekV3Config,
     Dots1Config,
     ExaoneMoeConfig,
@@ -37,9 +38,11 @@ from transformers import (
     GraniteMoeConfig,
     MixtralConfig,
     OlmoeConfig,
+    PhimoeConfig,
     PretrainedConfig,
     Qwen3MoeConfig,
 )
+from transformers.models.dbrx import modeling_dbrx
 from transformers.models.deepseek_v3 import modeling_deepseek_v3
 from transformers.models.dots1 import modeling_dots1
 from transformers.models.exaone_moe import modeling_exaone_moe
@@ -53,7 +56,7 @@ from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.parallel.binding import SequenceParallelContext
 from tests.helpers import TokenDataset, assert_same_step, dataloader, float32_classes, in_float64, step_errors
-from tests.hf.test_hf_causal_lm import SEQ, SIZES, VOCAB, CaptureStack, Packed, _plain, _redraw
+from tests.hf.test_hf_causal_lm import HEADS, SEQ, SIZES, VOCAB, CaptureStack, Packed, _plain, _redraw
 
 COEF = 0.3  # large enough that a wrong auxiliary loss or gradient shows far above 1e-10
 MOE = dict(output_router_logits=True, router_aux_loss_coef=COEF, num_experts_per_tok=2)
@@ -88,7 +91,8 @@ FAMILIES = {
                                     moe_intermediate_size=16, head_dim=8, **MOE, **dict(SIZES, num_key_value_heads=kv)),
 }
 MODULES = (modeling_mixtral, modeling_qwen3_moe, modeling_olmoe)
-FLOAT32_MODULES = (modeling_deepseek_v3, modeling_granitemoe, modeling_glm4_moe, modeling_exaone_moe, modeling_dots1)
+FLOAT32_MODULES = (modeling_dbrx, modeling_deepseek_v3, modeling_granitemoe, modeling_glm4_moe, modeling_exaone_moe,
+                   modeling_dots1)
 ADDS_AUX_LOSS = {"mixtral", "qwen3_moe", "olmoe", "granitemoe"}  # the others' forwards add none
 
 
@@ -287,9 +291,45 @@ def test_a_config_transformers_cannot_build_names_its_unset_sizes() -> None:
 def test_moe_refusals_name_the_feature() -> None:
     config = _config("mixtral", 2)
     config.router_jitter_noise = 0.1
-    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM has router_jitter_noise=0\.1.*Set"):
+    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM has router_jitter_noise=0\.1: the mixture-of-"
+                                                  r"experts block multiplies the router's input by fresh random noise"):
         HFCausalLM(config)
+    phimoe = PhimoeConfig(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.01,
+                          input_jitter_noise=0.0, **dict(SIZES, num_key_value_heads=2))
+    with pytest.raises(NotImplementedError, match=r"PhimoeForCausalLM has router_jitter_noise=0\.01, the threshold"
+                                                  r" of its sparse mixer: in training it samples each token's"
+                                                  r" experts at random"):
+        HFCausalLM(phimoe)
+    phimoe.router_jitter_noise, phimoe.input_jitter_noise = 0.0, 0.1  # PhiMoE's own input noise
+    with pytest.raises(NotImplementedError, match=r"PhimoeForCausalLM has input_jitter_noise=0\.1: the mixture-of-"
+                                                  r"experts block multiplies the router's input"):
+        HFCausalLM(phimoe)
     dense = _config("mixtral", 2)
     dense.output_router_logits = False  # the family's own switch: no auxiliary loss in its loss, none here
     assert HFCausalLM(dense).router_loss is None
 
+
+
+@pytest.mark.distributed
+def test_dbrx_with_its_auxiliary_loss_equals_plain_transformers(tmp_path, fresh_seed: int) -> None:
+    """DBRX keeps its expert count, top-k and loss weight in ``ffn_config`` and its router returns the logits alone:
+    sp=2, 4 chunks, one KV head, with ``moe_loss_weight`` on, equal to its own forward's loss (the cross-entropy in
+    float64) and every gradient. (Its router's logits used to be read as the first token's row.)"""
+    torch.manual_seed(fresh_seed)
+    config = DbrxConfig(d_model=SIZES["hidden_size"], n_heads=HEADS, n_layers=2, max_seq_len=64, vocab_size=VOCAB,
+                        attn_config={"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2,
+                                    "moe_loss_weight": COEF}, output_router_logits=True)
+    config._experts_implementation = "eager"
+    module = HFCausalLM(config, learning_rate=1e-3, warmup_steps=1, mlp_tiles=1, loss_tiles=1)
+    _redraw(module.model, fresh_seed)
+    assert (module.router_loss.num_experts, module.router_loss.top_k, module.router_loss.coefficient) == (4, 2, COEF)
+    dataset = TokenDataset(2, SEQ, VOCAB, fresh_seed)
+    ref = _plain(module)
+    out = ref(input_ids=dataset.ids, output_router_logits=True, use_cache=False)
+    ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), dataset.labels[:, 1:].flatten(), reduction="mean")
+    ref_loss = ce + COEF * out.aux_loss
+    ref_loss.backward()
+    ref_grads = {f"model.{n}": p.grad.detach().clone() for n, p in ref.named_parameters()}
+    results = _fit(module, dataset, Case("dbrx", "plain"), tmp_path)
+    assert_same_step(results, ref_loss.detach(), ref_grads, tol=1e-10, label=f"dbrx seed={fresh_seed}")
