@@ -138,6 +138,7 @@ FIELDS: dict[str, dict[str, Any]] = {
     # defaults fail: rope_parameters holds no entry for the full-attention layers
     "cohere_compass_text": dict(rope_parameters={FULL: {"rope_type": "default", "rope_theta": 10000.0}}),
     "dots1": dict(n_shared_experts=1),  # defaults fail: n_shared_experts None
+    "kimi_linear": dict(linear_num_heads=4, linear_head_dim=8),  # its delta attention's own widths (128 x 32)
     "lfm2_moe": dict(num_hidden_layers=3, layer_types=["conv", FULL, "conv"], num_dense_layers=1),  # layer_types None
     "zaya": dict(num_experts_per_tok=1),  # "ZAYA currently supports num_experts_per_tok=1 only"
     # defaults fail: the QSA indexer's sizes are None
@@ -413,10 +414,20 @@ def _recompiled(function: Any, cls: type | None = None) -> Any:
 def float64_everywhere(modules: list[Any]) -> list[str]:
     """Patch every class method and module function of ``modules`` whose source computes in float32 to compute in
     float64 (the family's own source, one dtype changed); the names patched."""
+    from lightning_fpdt.hf.kernel_binding import kernel_function
+
     patched = []
     for module in modules:
         for name, obj in list(vars(module).items()):
-            if inspect.isfunction(obj) and obj.__module__ == module.__name__:
+            kernel = kernel_function(obj) if not inspect.isfunction(obj) and not isinstance(obj, type) else None
+            if kernel is not None and kernel.__module__ == module.__name__:  # transformers 5.25's kernels Func
+                try:
+                    if any(m in inspect.getsource(inspect.unwrap(kernel)) for m in MARKERS):
+                        setattr(module, name, _recompiled(obj))
+                        patched.append(f"{module.__name__.rsplit('.', 1)[-1]}.{name}")
+                except Exception:  # a source that cannot be compiled again stays as it is
+                    pass
+            elif inspect.isfunction(obj) and obj.__module__ == module.__name__:
                 try:
                     if any(m in inspect.getsource(obj) for m in MARKERS):
                         setattr(module, name, _recompiled(obj))

@@ -1,9 +1,9 @@
 """Nothing that mixes tokens runs unguarded (lightning_fpdt.layers.token_mixing, hf/mixing.py, models/mixing.py).
 
 Every hybrid family transformers 5.24 ships as a causal LM either runs its token-mixing layers sequence-parallel
-(gated delta-net, Mamba-2 and short-convolution layers: nothing is refused) or is refused by name, layer and module
-when bound to more than one rank of a sequence-parallel group, and trains at one rank (Kimi's delta attention,
-Jamba's Mamba-1, MiniMax's lightning attention, RecurrentGemma's RG-LRU); dense families are not refused; a
+(gated delta-net, Kimi delta attention, Mamba-2 and short-convolution layers: nothing is refused) or is refused by
+name, layer and module when bound to more than one rank of a sequence-parallel group, and trains at one rank (Jamba's
+Mamba-1, MiniMax's lightning attention, RecurrentGemma's RG-LRU); dense families are not refused; a
 hand-written causal convolution in an otherwise supported model (a transformers Llama, or the bundled Llama) is
 found too, from its behaviour alone; through ``Trainer.fit`` at sp=2 every rank raises before any optimizer step.
 """
@@ -57,7 +57,10 @@ HYBRIDS: dict[str, tuple[dict[str, Any], str]] = {
                         n_groups=1, chunk_size=8, expand=2), ""),
     "zamba2": (dict(layers_block_type=["mamba", "hybrid"], mamba_headdim=8, mamba_d_state=8, mamba_ngroups=1,
                     chunk_size=8, num_mem_blocks=1), ""),
-    "kimi_linear": (dict(pad_token_id=0), "model.model.layers.0.self_attn (KimiLinearDeltaAttention)"),
+    "kimi_linear": (dict(pad_token_id=0, layer_types=["linear_attention", "full_attention"],
+                         mlp_layer_types=["dense", "dense"], linear_num_heads=4, linear_head_dim=8,
+                         num_key_value_heads=4, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4,
+                         qk_nope_head_dim=4, v_head_dim=6), ""),
     "jamba": (dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100, expert_layer_offset=99,
                    num_experts=1, mamba_d_state=8, mamba_expand=2), "model.model.layers.0.mamba (JambaMambaMixer)"),
     "minimax": (dict(layer_types=["linear_attention", "full_attention"], num_local_experts=2, num_experts_per_tok=1),

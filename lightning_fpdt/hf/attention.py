@@ -37,6 +37,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from lightning_fpdt.attention import attention_options, fpdt_attention
 from lightning_fpdt.errors import FPDTError, Unsupported
+from lightning_fpdt.hf.attention_layers import attention_layers, is_attention_layer, refuse_selected_keys
 from lightning_fpdt.hf.masks import attention_chunk_size, check_mask_windows
 from lightning_fpdt.hf.temperature import tuned_queries, tunes_temperature
 from lightning_fpdt.layers.layer_stream import active_stream
@@ -76,12 +77,6 @@ class LayerRecords:
         """The records, by increasing ``layer_idx``."""
         return [self.by_layer[index] for index in sorted(self.by_layer)]
 _DELIVERED = "_fpdt_delivered"  # an attention layer's attribute while a call that carries the keywords runs
-
-
-def is_attention_layer(module: nn.Module) -> bool:
-    """A transformers self-attention layer: its class name ends in ``Attention`` and it knows its ``layer_idx``
-    (the transformers convention for the layer that calls the attention function)."""
-    return type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx")
 
 
 @contextmanager
@@ -266,15 +261,6 @@ def _short(value: Any) -> str:
     return f"tensor{tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
 
 
-def attention_layers(model: PreTrainedModel) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every self-attention layer of a transformers decoder, in module order.
-
-    An attention layer is a module whose class name ends in ``Attention`` and that knows its ``layer_idx``
-    (the transformers convention for the layer that calls the attention function).
-    """
-    return [(name, m) for name, m in model.named_modules() if is_attention_layer(m)]
-
-
 def head_widths(config: Any) -> tuple[int, int]:
     """``(q/k head width, v head width)`` of a transformers text config's attention layers.
 
@@ -345,32 +331,6 @@ def check_supported(model: PreTrainedModel) -> bool:
                 f" does not compute: {fix}."
             )
     return check_mask_windows(model, layers)  # a window the mask has and the call does not pass
-
-
-# attention layers whose keys are not those of their mask: a submodule of this role picks or makes them
-_SELECTED_KEYS = {
-    "Indexer": "sparse attention: a lightning indexer scores every earlier key for each query, and the query attends"
-               " only to its top-k keys",
-    "Compressor": "compressed attention: a compressor pools every few tokens' keys and values into one entry, and"
-                  " the queries attend to those entries beside a window of plain keys",
-}
-
-
-def refuse_selected_keys(model: PreTrainedModel, name: str, layer: nn.Module) -> None:
-    """Refuse an attention layer that selects its keys (DeepSeek-V3.2's indexer) or adds keys of its own
-    (DeepSeek-V4's compressors): the FPDT pipeline attends each query to every key its mask allows, chunk by chunk
-    and across the ranks, so a layer's top-k choice over all earlier keys, or keys pooled from other ranks' tokens,
-    is not computed; before this check such a model failed inside its first forward (an ``AttributeError`` in the
-    mask probe, a shape error)."""
-    for sub_name, sub in layer.named_modules():
-        role = next((r for r in _SELECTED_KEYS if type(sub).__name__.endswith(r)), None)
-        if role is not None:
-            raise Unsupported(
-                f"HFCausalLM: layer {name} ({type(layer).__name__}) of {type(model).__name__} uses"
-                f" {_SELECTED_KEYS[role]} ({type(sub).__name__} at {name}.{sub_name}); the FPDT pipeline attends each"
-                " query to every key its mask allows, chunk by chunk across the ranks, so the keys this layer"
-                " selects or pools are not computed. This family is not supported."
-            )
 
 
 def install(model: PreTrainedModel) -> None:

@@ -1,6 +1,6 @@
-"""Which token-mixing layers get their sequence-parallel forward, and why the others do not: gated delta-nets and
-Mamba-2 mixers (:mod:`lightning_fpdt.hf.recurrent`), short convolutions (:mod:`lightning_fpdt.hf.short_conv`), one
-install loop for both.
+"""Which token-mixing layers get their sequence-parallel forward, and why the others do not: gated delta-nets (Kimi
+delta attention too) and Mamba-2 mixers (:mod:`lightning_fpdt.hf.recurrent`), short convolutions
+(:mod:`lightning_fpdt.hf.short_conv`), one install loop for both.
 
 :func:`install_recurrences` gives each module :func:`~lightning_fpdt.hf.recurrent.recurrence_core` recognises a
 :class:`~lightning_fpdt.hf.recurrent.SequenceParallelRecurrence` forward, once a check in one process shows it
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.hf.kernel_binding import reached_kernels
-from lightning_fpdt.hf.recurrent import CONV, DELTA_RULE, SCAN, SequenceParallelRecurrence, recurrence_core
+from lightning_fpdt.hf.recurrent import CONV, DELTA_RULE, KDA, SCAN, SequenceParallelRecurrence, recurrence_core
 from lightning_fpdt.hf.short_conv import SequenceParallelShortConv, is_short_conv
 from lightning_fpdt.hf.versions import TESTED_TRANSFORMERS, installed_transformers, untested_release_fix
 from lightning_fpdt.parallel.binding import SequenceParallelContext
@@ -29,6 +29,7 @@ from lightning_fpdt.parallel.binding import SequenceParallelContext
 SEQUENCE_PARALLEL_LAYERS = frozenset({
     "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet",
     "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer", "Zamba2MambaMixer",
+    "KimiLinearDeltaAttention",
 })
 """The recurrent layers the suite shows exact at sp=2 against plain transformers (tests/hf/test_recurrent.py) with the
 releases of :data:`~lightning_fpdt.hf.versions.TESTED_TRANSFORMERS`. Only the wording of a refusal reads it: a
@@ -107,9 +108,9 @@ def _install(model: nn.Module, make: Callable[[nn.Module], Forward | str | None]
 
 def _unrecognised(module: nn.Module) -> str:
     reached = reached_kernels(type(module).forward)
-    found = [k for k in (CONV, DELTA_RULE, SCAN) if k in reached]
+    found = [k for k in (CONV, DELTA_RULE, KDA, SCAN) if k in reached]
     return (f"its forward does not call the kernels lightning-fpdt runs sequence-parallel ({CONV} with"
-            f" {DELTA_RULE} or {SCAN}, under any binding); it reaches {', '.join(found) or 'none of them'}")
+            f" {DELTA_RULE}, {KDA} or {SCAN}, under any binding); it reaches {', '.join(found) or 'none of them'}")
 
 
 def unsupported_release(owner: str, failed: dict[str, NotInstalled], sequence_parallel_size: int) -> str:

@@ -1,8 +1,9 @@
-"""Gated delta-net and Mamba-2 layers sequence-parallel and exact under the FPDT layout.
+"""Gated delta-net (Kimi delta attention too) and Mamba-2 layers sequence-parallel and exact under the FPDT layout.
 
 Such a layer is position-wise projections, gates and norms around a sequence-mixing core, and transformers' families
 call that core as module-level kernels: a causal depthwise convolution (``causal_conv1d_fn``), then a gated delta rule
-(``torch_chunk_gated_delta_rule``: Qwen3.5, Qwen3-Next, OLMo-hybrid) or a Mamba-2 selective scan
+(``torch_chunk_gated_delta_rule``: Qwen3.5, Qwen3-Next, OLMo-hybrid; ``chunk_kimi_delta_attention``, its gate per key
+channel: Kimi Linear) or a Mamba-2 selective scan
 (``mamba2_chunk_scan``: Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1, Zamba2), directly or through the family's
 cache-handling wrappers, as plain functions or ``kernels`` modules (:mod:`lightning_fpdt.hf.kernel_binding`: how
 each release binds them). :func:`~lightning_fpdt.hf.mixer_install.install_recurrences` gives each such
@@ -49,7 +50,16 @@ from transformers.activations import ACT2FN
 from lightning_fpdt.errors import Unsupported
 from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
 from lightning_fpdt.hf.kernel_binding import reached_kernels, rebind
-from lightning_fpdt.hf.recurrent_heads import delta_rule_split, refuse_split, scan_split
+from lightning_fpdt.hf.recurrent_heads import (
+    DELTA_RULE,
+    KDA,
+    SCAN,
+    check_module_heads,
+    delta_rule_split,
+    kernel_flops_per_token,
+    refuse_split,
+    scan_split,
+)
 from lightning_fpdt.hf.short_conv import causal_conv, causal_conv_chunk
 from lightning_fpdt.layers.carried import MixerStream
 from lightning_fpdt.layers.layer_stream import active_stream
@@ -61,8 +71,6 @@ from lightning_fpdt.parallel.layout import chunk_lengths, gathered_order, invers
 from lightning_fpdt.parallel.packed_documents import PackedDocuments
 
 CONV = "causal_conv1d_fn"
-DELTA_RULE = "torch_chunk_gated_delta_rule"
-SCAN = "mamba2_chunk_scan"
 FUSED_SCAN = "mamba2_split_conv1d_scan_combined"
 _NOT_FOR_THE_KERNEL = (*FPDT_KEYWORDS, "cu_seqlens", "seq_idx")  # ours, or packed-input forms the pieces replace
 _ONE_PROCESS = SequenceParallelContext()
@@ -72,8 +80,8 @@ Kernel = Callable[[list[Tensor], list[Tensor], Tensor | None], tuple[Tensor, Ten
 
 
 def recurrence_core(module: nn.Module) -> str | None:
-    """``DELTA_RULE`` or ``SCAN`` when ``module``'s class forward reaches that kernel and the convolution kernel
-    (:func:`~lightning_fpdt.hf.kernel_binding.reached_kernels`: in its code or the family functions it calls, the
+    """``DELTA_RULE``, ``KDA`` or ``SCAN`` when ``module``'s class forward reaches that kernel and the convolution
+    kernel (:func:`~lightning_fpdt.hf.kernel_binding.reached_kernels`: in its code or the family functions it calls, the
     kernels known by their own names however the release binds them), else ``None``."""
     forward = getattr(type(module), "forward", None)
     if forward is None or not hasattr(inspect.unwrap(forward), "__code__"):
@@ -81,7 +89,7 @@ def recurrence_core(module: nn.Module) -> str | None:
     names = reached_kernels(forward)
     if CONV not in names:
         return None
-    return DELTA_RULE if DELTA_RULE in names else SCAN if SCAN in names else None
+    return next((core for core in (DELTA_RULE, KDA, SCAN) if core in names), None)
 
 
 class SequenceParallelRecurrence:
@@ -100,8 +108,8 @@ class SequenceParallelRecurrence:
         function = inspect.unwrap(type(module).forward)
         self._family = function.__globals__  # the family's namespace: its kernels, read at each call
         self._bound_as = reached_kernels(function)  # each kernel's name in that namespace
-        self._forward = rebind(function, {CONV: self._conv, FUSED_SCAN: _no_fused_kernel,
-                                          core: self._delta_rule if core == DELTA_RULE else self._scan})
+        cores = {DELTA_RULE: self._delta_rule, KDA: self._kda, SCAN: self._scan}
+        self._forward = rebind(function, {CONV: self._conv, FUSED_SCAN: _no_fused_kernel, core: cores[core]})
         self._context: SequenceParallelContext = _ONE_PROCESS
         self._documents: PackedDocuments | None = None
 
@@ -167,6 +175,30 @@ class SequenceParallelRecurrence:
                           **options)
 
         return self._chunk_by_chunk(run, [query, key, value, g.unsqueeze(-1), beta.unsqueeze(-1)], [], []), None
+
+    def _kda(self, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
+             initial_state: Tensor | None = None, output_final_state: bool = False,
+             **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """``chunk_kimi_delta_attention``: ``query``/``key``/``value`` ``[b, s_local, heads, d]``, ``g`` (the decay
+        per key channel) ``[b, s_local, heads, d_k]``, ``beta`` ``[b, s_local, heads]`` in;
+        ``([b, s_local, heads, d_v], None)``. The delta rule's way, the gate split by head with the rest."""
+        kernel = self._family[self._bound_as[KDA]]
+        options = {k: v for k, v in kwargs.items() if k not in _NOT_FOR_THE_KERNEL}
+        if self._plain():
+            return kernel(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                          output_final_state=output_final_state, **options)
+        self._refuse_cached(initial_state is not None or output_final_state)
+        if self.position_wise:
+            out, _ = kernel(*_each_position(query, key, value), g=_each_position(g)[0], beta=_each_position(beta)[0],
+                            **options)
+            return out.reshape(*value.shape[:2], *out.shape[2:]), None
+        refuse_split(self._where(), delta_rule_split(key.shape[2], value.shape[2], self._context.size))
+
+        def run(pieces: list[Tensor], params: list[Tensor], state: Tensor | None) -> tuple[Tensor, Tensor]:
+            q, k, v, gate, b = pieces
+            return kernel(q, k, v, g=gate, beta=b[..., 0], initial_state=state, output_final_state=True, **options)
+
+        return self._chunk_by_chunk(run, [query, key, value, g, beta.unsqueeze(-1)], [], []), None
 
     def _scan(self, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
               D: Tensor | None = None, dt_bias: Tensor | None = None, initial_states: Tensor | None = None,
@@ -275,18 +307,9 @@ class SequenceParallelRecurrence:
     # ---- helpers ----------------------------------------------------------------------------------------
 
     def check_heads(self, sp_size: int) -> None:
-        """Refuse, before any step, head counts ``sp_size`` ranks cannot split (read from the module's
-        ``num_k_heads``/``num_v_heads`` or ``num_heads``/``n_groups``, where it has them; the kernels check the
-        shapes they are given in any case).
-
-        Raises:
-            ValueError: naming the layer, the head counts and the sizes that work.
-        """
-        m = self.module
-        if self.core == DELTA_RULE and isinstance(n_k := getattr(m, "num_k_heads", None), int):
-            refuse_split(self._where(), delta_rule_split(n_k, m.num_v_heads, sp_size))
-        if self.core == SCAN and isinstance(heads := getattr(m, "num_heads", None), int):
-            refuse_split(self._where(), scan_split(heads, m.n_groups, sp_size))
+        """Refuse, before any step, head counts ``sp_size`` ranks cannot split
+        (:func:`~lightning_fpdt.hf.recurrent_heads.check_module_heads`)."""
+        check_module_heads(self.core, self.module, sp_size, self._where())
 
     def _plain(self) -> bool:
         """One process, one chunk, one document per sample, not probed: the family's kernel as it is."""
@@ -300,25 +323,9 @@ class SequenceParallelRecurrence:
                 " generation cache) under chunks or sequence parallelism; training passes neither (use_cache=False).")
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token of the core kernel (forward and backward: 3 x the forward's matmuls, as the
-        kernel computes them; the convolution and projections are parameters, counted by the caller), from the
-        module's head counts and widths; 0 where it has none of them.
-
-        Gated delta rule (chunks of ``c = 64``, per value head): ``6 d_k d_v`` against the state (read, delta,
-        update) and ``c (5 d_k + 3 d_v)`` within the chunk (the two ``c x c`` score matrices, the two triangular
-        solves, the scores times the new values). Mamba-2 scan (chunks of the config's ``chunk_size``, per head):
-        ``4 p n`` against the state and ``2 c (n + p)`` within the chunk.
-        """
-        m = self.module
-        if self.core == DELTA_RULE and all(isinstance(getattr(m, a, None), int)
-                                           for a in ("num_v_heads", "head_k_dim", "head_v_dim")):
-            dk, dv, c = m.head_k_dim, m.head_v_dim, 64
-            return 3.0 * m.num_v_heads * (6 * dk * dv + c * (5 * dk + 3 * dv))
-        if self.core == SCAN and all(isinstance(getattr(m, a, None), int)
-                                     for a in ("num_heads", "head_dim", "ssm_state_size", "chunk_size")):
-            p, n, c = m.head_dim, m.ssm_state_size, m.chunk_size
-            return 3.0 * m.num_heads * (4 * p * n + 2 * c * (n + p))
-        return 0.0
+        """Training FLOPs per token of the core kernel
+        (:func:`~lightning_fpdt.hf.recurrent_heads.kernel_flops_per_token`)."""
+        return kernel_flops_per_token(self.core, self.module)
 
     def _where(self) -> str:
         return f"{type(self.module).__name__} (layer {getattr(self.module, 'layer_idx', '?')})"

@@ -1,10 +1,17 @@
-"""Which head counts a sequence-parallel gated delta rule or Mamba-2 scan can split over the group
-(:mod:`lightning_fpdt.hf.recurrent`): each rank takes a share of the heads, as attention does, with the key heads or
-``B``/``C`` groups split too or replicated; anything else is refused with the numbers and the sizes that work."""
+"""The heads of a sequence-parallel gated delta rule, Kimi delta attention or Mamba-2 scan
+(:mod:`lightning_fpdt.hf.recurrent`): which head counts the group can split (each rank takes a share of the heads, as
+attention does, with the key heads or ``B``/``C`` groups split too or replicated; anything else is refused with the
+numbers and the sizes that work), and what the kernel costs per token."""
 
 from __future__ import annotations
 
+from torch import nn
+
 from lightning_fpdt.errors import FPDTError
+
+DELTA_RULE = "torch_chunk_gated_delta_rule"
+KDA = "chunk_kimi_delta_attention"  # Kimi Linear: the gated delta rule with a gate per key channel
+SCAN = "mamba2_chunk_scan"
 
 
 def delta_rule_split(n_k: int, n_v: int, p: int) -> str | None:
@@ -38,3 +45,46 @@ def refuse_split(where: str, why: str | None) -> None:
 
 
 __all__ = ["delta_rule_split", "refuse_split", "scan_split"]
+
+
+def check_module_heads(core: str, module: nn.Module, sp_size: int, where: str) -> None:
+    """Refuse head counts ``sp_size`` ranks cannot split, read from the module's ``num_k_heads``/``num_v_heads`` or
+    ``num_heads``/``n_groups`` where it has them (the kernels check the shapes they are given in any case).
+
+    Raises:
+        FPDTError: naming the layer (``where``), the head counts and the sizes that work.
+    """
+    m = module
+    if core == DELTA_RULE and isinstance(n_k := getattr(m, "num_k_heads", None), int):
+        refuse_split(where, delta_rule_split(n_k, m.num_v_heads, sp_size))
+    if core == KDA and isinstance(heads := getattr(m, "num_heads", None), int):
+        refuse_split(where, delta_rule_split(heads, heads, sp_size))
+    if core == SCAN and isinstance(heads := getattr(m, "num_heads", None), int):
+        refuse_split(where, scan_split(heads, m.n_groups, sp_size))
+
+
+def kernel_flops_per_token(core: str, module: nn.Module) -> float:
+    """Training FLOPs per token of the ``core`` kernel of ``module`` (forward and backward: 3 x the forward's
+    matmuls, as the kernel computes them; the convolution and projections are parameters, counted by the caller),
+    from the module's head counts and widths; 0 where it has none of them.
+
+    Gated delta rule (chunks of ``c = 64``, per value head): ``6 d_k d_v`` against the state (read, delta, update)
+    and ``c (5 d_k + 3 d_v)`` within the chunk (the two ``c x c`` score matrices, the two triangular solves, the
+    scores times the new values); Kimi delta attention the same with ``d_k = d_v`` (its gate is per channel, not a
+    matmul). Mamba-2 scan (chunks of the config's ``chunk_size``, per head): ``4 p n`` against the state and
+    ``2 c (n + p)`` within the chunk.
+    """
+    def has(*names: str) -> bool:
+        return all(isinstance(getattr(module, a, None), int) for a in names)
+
+    m = module
+    if core == DELTA_RULE and has("num_v_heads", "head_k_dim", "head_v_dim"):
+        dk, dv, c = m.head_k_dim, m.head_v_dim, 64
+        return 3.0 * m.num_v_heads * (6 * dk * dv + c * (5 * dk + 3 * dv))
+    if core == KDA and has("num_heads", "head_dim"):
+        d, c = m.head_dim, 64
+        return 3.0 * m.num_heads * (6 * d * d + c * 8 * d)
+    if core == SCAN and has("num_heads", "head_dim", "ssm_state_size", "chunk_size"):
+        p, n, c = m.head_dim, m.ssm_state_size, m.chunk_size
+        return 3.0 * m.num_heads * (4 * p * n + 2 * c * (n + p))
+    return 0.0

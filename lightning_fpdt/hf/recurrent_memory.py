@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_fpdt.hf.recurrent import SequenceParallelRecurrence, recurrence_core
+from lightning_fpdt.hf.recurrent import KDA, SequenceParallelRecurrence, recurrence_core
 from lightning_fpdt.hf.short_conv import is_short_conv
 
 
@@ -90,6 +90,14 @@ def mixer_memory(module: nn.Module) -> RecurrenceMemory | None:
                                 replicated=(m.num_k_heads, 2 * m.head_k_dim), gathered=0, after=6 * vd + 5 * nv,
                                 state=nv * m.head_k_dim * m.head_v_dim,
                                 kernel=nv * (310 + 12.5 * m.head_k_dim + 3.5 * m.head_v_dim), chunked=chunked)
+    if ints("num_heads", "head_dim", "conv_kernel_size") and recurrence_core(m) == KDA:
+        nh, d = m.num_heads, m.head_dim
+        # Kimi delta attention: the delta-net's counts with d_k = d_v, its gate per key channel an input of every
+        # chunk, and its decay mask [c, c, d_k] per chunk (c = 64 values per token and channel) among the kernel's
+        # intermediates (from the kernel's tensors, not measured)
+        return RecurrenceMemory(type(m).__name__, conv=3 * nh * d, taps=m.conv_kernel_size, chunk_in=2 * nh * d + nh,
+                                replicated=(nh, 2 * d), gathered=0, after=6 * nh * d + 5 * nh, state=nh * d * d,
+                                kernel=nh * (310 + 16 * d + 64 * d), chunked=chunked)
     if ints("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel_size", "chunk_size"):
         heads, inner, bc = m.num_heads, m.num_heads * m.head_dim, 2 * m.n_groups * m.ssm_state_size
         # per head: 5.5 head_dim + 6 state + 2.875 chunk values (measured)
