@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from lightning_fpdt.errors import Unsupported
 from lightning_fpdt.hf.kernel_binding import reached_kernels
 from lightning_fpdt.hf.recurrent_heads import DELTA_RULE, KDA, SCAN
+from lightning_fpdt.hf.selective_scan import SELECTIVE_SCAN
 
 
 def is_attention_layer(module: nn.Module) -> bool:
@@ -30,7 +31,7 @@ def _recurrence(cls: type) -> bool:
     """Whether ``cls``'s forward reaches a delta-rule or scan kernel (a linear attention named ``*Attention``)."""
     forward = getattr(cls, "forward", None)
     try:
-        return bool({DELTA_RULE, KDA, SCAN} & set(reached_kernels(forward)))
+        return bool({DELTA_RULE, KDA, SCAN, SELECTIVE_SCAN} & set(reached_kernels(forward)))
     except (TypeError, AttributeError):  # a forward without Python code
         return False
 

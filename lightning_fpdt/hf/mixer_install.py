@@ -29,7 +29,7 @@ from lightning_fpdt.parallel.binding import SequenceParallelContext
 SEQUENCE_PARALLEL_LAYERS = frozenset({
     "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet",
     "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer", "Zamba2MambaMixer",
-    "KimiLinearDeltaAttention",
+    "KimiLinearDeltaAttention", "JambaMambaMixer",
 })
 """The recurrent layers the suite shows exact at sp=2 against plain transformers (tests/hf/test_recurrent.py) with the
 releases of :data:`~lightning_fpdt.hf.versions.TESTED_TRANSFORMERS`. Only the wording of a refusal reads it: a

@@ -60,6 +60,7 @@ from lightning_fpdt.hf.recurrent_heads import (
     refuse_split,
     scan_split,
 )
+from lightning_fpdt.hf.selective_scan import SELECTIVE_SCAN, selective_scan
 from lightning_fpdt.hf.short_conv import causal_conv, causal_conv_chunk
 from lightning_fpdt.layers.carried import MixerStream
 from lightning_fpdt.layers.layer_stream import active_stream
@@ -89,7 +90,7 @@ def recurrence_core(module: nn.Module) -> str | None:
     names = reached_kernels(forward)
     if CONV not in names:
         return None
-    return next((core for core in (DELTA_RULE, KDA, SCAN) if core in names), None)
+    return next((core for core in (DELTA_RULE, KDA, SCAN, SELECTIVE_SCAN) if core in names), None)
 
 
 class SequenceParallelRecurrence:
@@ -108,7 +109,7 @@ class SequenceParallelRecurrence:
         function = inspect.unwrap(type(module).forward)
         self._family = function.__globals__  # the family's namespace: its kernels, read at each call
         self._bound_as = reached_kernels(function)  # each kernel's name in that namespace
-        cores = {DELTA_RULE: self._delta_rule, KDA: self._kda, SCAN: self._scan}
+        cores = {DELTA_RULE: self._delta_rule, KDA: self._kda, SCAN: self._scan, SELECTIVE_SCAN: self._selective_scan}
         self._forward = rebind(function, {CONV: self._conv, FUSED_SCAN: _no_fused_kernel, core: cores[core]})
         self._context: SequenceParallelContext = _ONE_PROCESS
         self._documents: PackedDocuments | None = None
@@ -236,6 +237,11 @@ class SequenceParallelRecurrence:
                           return_final_states=True, **options)
 
         return self._chunk_by_chunk(run, [hidden_states, dt.unsqueeze(-1)], [B, C], params)
+
+    def _selective_scan(self, *args: Any, **kwargs: Any) -> Any:
+        """``mamba_selective_scan`` (Mamba-1: Jamba): :func:`~lightning_fpdt.hf.selective_scan.selective_scan`."""
+        kernel = self._family[self._bound_as[SELECTIVE_SCAN]]
+        return selective_scan(self, kernel, _NOT_FOR_THE_KERNEL, *args, **kwargs)
 
     # ---- chunk by chunk, piece by piece ------------------------------------------------------------------
 

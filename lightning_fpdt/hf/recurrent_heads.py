@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.hf.selective_scan import SELECTIVE_SCAN
 
 DELTA_RULE = "torch_chunk_gated_delta_rule"
 KDA = "chunk_kimi_delta_attention"  # Kimi Linear: the gated delta rule with a gate per key channel
@@ -39,12 +40,21 @@ def _split(outer: int, outer_name: str, inner: int, inner_name: str, kept: str, 
             f" {sizes}")
 
 
+def channel_split(channels: int, p: int) -> str | None:
+    """Why Mamba-1's ``channels`` (``d_inner``) cannot be split over ``p`` ranks, or ``None``."""
+    if channels % p == 0:
+        return None
+    sizes = [q for q in range(1, min(channels, 64) + 1) if channels % q == 0]
+    return (f"d_inner={channels} channels, which sequence_parallel_size={p} cannot split evenly (each rank takes"
+            f" d_inner / {p} of them). Use a sequence_parallel_size in {sizes}")
+
+
 def refuse_split(where: str, why: str | None) -> None:
     if why is not None:
         raise FPDTError(f"HFCausalLM: {where} has {why}.")
 
 
-__all__ = ["delta_rule_split", "refuse_split", "scan_split"]
+__all__ = ["channel_split", "delta_rule_split", "refuse_split", "scan_split"]
 
 
 def check_module_heads(core: str, module: nn.Module, sp_size: int, where: str) -> None:
@@ -61,6 +71,8 @@ def check_module_heads(core: str, module: nn.Module, sp_size: int, where: str) -
         refuse_split(where, delta_rule_split(heads, heads, sp_size))
     if core == SCAN and isinstance(heads := getattr(m, "num_heads", None), int):
         refuse_split(where, scan_split(heads, m.n_groups, sp_size))
+    if core == SELECTIVE_SCAN and isinstance(channels := getattr(m, "intermediate_size", None), int):
+        refuse_split(where, channel_split(channels, sp_size))
 
 
 def kernel_flops_per_token(core: str, module: nn.Module) -> float:
@@ -72,7 +84,7 @@ def kernel_flops_per_token(core: str, module: nn.Module) -> float:
     and ``c (5 d_k + 3 d_v)`` within the chunk (the two ``c x c`` score matrices, the two triangular solves, the
     scores times the new values); Kimi delta attention the same with ``d_k = d_v`` (its gate is per channel, not a
     matmul). Mamba-2 scan (chunks of the config's ``chunk_size``, per head): ``4 p n`` against the state and
-    ``2 c (n + p)`` within the chunk.
+    ``2 c (n + p)`` within the chunk. Mamba-1's selective scan: ``6 d n`` (discretise, update and read the state).
     """
     def has(*names: str) -> bool:
         return all(isinstance(getattr(module, a, None), int) for a in names)
@@ -87,4 +99,6 @@ def kernel_flops_per_token(core: str, module: nn.Module) -> float:
     if core == SCAN and has("num_heads", "head_dim", "ssm_state_size", "chunk_size"):
         p, n, c = m.head_dim, m.ssm_state_size, m.chunk_size
         return 3.0 * m.num_heads * (4 * p * n + 2 * c * (n + p))
+    if core == SELECTIVE_SCAN and has("intermediate_size", "ssm_state_size"):
+        return 3.0 * 6 * m.intermediate_size * m.ssm_state_size  # per channel and state: discretise, update, read
     return 0.0

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_fpdt.hf.recurrent import KDA, SequenceParallelRecurrence, recurrence_core
+from lightning_fpdt.hf.recurrent import KDA, SELECTIVE_SCAN, SequenceParallelRecurrence, recurrence_core
 from lightning_fpdt.hf.short_conv import is_short_conv
 
 
@@ -98,6 +98,12 @@ def mixer_memory(module: nn.Module) -> RecurrenceMemory | None:
         return RecurrenceMemory(type(m).__name__, conv=3 * nh * d, taps=m.conv_kernel_size, chunk_in=2 * nh * d + nh,
                                 replicated=(nh, 2 * d), gathered=0, after=6 * nh * d + 5 * nh, state=nh * d * d,
                                 kernel=nh * (310 + 16 * d + 64 * d), chunked=chunked)
+    if ints("intermediate_size", "ssm_state_size", "conv_kernel_size") and recurrence_core(m) == SELECTIVE_SCAN:
+        d, n = m.intermediate_size, m.ssm_state_size
+        # Mamba-1: x, dt and z per channel and B, C gathered whole into each chunk; the kernel's discretised A and
+        # B x, [d, n] per token each (from the kernel's tensors, not measured)
+        return RecurrenceMemory(type(m).__name__, conv=d, taps=m.conv_kernel_size, chunk_in=3 * d, replicated=(0, 0),
+                                gathered=2 * n, after=4 * d, state=d * n, kernel=2.0 * d * n, chunked=chunked)
     if ints("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel_size", "chunk_size"):
         heads, inner, bc = m.num_heads, m.num_heads * m.head_dim, 2 * m.n_groups * m.ssm_state_size
         # per head: 5.5 head_dim + 6 state + 2.875 chunk values (measured)

@@ -28,6 +28,7 @@ from transformers import AutoConfig  # noqa: E402
 from transformers.models.bamba import modeling_bamba  # noqa: E402
 from transformers.models.falcon_h1 import modeling_falcon_h1  # noqa: E402
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid  # noqa: E402
+from transformers.models.jamba import modeling_jamba  # noqa: E402
 from transformers.models.kimi_linear import modeling_kimi_linear  # noqa: E402
 from transformers.models.nemotron_h import modeling_nemotron_h  # noqa: E402
 from transformers.models.olmo_hybrid import modeling_olmo_hybrid  # noqa: E402
@@ -41,6 +42,7 @@ from lightning_fpdt.hf.recurrent import (  # noqa: E402
     DELTA_RULE,
     KDA,
     SCAN,
+    SELECTIVE_SCAN,
     SequenceParallelRecurrence,
     delta_rule_split,
     scan_split,
@@ -75,8 +77,9 @@ from tests.hf.test_hf_moe import _float64_source, _router_in_input_dtype  # noqa
 DELTA_RULE_MODULES = [modeling_qwen3_5, modeling_qwen3_5_moe, modeling_qwen3_next, modeling_olmo_hybrid]
 SCAN_MODULES = [modeling_nemotron_h, modeling_granitemoehybrid, modeling_bamba, modeling_falcon_h1, modeling_zamba2]
 KDA_MODULES = [modeling_kimi_linear]
+SELECTIVE_SCAN_MODULES = [modeling_jamba]
 ROUTED = [modeling_qwen3_next, modeling_qwen3_5_moe]
-WRAPPERS = ("causal_conv1d_forward", "mamba2_scan_forward")  # transformers 5.25's cache-handling wrappers
+WRAPPERS = ("causal_conv1d_forward", "mamba2_scan_forward", "mamba_scan_forward")  # 5.25's cache-handling wrappers
 
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, num_hidden_layers=3)
@@ -105,6 +108,11 @@ FIELDS: dict[str, dict[str, Any]] = {
                    chunk_size=8, num_mem_blocks=1),
     # Kimi delta attention (a gate per key channel) on either side of a latent-attention layer (MLA, its k/v heads
     # all query heads), routed experts in the middle layer
+    # Mamba-1 (its selective scan, d_inner = 64 channels) on either side of an attention layer, routed experts in
+    # the middle layer
+    "jamba": dict(attn_layer_period=3, attn_layer_offset=1, expert_layer_period=3, expert_layer_offset=1,
+                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_expand=2, mamba_d_conv=4,
+                  pad_token_id=0),
     "kimi_linear": dict(layer_types=["linear_attention", "full_attention", "linear_attention"],
                         mlp_layer_types=["dense", "sparse", "dense"], linear_num_heads=4, linear_head_dim=8,
                         linear_conv_kernel_dim=4, num_key_value_heads=4, kv_lora_rank=8, q_lora_rank=None,
@@ -118,8 +126,9 @@ FIELDS: dict[str, dict[str, Any]] = {
 def kernels_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers' delta-rule and scan kernels compute in float32 whatever their inputs: here in float64 (their
     own source, one dtype changed), on both sides; so are the routers' softmaxes and the auxiliary loss."""
-    for module in DELTA_RULE_MODULES + SCAN_MODULES + KDA_MODULES:
-        kernel = DELTA_RULE if module in DELTA_RULE_MODULES else KDA if module in KDA_MODULES else SCAN
+    for module in DELTA_RULE_MODULES + SCAN_MODULES + KDA_MODULES + SELECTIVE_SCAN_MODULES:
+        kernel = (DELTA_RULE if module in DELTA_RULE_MODULES else KDA if module in KDA_MODULES
+                  else SELECTIVE_SCAN if module in SELECTIVE_SCAN_MODULES else SCAN)
         monkeypatch.setattr(module, kernel, in_float64(getattr(module, kernel)))
         for wrapper in float32_functions(module, WRAPPERS):  # 5.25's per-layer wrappers around the kernels
             monkeypatch.setattr(module, wrapper, in_float64(getattr(module, wrapper)))
@@ -191,7 +200,9 @@ CASES = [Case("qwen3_5_text", sp=2, chunk_size=8, offload="emulate"),  # 4 chunk
          Case("nemotron_h", sp=2, chunk_size=8, offload="emulate", stack=True),
          Case("qwen3_next", sp=2, chunk_size=None),  # plain Ulysses: one chunk, a contiguous shard per rank
          Case("kimi_linear", sp=2, chunk_size=8, offload="emulate"),
-         Case("kimi_linear", sp=4, chunk_size=16, offload="emulate", stack=True)]  # one head per rank
+         Case("kimi_linear", sp=4, chunk_size=16, offload="emulate", stack=True),  # one head per rank
+         Case("jamba", sp=2, chunk_size=8, offload="emulate"),
+         Case("jamba", sp=4, chunk_size=16, offload="emulate", stack=True)]
 
 
 @pytest.mark.distributed
@@ -208,7 +219,8 @@ def test_fit_step_equals_plain_transformers(case: Case, tmp_path, fresh_seed: in
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(("family", "sp"), [("qwen3_5_text", 2), ("qwen3_next", 2), ("nemotron_h", 2),
-                                            ("granitemoehybrid", 2), ("qwen3_5_text", 4), ("kimi_linear", 2)])
+                                            ("granitemoehybrid", 2), ("qwen3_5_text", 4), ("kimi_linear", 2),
+                                            ("jamba", 2)])
 def test_packed_fit_step_equals_each_document_alone(family: str, sp: int, tmp_path, fresh_seed: int) -> None:
     torch.manual_seed(fresh_seed)
     module = _hybrid(family, fresh_seed)
@@ -242,7 +254,7 @@ def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float(((ours - theirs).abs().max() / theirs.abs().max()).detach())
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "kimi_linear", "jamba"])
 @pytest.mark.parametrize("chunk_size", [3, 4, 7])
 def test_one_process_chunks_carry_the_state(family: str, chunk_size: int, fresh_seed: int,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -263,7 +275,7 @@ def test_one_process_chunks_carry_the_state(family: str, chunk_size: int, fresh_
     assert _relative(forward(x, fpdt_context=SequenceParallelContext(chunk_size=chunk_size)), theirs) > 1e-3
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "kimi_linear", "jamba"])
 def test_one_process_documents_restart_the_state(family: str, fresh_seed: int) -> None:
     """With packed documents (one of a single token, documents across chunks), in chunks of 4: each document equals
     the family's forward over that document alone; carrying the state across a document start is caught."""
