@@ -109,7 +109,8 @@ class SequenceParallelRecurrence:
         function = inspect.unwrap(type(module).forward)
         self._family = function.__globals__  # the family's namespace: its kernels, read at each call
         self._bound_as = reached_kernels(function)  # each kernel's name in that namespace
-        cores = {DELTA_RULE: self._delta_rule, KDA: self._kda, SCAN: self._scan, SELECTIVE_SCAN: self._selective_scan}
+        cores = {DELTA_RULE: self._delta_rule, KDA: partial(self._delta_rule, fpdt_core=KDA), SCAN: self._scan,
+                 SELECTIVE_SCAN: self._selective_scan}
         self._forward = rebind(function, {CONV: self._conv, FUSED_SCAN: _no_fused_kernel, core: cores[core]})
         self._context: SequenceParallelContext = _ONE_PROCESS
         self._documents: PackedDocuments | None = None
@@ -151,11 +152,13 @@ class SequenceParallelRecurrence:
         return y.to(hidden_states.dtype).transpose(1, 2)
 
     def _delta_rule(self, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
-                    initial_state: Tensor | None = None, output_final_state: bool = False,
-                    **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        """``torch_chunk_gated_delta_rule``: ``query``/``key`` ``[b, s_local, n_k, d_k]``, ``value``
-        ``[b, s_local, n_v, d_v]``, ``g``/``beta`` ``[b, s_local, n_v]`` in; ``([b, s_local, n_v, d_v], None)``."""
-        kernel = self._family[self._bound_as[DELTA_RULE]]
+                    initial_state: Tensor | None = None, output_final_state: bool = False, *,
+                    fpdt_core: str = DELTA_RULE, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """``torch_chunk_gated_delta_rule`` (``g`` ``[b, s_local, n_v]``) and ``chunk_kimi_delta_attention`` (``g``,
+        the decay per key channel, ``[b, s_local, n_v, d_k]``, split by head with the rest): ``query``/``key``
+        ``[b, s_local, n_k, d_k]``, ``value`` ``[b, s_local, n_v, d_v]``, ``beta`` ``[b, s_local, n_v]`` in;
+        ``([b, s_local, n_v, d_v], None)``."""
+        kernel = self._family[self._bound_as[fpdt_core]]
         options = {k: v for k, v in kwargs.items() if k not in _NOT_FOR_THE_KERNEL}
         if self._plain():
             return kernel(query, key, value, g=g, beta=beta, initial_state=initial_state,
@@ -169,37 +172,15 @@ class SequenceParallelRecurrence:
         n_k, n_v = key.shape[2], value.shape[2]
         refuse_split(self._where(), delta_rule_split(n_k, n_v, p))
         query, key = expand_kv_heads(query, p), expand_kv_heads(key, p)  # n_k < P: replicated
+        per_channel = g.dim() == 4
 
         def run(pieces: list[Tensor], params: list[Tensor], state: Tensor | None) -> tuple[Tensor, Tensor]:
             q, k, v, gate, b = pieces
-            return kernel(q, k, v, g=gate[..., 0], beta=b[..., 0], initial_state=state, output_final_state=True,
-                          **options)
+            return kernel(q, k, v, g=gate if per_channel else gate[..., 0], beta=b[..., 0], initial_state=state,
+                          output_final_state=True, **options)
 
-        return self._chunk_by_chunk(run, [query, key, value, g.unsqueeze(-1), beta.unsqueeze(-1)], [], []), None
-
-    def _kda(self, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
-             initial_state: Tensor | None = None, output_final_state: bool = False,
-             **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        """``chunk_kimi_delta_attention``: ``query``/``key``/``value`` ``[b, s_local, heads, d]``, ``g`` (the decay
-        per key channel) ``[b, s_local, heads, d_k]``, ``beta`` ``[b, s_local, heads]`` in;
-        ``([b, s_local, heads, d_v], None)``. The delta rule's way, the gate split by head with the rest."""
-        kernel = self._family[self._bound_as[KDA]]
-        options = {k: v for k, v in kwargs.items() if k not in _NOT_FOR_THE_KERNEL}
-        if self._plain():
-            return kernel(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                          output_final_state=output_final_state, **options)
-        self._refuse_cached(initial_state is not None or output_final_state)
-        if self.position_wise:
-            out, _ = kernel(*_each_position(query, key, value), g=_each_position(g)[0], beta=_each_position(beta)[0],
-                            **options)
-            return out.reshape(*value.shape[:2], *out.shape[2:]), None
-        refuse_split(self._where(), delta_rule_split(key.shape[2], value.shape[2], self._context.size))
-
-        def run(pieces: list[Tensor], params: list[Tensor], state: Tensor | None) -> tuple[Tensor, Tensor]:
-            q, k, v, gate, b = pieces
-            return kernel(q, k, v, g=gate, beta=b[..., 0], initial_state=state, output_final_state=True, **options)
-
-        return self._chunk_by_chunk(run, [query, key, value, g, beta.unsqueeze(-1)], [], []), None
+        gates = g if per_channel else g.unsqueeze(-1)
+        return self._chunk_by_chunk(run, [query, key, value, gates, beta.unsqueeze(-1)], [], []), None
 
     def _scan(self, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
               D: Tensor | None = None, dt_bias: Tensor | None = None, initial_states: Tensor | None = None,
