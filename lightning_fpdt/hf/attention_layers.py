@@ -3,8 +3,8 @@ because they choose their keys themselves.
 
 An attention layer is a module whose class name ends in ``Attention``, that knows its ``layer_idx`` (the transformers
 convention for the layer that calls the attention function) and that is not a linear-attention recurrence (Kimi
-Linear's ``KimiLinearDeltaAttention`` is named so but runs a delta rule: :mod:`lightning_fpdt.hf.recurrent` makes it
-sequence-parallel, and no attention function is called by it).
+Linear's ``KimiLinearDeltaAttention`` and MiniMax's ``MiniMaxLightningAttention`` are named so but run a recurrence:
+:mod:`lightning_fpdt.hf.recurrent` makes them sequence-parallel, and no attention function is called by them).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from lightning_fpdt.errors import Unsupported
 from lightning_fpdt.hf.kernel_binding import reached_kernels
+from lightning_fpdt.hf.lightning_attention import is_lightning_class
 from lightning_fpdt.hf.recurrent_heads import DELTA_RULE, KDA, SCAN
 from lightning_fpdt.hf.selective_scan import SELECTIVE_SCAN
 
@@ -23,7 +24,7 @@ from lightning_fpdt.hf.selective_scan import SELECTIVE_SCAN
 def is_attention_layer(module: nn.Module) -> bool:
     """A transformers self-attention layer (the module docstring)."""
     return type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx") and not _recurrence(
-        type(module))
+        type(module)) and not is_lightning_class(type(module))
 
 
 @functools.cache

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.hf.kernel_binding import reached_kernels
+from lightning_fpdt.hf.lightning_attention import LIGHTNING
 from lightning_fpdt.hf.recurrent import CONV, DELTA_RULE, KDA, SCAN, SequenceParallelRecurrence, recurrence_core
 from lightning_fpdt.hf.short_conv import SequenceParallelShortConv, is_short_conv
 from lightning_fpdt.hf.versions import TESTED_TRANSFORMERS, installed_transformers, untested_release_fix
@@ -29,7 +30,7 @@ from lightning_fpdt.parallel.binding import SequenceParallelContext
 SEQUENCE_PARALLEL_LAYERS = frozenset({
     "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet",
     "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer", "Zamba2MambaMixer",
-    "KimiLinearDeltaAttention", "JambaMambaMixer",
+    "KimiLinearDeltaAttention", "JambaMambaMixer", "MiniMaxLightningAttention",
 })
 """The recurrent layers the suite shows exact at sp=2 against plain transformers (tests/hf/test_recurrent.py) with the
 releases of :data:`~lightning_fpdt.hf.versions.TESTED_TRANSFORMERS`. Only the wording of a refusal reads it: a
@@ -128,7 +129,7 @@ def unsupported_release(owner: str, failed: dict[str, NotInstalled], sequence_pa
 def _disagreement(module: nn.Module, forward: SequenceParallelRecurrence) -> str | None:
     """``None`` where ``forward`` computes what ``module``'s own forward does; else why not, in words."""
     param = next(module.parameters())
-    width = getattr(module, "hidden_size", None)
+    width = getattr(module, "hidden_size", None) or getattr(getattr(module, "qkv_proj", None), "in_features", None)
     if not isinstance(width, int):
         return f"{type(module).__name__} has no integer hidden_size to check its sequence-parallel forward on"
     generator = torch.Generator().manual_seed(0)
@@ -137,8 +138,9 @@ def _disagreement(module: nn.Module, forward: SequenceParallelRecurrence) -> str
     module.eval()
     try:
         with torch.no_grad():
-            theirs = type(module).forward(module, x)
-            ours = forward(x, fpdt_context=SequenceParallelContext(chunk_size=4))  # 3 chunks: the state carried
+            extra = {} if forward.core != LIGHTNING else {"position_embeddings": None, "attention_mask": None}
+            theirs = _first(type(module).forward(module, x, **extra))
+            ours = _first(forward(x, fpdt_context=SequenceParallelContext(chunk_size=4), **extra))  # 3 chunks
     except Exception as err:  # a release's kernels with other arguments: reported by the refusal, not swallowed
         first_line = (str(err).splitlines() or [""])[0]
         return f"its sequence-parallel forward raised {type(err).__name__}: {first_line}"
@@ -156,6 +158,11 @@ def _disagreement(module: nn.Module, forward: SequenceParallelRecurrence) -> str
         return None
     return (f"its sequence-parallel forward differs from the module's own by {error:.2g} of the output's largest"
             f" value (allowed: {tolerance:g}) on one process in chunks of 4 tokens")
+
+
+def _first(out: Any) -> Any:
+    """A layer's output, or the first of the outputs it returns (lightning attention returns its state beside it)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _short_conv_disagreement(module: nn.Module, forward: SequenceParallelShortConv) -> str | None:

@@ -50,6 +50,7 @@ from transformers.activations import ACT2FN
 from lightning_fpdt.errors import Unsupported
 from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
 from lightning_fpdt.hf.kernel_binding import reached_kernels, rebind
+from lightning_fpdt.hf.lightning_attention import LIGHTNING, is_lightning_attention, lightning_forward
 from lightning_fpdt.hf.recurrent_heads import (
     DELTA_RULE,
     KDA,
@@ -81,9 +82,12 @@ Kernel = Callable[[list[Tensor], list[Tensor], Tensor | None], tuple[Tensor, Ten
 
 
 def recurrence_core(module: nn.Module) -> str | None:
-    """``DELTA_RULE``, ``KDA`` or ``SCAN`` when ``module``'s class forward reaches that kernel and the convolution
-    kernel (:func:`~lightning_fpdt.hf.kernel_binding.reached_kernels`: in its code or the family functions it calls, the
-    kernels known by their own names however the release binds them), else ``None``."""
+    """``DELTA_RULE``, ``KDA``, ``SCAN`` or ``SELECTIVE_SCAN`` when ``module``'s class forward reaches that kernel and
+    the convolution kernel (:func:`~lightning_fpdt.hf.kernel_binding.reached_kernels`: in its code or the family
+    functions it calls, the kernels known by their own names however the release binds them); ``LIGHTNING`` for
+    MiniMax's lightning attention (its core written in its forward); else ``None``."""
+    if is_lightning_attention(module):
+        return LIGHTNING
     forward = getattr(type(module), "forward", None)
     if forward is None or not hasattr(inspect.unwrap(forward), "__code__"):
         return None
@@ -111,7 +115,8 @@ class SequenceParallelRecurrence:
         self._bound_as = reached_kernels(function)  # each kernel's name in that namespace
         cores = {DELTA_RULE: self._delta_rule, KDA: partial(self._delta_rule, fpdt_core=KDA), SCAN: self._scan,
                  SELECTIVE_SCAN: self._selective_scan}
-        self._forward = rebind(function, {CONV: self._conv, FUSED_SCAN: _no_fused_kernel, core: cores[core]})
+        self._forward = partial(lightning_forward, self) if core == LIGHTNING else rebind(  # no kernel to rebind there
+            function, {CONV: self._conv, FUSED_SCAN: _no_fused_kernel, core: cores[core]})
         self._context: SequenceParallelContext = _ONE_PROCESS
         self._documents: PackedDocuments | None = None
 

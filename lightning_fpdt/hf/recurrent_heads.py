@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.hf.lightning_attention import LIGHTNING
 from lightning_fpdt.hf.selective_scan import SELECTIVE_SCAN
 
 DELTA_RULE = "torch_chunk_gated_delta_rule"
@@ -40,13 +41,14 @@ def _split(outer: int, outer_name: str, inner: int, inner_name: str, kept: str, 
             f" {sizes}")
 
 
-def channel_split(channels: int, p: int) -> str | None:
-    """Why Mamba-1's ``channels`` (``d_inner``) cannot be split over ``p`` ranks, or ``None``."""
+def channel_split(channels: int, p: int, what: str = "d_inner channels") -> str | None:
+    """Why Mamba-1's ``channels`` (``d_inner``; or lightning attention's heads) cannot be split over ``p`` ranks,
+    or ``None``."""
     if channels % p == 0:
         return None
     sizes = [q for q in range(1, min(channels, 64) + 1) if channels % q == 0]
-    return (f"d_inner={channels} channels, which sequence_parallel_size={p} cannot split evenly (each rank takes"
-            f" d_inner / {p} of them). Use a sequence_parallel_size in {sizes}")
+    return (f"{channels} {what}, which sequence_parallel_size={p} cannot split evenly (each rank takes 1 / {p} of"
+            f" them). Use a sequence_parallel_size in {sizes}")
 
 
 def refuse_split(where: str, why: str | None) -> None:
@@ -73,6 +75,8 @@ def check_module_heads(core: str, module: nn.Module, sp_size: int, where: str) -
         refuse_split(where, scan_split(heads, m.n_groups, sp_size))
     if core == SELECTIVE_SCAN and isinstance(channels := getattr(m, "intermediate_size", None), int):
         refuse_split(where, channel_split(channels, sp_size))
+    if core == LIGHTNING and isinstance(heads := getattr(m, "num_attention_heads", None), int):
+        refuse_split(where, channel_split(heads, sp_size, "heads"))
 
 
 def kernel_flops_per_token(core: str, module: nn.Module) -> float:
@@ -85,6 +89,7 @@ def kernel_flops_per_token(core: str, module: nn.Module) -> float:
     scores times the new values); Kimi delta attention the same with ``d_k = d_v`` (its gate is per channel, not a
     matmul). Mamba-2 scan (chunks of the config's ``chunk_size``, per head): ``4 p n`` against the state and
     ``2 c (n + p)`` within the chunk. Mamba-1's selective scan: ``6 d n`` (discretise, update and read the state).
+    Lightning attention (per head, chunks of 64): ``4 c d`` within the chunk and ``4 d^2`` against the state.
     """
     def has(*names: str) -> bool:
         return all(isinstance(getattr(module, a, None), int) for a in names)
@@ -101,4 +106,7 @@ def kernel_flops_per_token(core: str, module: nn.Module) -> float:
         return 3.0 * m.num_heads * (4 * p * n + 2 * c * (n + p))
     if core == SELECTIVE_SCAN and has("intermediate_size", "ssm_state_size"):
         return 3.0 * 6 * m.intermediate_size * m.ssm_state_size  # per channel and state: discretise, update, read
+    if core == LIGHTNING and has("num_attention_heads", "head_dim"):
+        d, c = m.head_dim, 64  # per head: the chunk's scores and their values, the state read and updated
+        return 3.0 * m.num_attention_heads * (4 * c * d + 4 * d * d)
     return 0.0

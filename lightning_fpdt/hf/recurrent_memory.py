@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_fpdt.hf.recurrent import KDA, SELECTIVE_SCAN, SequenceParallelRecurrence, recurrence_core
+from lightning_fpdt.hf.recurrent import KDA, LIGHTNING, SELECTIVE_SCAN, SequenceParallelRecurrence, recurrence_core
 from lightning_fpdt.hf.short_conv import is_short_conv
 
 
@@ -104,6 +104,12 @@ def mixer_memory(module: nn.Module) -> RecurrenceMemory | None:
         # B x, [d, n] per token each (from the kernel's tensors, not measured)
         return RecurrenceMemory(type(m).__name__, conv=d, taps=m.conv_kernel_size, chunk_in=3 * d, replicated=(0, 0),
                                 gathered=2 * n, after=4 * d, state=d * n, kernel=2.0 * d * n, chunked=chunked)
+    if ints("num_attention_heads", "head_dim") and recurrence_core(m) == LIGHTNING:
+        nh, d = m.num_attention_heads, m.head_dim
+        # lightning attention: q, k, v per head into each chunk, the state [d, d] per head, the chunk's decayed scores
+        # (64 per token and head) and their product among the kernel's intermediates (from its tensors, not measured)
+        return RecurrenceMemory(type(m).__name__, conv=0, taps=0, chunk_in=3 * nh * d, replicated=(0, 0), gathered=0,
+                                after=4 * nh * d, state=nh * d * d, kernel=nh * (2 * 64 + 2 * d), chunked=chunked)
     if ints("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel_size", "chunk_size"):
         heads, inner, bc = m.num_heads, m.num_heads * m.head_dim, 2 * m.n_groups * m.ssm_state_size
         # per head: 5.5 head_dim + 6 state + 2.875 chunk values (measured)

@@ -30,6 +30,7 @@ from transformers.models.falcon_h1 import modeling_falcon_h1  # noqa: E402
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid  # noqa: E402
 from transformers.models.jamba import modeling_jamba  # noqa: E402
 from transformers.models.kimi_linear import modeling_kimi_linear  # noqa: E402
+from transformers.models.minimax import modeling_minimax  # noqa: E402
 from transformers.models.nemotron_h import modeling_nemotron_h  # noqa: E402
 from transformers.models.olmo_hybrid import modeling_olmo_hybrid  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
@@ -78,7 +79,7 @@ DELTA_RULE_MODULES = [modeling_qwen3_5, modeling_qwen3_5_moe, modeling_qwen3_nex
 SCAN_MODULES = [modeling_nemotron_h, modeling_granitemoehybrid, modeling_bamba, modeling_falcon_h1, modeling_zamba2]
 KDA_MODULES = [modeling_kimi_linear]
 SELECTIVE_SCAN_MODULES = [modeling_jamba]
-ROUTED = [modeling_qwen3_next, modeling_qwen3_5_moe]
+ROUTED = [modeling_qwen3_next, modeling_qwen3_5_moe, modeling_minimax]
 WRAPPERS = ("causal_conv1d_forward", "mamba2_scan_forward", "mamba_scan_forward")  # 5.25's cache-handling wrappers
 
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
@@ -113,6 +114,10 @@ FIELDS: dict[str, dict[str, Any]] = {
     "jamba": dict(attn_layer_period=3, attn_layer_offset=1, expert_layer_period=3, expert_layer_offset=1,
                   num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_expand=2, mamba_d_conv=4,
                   pad_token_id=0),
+    # lightning attention (a decayed linear attention, blocks of 5 in transformers' own) on either side of an
+    # attention layer, every layer's experts
+    "minimax": dict(layer_types=["linear_attention", "full_attention", "linear_attention"], block_size=5,
+                    num_local_experts=2, num_experts_per_tok=1),
     "kimi_linear": dict(layer_types=["linear_attention", "full_attention", "linear_attention"],
                         mlp_layer_types=["dense", "sparse", "dense"], linear_num_heads=4, linear_head_dim=8,
                         linear_conv_kernel_dim=4, num_key_value_heads=4, kv_lora_rank=8, q_lora_rank=None,
@@ -134,6 +139,8 @@ def kernels_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setattr(module, wrapper, in_float64(getattr(module, wrapper)))
         for layer in float32_classes(module):
             monkeypatch.setattr(layer, "forward", in_float64(layer.forward))
+    for layer in float32_classes(modeling_minimax):
+        monkeypatch.setattr(layer, "forward", in_float64(layer.forward))
     for module in ROUTED:
         router = next(c for n, c in vars(module).items() if n.endswith("TopKRouter"))
         monkeypatch.setattr(router, "forward", _router_in_input_dtype)
@@ -155,7 +162,10 @@ def _hybrid(family: str, seed: int, stack: bool = False) -> HFCausalLM:
         warnings.simplefilter("ignore")
         module = HFCausalLM(_config(family), learning_rate=1e-3, warmup_steps=1, **tiles)
     _redraw(module.model, seed)
-    return module
+    lightning = [m for m in module.modules() if isinstance(m, modeling_minimax.MiniMaxLightningAttention)]
+    for m in lightning:  # its decays, made in float32 at construction: in float64 (the model with them)
+        m.query_decay, m.key_decay, m.diagonal_decay = m.decay_factors(m.slope_rate.double())
+    return module.double() if lightning else module
 
 
 def _routed_oracle(ref: torch.nn.Module, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor,
@@ -202,7 +212,9 @@ CASES = [Case("qwen3_5_text", sp=2, chunk_size=8, offload="emulate"),  # 4 chunk
          Case("kimi_linear", sp=2, chunk_size=8, offload="emulate"),
          Case("kimi_linear", sp=4, chunk_size=16, offload="emulate", stack=True),  # one head per rank
          Case("jamba", sp=2, chunk_size=8, offload="emulate"),
-         Case("jamba", sp=4, chunk_size=16, offload="emulate", stack=True)]
+         Case("jamba", sp=4, chunk_size=16, offload="emulate", stack=True),
+         Case("minimax", sp=2, chunk_size=8, offload="emulate"),
+         Case("minimax", sp=4, chunk_size=16, offload="emulate", stack=True)]
 
 
 @pytest.mark.distributed
@@ -220,7 +232,7 @@ def test_fit_step_equals_plain_transformers(case: Case, tmp_path, fresh_seed: in
 @pytest.mark.distributed
 @pytest.mark.parametrize(("family", "sp"), [("qwen3_5_text", 2), ("qwen3_next", 2), ("nemotron_h", 2),
                                             ("granitemoehybrid", 2), ("qwen3_5_text", 4), ("kimi_linear", 2),
-                                            ("jamba", 2)])
+                                            ("jamba", 2), ("minimax", 2)])
 def test_packed_fit_step_equals_each_document_alone(family: str, sp: int, tmp_path, fresh_seed: int) -> None:
     torch.manual_seed(fresh_seed)
     module = _hybrid(family, fresh_seed)
@@ -250,11 +262,28 @@ def _layer(family: str, seed: int) -> tuple[torch.nn.Module, SequenceParallelRec
     return layer, layer.__dict__["forward"]
 
 
+def _own(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's own forward on ``x`` (MiniMax's lightning attention takes its position embeddings and mask
+    positionally, unused, and returns its state beside its output)."""
+    extra = (None, None) if isinstance(layer, modeling_minimax.MiniMaxLightningAttention) else ()
+    out = type(layer).forward(layer, x, *extra)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _width(layer: torch.nn.Module) -> int:
+    return getattr(layer, "hidden_size", None) or layer.qkv_proj.in_features
+
+
+def _sp(forward: SequenceParallelRecurrence, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    out = forward(x, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float(((ours - theirs).abs().max() / theirs.abs().max()).detach())
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "kimi_linear", "jamba"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "kimi_linear", "jamba", "minimax"])
 @pytest.mark.parametrize("chunk_size", [3, 4, 7])
 def test_one_process_chunks_carry_the_state(family: str, chunk_size: int, fresh_seed: int,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,9 +291,9 @@ def test_one_process_chunks_carry_the_state(family: str, chunk_size: int, fresh_
     chunk: equal to the family's forward over the whole sequence; dropping the state between chunks is caught."""
     layer, forward = _layer(family, fresh_seed)
     g = torch.Generator().manual_seed(fresh_seed)
-    x = torch.randn(2, 17, layer.hidden_size, generator=g, dtype=torch.float64)
-    theirs = type(layer).forward(layer, x)
-    ours = forward(x, fpdt_context=SequenceParallelContext(chunk_size=chunk_size))
+    x = torch.randn(2, 17, _width(layer), generator=g, dtype=torch.float64)
+    theirs = _own(layer, x)
+    ours = _sp(forward, x, fpdt_context=SequenceParallelContext(chunk_size=chunk_size))
     assert _relative(ours, theirs) <= 1e-12
     real = recurrent.run_pieces
 
@@ -272,28 +301,28 @@ def test_one_process_chunks_carry_the_state(family: str, chunk_size: int, fresh_
         return real(lambda pieces, params, state: run(pieces, params, None), *args)
 
     monkeypatch.setattr(recurrent, "run_pieces", forgetful)
-    assert _relative(forward(x, fpdt_context=SequenceParallelContext(chunk_size=chunk_size)), theirs) > 1e-3
+    assert _relative(_sp(forward, x, fpdt_context=SequenceParallelContext(chunk_size=chunk_size)), theirs) > 1e-3
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "kimi_linear", "jamba"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "kimi_linear", "jamba", "minimax"])
 def test_one_process_documents_restart_the_state(family: str, fresh_seed: int) -> None:
     """With packed documents (one of a single token, documents across chunks), in chunks of 4: each document equals
     the family's forward over that document alone; carrying the state across a document start is caught."""
     layer, forward = _layer(family, fresh_seed)
     g = torch.Generator().manual_seed(fresh_seed)
     lengths = [[1, 6, 9], [5, 11]]
-    x = torch.randn(2, 16, layer.hidden_size, generator=g, dtype=torch.float64)
+    x = torch.randn(2, 16, _width(layer), generator=g, dtype=torch.float64)
     documents = PackedDocuments(tuple(tuple(sum(n[:i]) for i in range(len(n))) for n in lengths), 16)
-    ours = forward(x, fpdt_context=SequenceParallelContext(chunk_size=4), documents=documents)
+    ours = _sp(forward, x, fpdt_context=SequenceParallelContext(chunk_size=4), documents=documents)
     for row, doc_lengths in enumerate(lengths):
         start = 0
         for n in doc_lengths:
-            alone = type(layer).forward(layer, x[row:row + 1, start:start + n])
+            alone = _own(layer, x[row:row + 1, start:start + n])
             assert _relative(ours[row:row + 1, start:start + n], alone) <= 1e-12, (row, start, n)
             start += n
     unreset = PackedDocuments(documents.starts, 16)
     object.__setattr__(unreset, "pieces", lambda lo, hi: [(slice(None), [(lo, hi, lo == 0)])])
-    mixed = forward(x, fpdt_context=SequenceParallelContext(chunk_size=4), documents=unreset)
+    mixed = _sp(forward, x, fpdt_context=SequenceParallelContext(chunk_size=4), documents=unreset)
     assert _relative(mixed[1:, 5:], ours[1:, 5:]) > 1e-3  # the second document read the first one's state
 
 
@@ -376,3 +405,18 @@ def test_a_copied_model_keeps_its_recurrences_bound_to_the_copy(copy_by: str) ->
     twin = copied.get_submodule(f"model.{module.recurrences[0]}")
     context = SequenceParallelContext(chunk_size=4)
     assert torch.equal(original(x, fpdt_context=context), twin(x, fpdt_context=context))
+
+
+def test_channels_and_heads_the_group_cannot_split_are_refused_with_the_numbers() -> None:
+    """Mamba-1's d_inner channels and lightning attention's heads are split like attention's heads: a size that does
+    not divide them is refused before any step, with the sizes that work."""
+    for family, attribute, count, message in (
+            ("jamba", "intermediate_size", 6, r"JambaMambaMixer \(layer 0\) has 6 d_inner channels, which"
+                                              r" sequence_parallel_size=4 cannot split evenly"),
+            ("minimax", "num_attention_heads", 6, r"MiniMaxLightningAttention \(layer 0\) has 6 heads, which"
+                                                  r" sequence_parallel_size=4 cannot split evenly")):
+        layer, forward = _layer(family, 0)
+        setattr(layer, attribute, count)  # as a config of 6 would have it
+        with pytest.raises(ValueError, match=message + r".*Use a sequence_parallel_size in \[1, 2, 3, 6\]"):
+            forward.check_heads(4)
+        forward.check_heads(2)
