@@ -11,33 +11,12 @@ conversations, ``{"conversations": [{"from": "human", ...}, {"from": "gpt", ...}
 from __future__ import annotations
 
 import argparse
-import random
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from lightning_fpdt.data.toy import build_tokenizer, sentence, write_jsonl
-
-
-def sharegpt_rows(n: int, seed: int) -> list[dict]:
-    """Conversations of one or two exchanges, a third with a system prompt."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        turns = [{"from": "system", "value": "Answer in one sentence."}] if i % 3 == 0 else []
-        for _ in range(rng.randint(1, 2)):
-            turns += [{"from": "human", "value": sentence(rng, rng.randint(3, 8))},
-                      {"from": "gpt", "value": sentence(rng, rng.randint(2, 6))}]
-        rows.append({"id": f"conv-{i}", "conversations": turns})
-    return rows
-
-
-def alpaca_rows(n: int, seed: int) -> list[dict]:
-    """Instructions, half with an input, and their outputs."""
-    rng = random.Random(seed)
-    return [{"instruction": sentence(rng, 5), "input": sentence(rng, 4) if i % 2 else "",
-             "output": sentence(rng, rng.randint(2, 6))} for i in range(n)]
+from lightning_fpdt.data.toy import alpaca_rows, build_tokenizer, sharegpt_rows, write_jsonl
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,5 @@
-"""A small tokenizer with a Llama-3-style chat template, and generated text and chat corpora, all made in code:
+"""A small tokenizer with a Llama-3-style chat template, and generated text and chat corpora (messages, ShareGPT and
+Alpaca rows), all made in code:
 the tests, the CPU example configs (``examples/data/generate.py``) and ``benchmarks/data.py`` need no download.
 
 The tokenizer is a byte-level BPE trained on generated sentences, with Llama-3's pre-tokenizer pattern, its
@@ -78,6 +79,27 @@ def conversations(n: int, seed: int, max_turns: int = 3) -> Iterator[dict[str, A
             messages.append({"role": "user", "content": f"{question} What is {number}?"})
             messages.append({"role": "assistant", "content": f"It is {number}. {sentence(rng, rng.randint(2, 8))}"})
         yield {"messages": messages}
+
+
+def sharegpt_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` ShareGPT rows ``{"id", "conversations": [{"from": "human" | "gpt" | "system", "value"}]}``: one or two
+    exchanges, a third of them after a system prompt."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        turns = [{"from": "system", "value": "Answer in one sentence."}] if i % 3 == 0 else []
+        for _ in range(rng.randint(1, 2)):
+            turns += [{"from": "human", "value": sentence(rng, rng.randint(3, 8))},
+                      {"from": "gpt", "value": sentence(rng, rng.randint(2, 6))}]
+        rows.append({"id": f"conv-{i}", "conversations": turns})
+    return rows
+
+
+def alpaca_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """``n`` Alpaca rows ``{"instruction", "input", "output"}``, every other one with an input."""
+    rng = random.Random(seed)
+    return [{"instruction": sentence(rng, 5), "input": sentence(rng, 4) if i % 2 else "",
+             "output": sentence(rng, rng.randint(2, 6))} for i in range(n)]
 
 
 def documents(n: int, seed: int, max_sentences: int = 12) -> Iterator[dict[str, str]]:

@@ -4,7 +4,6 @@ on assistant turns only; refusals name the dataset."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 from lightning_fpdt.data.hf_datamodule import HFDataModule, load_tokenizer
 from lightning_fpdt.data.packing import IGNORE, chat_tokens
 from lightning_fpdt.data.sources import DataSource, as_documents, chosen
-from lightning_fpdt.data.toy import build_tokenizer, sentence, write_jsonl
+from lightning_fpdt.data.toy import alpaca_rows, build_tokenizer, sharegpt_rows, write_jsonl
 from lightning_fpdt.errors import FPDTError
 
 
@@ -22,24 +21,6 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(path)
     return str(path)
-
-
-def sharegpt_rows(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        turns = [{"from": "system", "value": "Be brief."}] if i % 3 == 0 else []
-        for _ in range(rng.randint(1, 2)):
-            turns += [{"from": "human", "value": sentence(rng, rng.randint(2, 6))},
-                      {"from": "gpt", "value": sentence(rng, rng.randint(1, 5))}]
-        rows.append({"conversations": turns, "id": i})
-    return rows
-
-
-def alpaca_rows(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"instruction": sentence(rng, 4), "input": sentence(rng, 3) if i % 2 else "",
-             "output": sentence(rng, rng.randint(1, 4))} for i in range(n)]
 
 
 def as_messages_sharegpt(row: dict) -> list[dict]:
