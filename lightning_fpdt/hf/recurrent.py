@@ -1,15 +1,17 @@
-"""Gated delta-net (Kimi delta attention too) and Mamba-2 layers sequence-parallel and exact under the FPDT layout.
+"""Gated delta-net (Kimi delta attention too), Mamba-2 and Mamba-1 layers and MiniMax's lightning attention
+sequence-parallel and exact under the FPDT layout.
 
 Such a layer is position-wise projections, gates and norms around a sequence-mixing core, and transformers' families
 call that core as module-level kernels: a causal depthwise convolution (``causal_conv1d_fn``), then a gated delta rule
 (``torch_chunk_gated_delta_rule``: Qwen3.5, Qwen3-Next, OLMo-hybrid; ``chunk_kimi_delta_attention``, its gate per key
-channel: Kimi Linear) or a Mamba-2 selective scan
-(``mamba2_chunk_scan``: Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1, Zamba2), directly or through the family's
-cache-handling wrappers, as plain functions or ``kernels`` modules (:mod:`lightning_fpdt.hf.kernel_binding`: how
-each release binds them). :func:`~lightning_fpdt.hf.mixer_install.install_recurrences` gives each such
-module its class's own forward with these kernels rebound to sequence-parallel versions
-(:class:`SequenceParallelRecurrence`), so the family's projections, gates and norms run as written and only the
-kernels change:
+channel: Kimi Linear), a Mamba-2 selective scan (``mamba2_chunk_scan``: Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1,
+Zamba2) or a Mamba-1 one (``mamba_selective_scan``: Jamba, :mod:`lightning_fpdt.hf.selective_scan`), directly or
+through the family's cache-handling wrappers, as plain functions or ``kernels`` modules
+(:mod:`lightning_fpdt.hf.kernel_binding`: how each release binds them); MiniMax writes its lightning attention in the
+layer's forward (:mod:`lightning_fpdt.hf.lightning_attention` gives that layer a core of its own).
+:func:`~lightning_fpdt.hf.mixer_install.install_recurrences` gives each such module its class's own forward with these
+kernels rebound to sequence-parallel versions (:class:`SequenceParallelRecurrence`), so the family's projections,
+gates and norms run as written and only the kernels change:
 
 - the convolution runs on this rank's tokens, each sub-chunk with the ``K - 1`` inputs before it carried from the
   rank that holds them (:func:`lightning_fpdt.hf.short_conv.causal_conv`, as for LFM2's short convolutions);
