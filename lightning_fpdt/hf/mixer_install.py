@@ -128,7 +128,8 @@ def unsupported_release(owner: str, failed: dict[str, NotInstalled], sequence_pa
 
 def _disagreement(module: nn.Module, forward: SequenceParallelRecurrence) -> str | None:
     """``None`` where ``forward`` computes what ``module``'s own forward does; else why not, in words."""
-    param = next(module.parameters())
+    # the input in the dtype of its projections (a family may keep a vector such as A_log in float32 beside them)
+    param = next((p for p in module.parameters() if p.dim() >= 2), next(module.parameters()))
     width = getattr(module, "hidden_size", None) or getattr(getattr(module, "qkv_proj", None), "in_features", None)
     if not isinstance(width, int):
         return f"{type(module).__name__} has no integer hidden_size to check its sequence-parallel forward on"

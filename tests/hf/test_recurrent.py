@@ -420,3 +420,15 @@ def test_channels_and_heads_the_group_cannot_split_are_refused_with_the_numbers(
         with pytest.raises(ValueError, match=message + r".*Use a sequence_parallel_size in \[1, 2, 3, 6\]"):
             forward.check_heads(4)
         forward.check_heads(2)
+
+
+def test_the_install_check_feeds_the_projections_dtype() -> None:
+    """OLMo-hybrid registers A_log (kept in float32 by the family) before its projections: the check that installs
+    the sequence-parallel forward feeds its input in the projections' dtype, not the first parameter's (a model in
+    float64 or bfloat16 had its layers refused for 'expected m1 and m2 to have the same dtype')."""
+    from lightning_fpdt.hf.mixer_install import _disagreement
+
+    layer, forward = _layer("olmo_hybrid", 0)  # float64
+    layer.A_log = torch.nn.Parameter(layer.A_log.detach().float())
+    assert next(layer.parameters()).dtype == torch.float32 and layer.q_proj.weight.dtype == torch.float64
+    assert _disagreement(layer, forward) is None
