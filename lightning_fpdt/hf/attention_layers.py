@@ -17,8 +17,7 @@ from transformers import PreTrainedModel
 from lightning_fpdt.errors import Unsupported
 from lightning_fpdt.hf.kernel_binding import reached_kernels
 from lightning_fpdt.hf.lightning_attention import is_lightning_class
-from lightning_fpdt.hf.recurrent_heads import DELTA_RULE, KDA, SCAN
-from lightning_fpdt.hf.selective_scan import SELECTIVE_SCAN
+from lightning_fpdt.hf.recurrent_heads import DELTA_RULE, KDA, SCAN, SELECTIVE_SCAN
 
 
 def is_attention_layer(module: nn.Module) -> bool:

@@ -19,10 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.hf.recurrent_heads import channel_split, refuse_split
 from lightning_fpdt.parallel.comm import group_rank
 
-LIGHTNING = "lightning_attention"
 _PARTS = ("qkv_proj", "output_gate", "out_proj", "norm", "slope_rate", "num_attention_heads", "head_dim", "act_fn")
 
 
@@ -53,9 +52,7 @@ def lightning_forward(recurrence: Any, module: nn.Module, hidden_states: Tensor,
         out = (query * key).sum(-1, keepdim=True) * value
     else:
         p, rank = recurrence._context.size, group_rank(recurrence._context.group)
-        if h % p:
-            raise FPDTError(f"HFCausalLM: {recurrence._where()} has {h} heads, which sequence_parallel_size={p} cannot"
-                            " split (each rank takes heads / sequence_parallel_size of them).")
+        refuse_split(recurrence._where(), channel_split(h, p, "heads"))  # as at construction
         slope = module.slope_rate.reshape(h)[rank * h // p:(rank + 1) * h // p]
 
         def run(pieces: list[Tensor], params: list[Tensor], state: Tensor | None) -> tuple[Tensor, Tensor]:

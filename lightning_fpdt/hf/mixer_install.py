@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fpdt.hf.kernel_binding import reached_kernels
-from lightning_fpdt.hf.lightning_attention import LIGHTNING
 from lightning_fpdt.hf.recurrent import CONV, DELTA_RULE, KDA, SCAN, SequenceParallelRecurrence, recurrence_core
+from lightning_fpdt.hf.recurrent_heads import LIGHTNING
 from lightning_fpdt.hf.short_conv import SequenceParallelShortConv, is_short_conv
 from lightning_fpdt.hf.versions import TESTED_TRANSFORMERS, installed_transformers, untested_release_fix
 from lightning_fpdt.parallel.binding import SequenceParallelContext

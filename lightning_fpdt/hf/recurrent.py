@@ -52,18 +52,20 @@ from transformers.activations import ACT2FN
 from lightning_fpdt.errors import Unsupported
 from lightning_fpdt.hf.attention import FPDT_KEYWORDS, delivered_keywords
 from lightning_fpdt.hf.kernel_binding import reached_kernels, rebind
-from lightning_fpdt.hf.lightning_attention import LIGHTNING, is_lightning_attention, lightning_forward
+from lightning_fpdt.hf.lightning_attention import is_lightning_attention, lightning_forward
 from lightning_fpdt.hf.recurrent_heads import (
     DELTA_RULE,
     KDA,
+    LIGHTNING,
     SCAN,
+    SELECTIVE_SCAN,
     check_module_heads,
     delta_rule_split,
     kernel_flops_per_token,
     refuse_split,
     scan_split,
 )
-from lightning_fpdt.hf.selective_scan import SELECTIVE_SCAN, selective_scan
+from lightning_fpdt.hf.selective_scan import selective_scan
 from lightning_fpdt.hf.short_conv import causal_conv, causal_conv_chunk
 from lightning_fpdt.layers.carried import MixerStream
 from lightning_fpdt.layers.layer_stream import active_stream

@@ -1,19 +1,20 @@
-"""The heads of a sequence-parallel gated delta rule, Kimi delta attention or Mamba-2 scan
-(:mod:`lightning_fpdt.hf.recurrent`): which head counts the group can split (each rank takes a share of the heads, as
-attention does, with the key heads or ``B``/``C`` groups split too or replicated; anything else is refused with the
-numbers and the sizes that work), and what the kernel costs per token."""
+"""The cores of :mod:`lightning_fpdt.hf.recurrent` (gated delta rule, Kimi delta attention, Mamba-2 and Mamba-1
+scans, lightning attention) and their heads: which head counts the group can split (each rank takes a share of the
+heads, as attention does, with the key heads or ``B``/``C`` groups split too or replicated; anything else is refused
+with the numbers and the sizes that work), and what each kernel costs per token."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from lightning_fpdt.errors import FPDTError
-from lightning_fpdt.hf.lightning_attention import LIGHTNING
-from lightning_fpdt.hf.selective_scan import SELECTIVE_SCAN
 
+# the cores, by the name of the kernel each family calls (lightning attention has none: its core is in its forward)
 DELTA_RULE = "torch_chunk_gated_delta_rule"
 KDA = "chunk_kimi_delta_attention"  # Kimi Linear: the gated delta rule with a gate per key channel
 SCAN = "mamba2_chunk_scan"
+SELECTIVE_SCAN = "mamba_selective_scan"  # Mamba-1 (Jamba)
+LIGHTNING = "lightning_attention"  # MiniMax
 
 
 def delta_rule_split(n_k: int, n_v: int, p: int) -> str | None:
@@ -54,9 +55,6 @@ def channel_split(channels: int, p: int, what: str = "d_inner channels") -> str 
 def refuse_split(where: str, why: str | None) -> None:
     if why is not None:
         raise FPDTError(f"HFCausalLM: {where} has {why}.")
-
-
-__all__ = ["channel_split", "delta_rule_split", "refuse_split", "scan_split"]
 
 
 def check_module_heads(core: str, module: nn.Module, sp_size: int, where: str) -> None:

@@ -20,10 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.hf.recurrent_heads import channel_split, refuse_split
 from lightning_fpdt.parallel.comm import group_rank
-
-SELECTIVE_SCAN = "mamba_selective_scan"
 
 
 def selective_scan(recurrence: Any, kernel: Any, skipped: tuple[str, ...], hidden_states: Tensor, dt: Tensor,
@@ -49,9 +47,7 @@ def selective_scan(recurrence: Any, kernel: Any, skipped: tuple[str, ...], hidde
         return out.reshape(b, s, d).transpose(1, 2)
     p, rank = recurrence._context.size, group_rank(recurrence._context.group)
     b, d, s_local = hidden_states.shape
-    if d % p:  # the construction-time check reads the module's intermediate_size; the kernel's input says it too
-        raise FPDTError(f"HFCausalLM: {recurrence._where()} has d_inner={d} channels, which sequence_parallel_size={p}"
-                        " cannot split evenly (each rank takes d_inner / sequence_parallel_size of them).")
+    refuse_split(recurrence._where(), channel_split(d, p))  # as at construction, from the kernel's input
     local = slice(rank * d // p, (rank + 1) * d // p)
     by_channel = [t.transpose(1, 2).reshape(b, s_local, p, d // p) for t in (hidden_states, dt)]
     gated = z is not None
