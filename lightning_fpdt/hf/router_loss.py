@@ -185,11 +185,11 @@ def split_captured(y: Tensor, hidden: int, widths: list[int], loss: RouterLoss) 
 
 
 
-def config_number(config: object, names: tuple[str, ...]) -> int | None:
-    """The first of the config fields ``names`` that holds an int (families name expert counts differently), in the
-    config or its feed-forward sub-config (DBRX's ``ffn_config``)."""
+def config_number(config: object, names: tuple[str, ...], kinds: tuple[type, ...] = (int,)) -> int | float | None:
+    """The first of the config fields ``names`` that holds a number of ``kinds`` (an int unless asked; families name
+    expert counts differently), in the config or its feed-forward sub-config (DBRX's ``ffn_config``)."""
     for where in (config, getattr(config, "ffn_config", None)):
-        found = next((v for k in names if isinstance(v := getattr(where, k, None), int) and not isinstance(v, bool)),
+        found = next((v for k in names if isinstance(v := getattr(where, k, None), kinds) and not isinstance(v, bool)),
                      None)
         if found is not None:
             return found
@@ -251,8 +251,7 @@ def router_loss_for(model: PreTrainedModel, routers: list[nn.Module], wrapped: l
     moved = (losses[0] - losses[1]).item()
     if moved == 0.0:
         return None
-    coefficient = next((float(v) for where in (config, getattr(config, "ffn_config", None)) for k in COEFFICIENT_FIELDS
-                        if isinstance(v := getattr(where, k, None), (int, float)) and not isinstance(v, bool)), 0.0)
+    coefficient = float(config_number(config, COEFFICIENT_FIELDS, (int, float)) or 0.0)
     expected = None if experts is None or top_k is None else coefficient * (
         load_balancing_aux(draws[0], experts, top_k, mask) - load_balancing_aux(draws[1], experts, top_k, mask)).item()
     if expected is None or abs(moved - expected) > _FORM_TOLERANCE * abs(expected):
