@@ -3,11 +3,12 @@
     python benchmarks/gpu_check.py          # one CUDA GPU; sized to finish within 8 minutes on an H200
     python benchmarks/gpu_check.py --cpu    # the same code paths on tiny shapes on CPU (seconds; run by the tests)
 
-One process, one device, nothing installed: torch and lightning (flash-attn when it imports). Prints
+One process, one device, nothing installed: torch and lightning (flash-attn 2, 3 and 4 when they import). Prints
 Markdown tables, in this order:
 
 1. **Routes.** Every attention route (``sdpa`` in bf16 and fp16: torch's flash op; ``sdpa`` in fp32:
-   the memory-efficient op; ``math`` in fp32; ``flash_attn`` in bf16/fp16 when it imports), on small
+   the memory-efficient op; ``math`` in fp32; ``cudnn`` in bf16/fp16 where torch's cuDNN works; ``flash_attn``,
+   ``flash_attn_3`` and ``flash_attn_4`` in bf16/fp16 when their packages import), on small
    shapes (GQA, a head dim and a length that need padding), against float64 ``math`` attention:
    the kernel's own forward and backward (out, lse, dq, dk, dv), and the chunked pipeline with offload
    through autograd (out and the gradients of q, k, v), plus offload on/off bitwise equal. Then a
@@ -92,7 +93,8 @@ def _routes(cpu: bool) -> list[tuple[str, torch.dtype]]:
         return [("sdpa", torch.float32), ("sdpa", torch.bfloat16), ("math", torch.float32)]
     return [("sdpa", torch.bfloat16), ("sdpa", torch.float16), ("sdpa", torch.float32), ("math", torch.float32),
             ("cudnn", torch.bfloat16), ("cudnn", torch.float16), ("flash_attn", torch.bfloat16),
-            ("flash_attn", torch.float16)]
+            ("flash_attn", torch.float16), ("flash_attn_3", torch.bfloat16), ("flash_attn_3", torch.float16),
+            ("flash_attn_4", torch.bfloat16), ("flash_attn_4", torch.float16)]
 
 
 def _kernel_row(kernel: Any, device: torch.device, dtype: torch.dtype, causal: bool, shape: tuple) -> list[float]:
@@ -143,7 +145,7 @@ def check_routes(device: torch.device, cpu: bool) -> tuple[list[list], bool]:
     for backend, dtype in _routes(cpu):
         try:
             kernel = get_kernel(backend, device, dtype)
-        except ValueError as err:  # flash-attn not installed, cuDNN's route not usable here
+        except ValueError as err:  # a FlashAttention package not installed, cuDNN's route not usable here
             rows.append([backend, str(dtype).removeprefix("torch."), "-", "-", *["-"] * 5, "-", f"skipped: {err}"[:90]])
             continue
         tol = TOLERANCE[dtype]

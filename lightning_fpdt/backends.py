@@ -1,6 +1,6 @@
-"""Which attention backend runs where: the backend names, whether flash-attn and cuDNN's attention can be used
-here, and the rule that turns a requested backend (``"auto"`` included) into the one that runs on a device type and
-dtype.
+"""Which attention backend runs where: the backend names, whether flash-attn (2, 3 or 4) and cuDNN's attention can
+be used here, and the rule that turns a requested backend (``"auto"`` included) into the one that runs on a device
+type and dtype.
 
 Pure rules, no kernel: configuration (:mod:`lightning_fpdt.options`) checks a run against them before any
 process group exists, and :func:`lightning_fpdt.attention.kernels.get_kernel` picks its kernel by them.
@@ -11,8 +11,11 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import inspect
 import re
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -20,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_fpdt.errors import FPDTError
 
-BACKENDS = ("auto", "math", "sdpa", "cudnn", "flash_attn")
+BACKENDS = ("auto", "math", "sdpa", "cudnn", "flash_attn", "flash_attn_3", "flash_attn_4")
 
 # flash-attn releases whose private `_flash_attn_forward`/`_flash_attn_backward` have the argument lists and
 # return arity that `kernels.FlashAttnKernel` calls: [2.7, 2.9). 2.6.x takes a `window_size` tuple and returns
@@ -29,6 +32,7 @@ FLASH_ATTN_VERSIONS = ((2, 7), (2, 9))
 FLASH_ATTN_REQUIREMENT = "flash-attn>=2.7,<2.9"
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # what flash-attn computes in
+HALF_ONLY_BACKENDS = ("cudnn", "flash_attn", "flash_attn_3", "flash_attn_4")
 
 # cuDNN's fused attention (through torch's aten op) is picked by "auto" from this release on: earlier ones mishandle
 # sequence lengths that are not a multiple of 128 (reported with torch's cuDNN route, 2025-2026)
@@ -61,6 +65,126 @@ def load_flash_attn() -> tuple[ModuleType | None, str]:
             f"_flash_attn_backward as {FLASH_ATTN_REQUIREMENT} define them"
         )
     return interface, ""
+
+
+@dataclass(frozen=True)
+class FlashPackage:
+    """A FlashAttention package that a route calls through its private forward and backward functions.
+
+    Their argument lists change between commits and the packages have no release to pin (FlashAttention-3 is built
+    from source), so what is checked when the package loads is the interface itself: each function in ``calls``
+    takes every keyword the route passes, and every argument it does not pass has a default.
+    """
+
+    backend: str  # the attention_backend name
+    title: str
+    module: str  # imported; it loads the package's kernels
+    distribution: str  # its version, for the logs
+    calls: tuple[tuple[str, tuple[str, ...]], ...]  # (function, the keywords the route passes); nothing positional
+    runs_on: tuple[int, ...]  # GPU compute-capability majors the package has kernels for
+    auto_on: tuple[int, ...]  # where ``auto`` picks it (when cuDNN's attention is not usable)
+    install: str
+
+
+FLASH_ATTN_3 = FlashPackage(
+    "flash_attn_3", "FlashAttention-3", "flash_attn_interface", "flash_attn_3",
+    calls=(
+        ("_flash_attn_forward", ("q", "k", "v", "softmax_scale", "causal", "window_size_left", "window_size_right",
+                                 "softcap")),
+        ("_flash_attn_backward", ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "softmax_scale",
+                                  "is_causal", "window_size_left", "window_size_right", "softcap")),
+    ),
+    runs_on=(8, 9), auto_on=(9,),
+    install="build it from flash-attention's hopper/ directory (pip install --no-build-isolation . there)",
+)
+FLASH_ATTN_4 = FlashPackage(
+    "flash_attn_4", "FlashAttention-4", "flash_attn.cute.interface", "flash-attn-4",
+    calls=(
+        ("_flash_attn_fwd", ("q", "k", "v", "softmax_scale", "causal", "softcap", "window_size_left",
+                             "window_size_right", "return_lse")),
+        ("_flash_attn_bwd", ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "softcap",
+                             "window_size_left", "window_size_right")),
+    ),
+    runs_on=(9, 10, 11, 12), auto_on=(9, 10, 11, 12),
+    install="pip install 'lightning-fpdt[flash4]' (the flash-attn-4 package)",
+)
+FLASH_PACKAGES = {package.backend: package for package in (FLASH_ATTN_4, FLASH_ATTN_3)}  # auto's order
+
+
+def _arguments(function: Callable) -> dict[str, bool] | None:
+    """``{argument name: has a default}`` of a plain function or a ``torch.library`` custom op (FlashAttention-3
+    registers its functions as ops, whose Python signature is ``(*args, **kwargs)``); None where neither says."""
+    schema = getattr(getattr(function, "_opoverload", None), "_schema", None)
+    if schema is not None:
+        return {argument.name: argument.has_default_value() for argument in schema.arguments}
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        return None
+    return {p.name: p.default is not p.empty for p in parameters}
+
+
+def interface_problem(module: ModuleType, package: FlashPackage) -> str | None:
+    """Why ``module`` does not take the calls ``package``'s route makes, or None."""
+    for name, passed in package.calls:
+        function = getattr(module, name, None)
+        if function is None:
+            return f"{package.module} has no {name}"
+        arguments = _arguments(function)
+        if arguments is None:
+            return f"the arguments of {package.module}.{name} cannot be read"
+        unknown = [key for key in passed if key not in arguments]
+        required = [key for key, has_default in arguments.items() if key not in passed and not has_default]
+        if unknown or required:
+            what = "; ".join(filter(None, [
+                f"it takes no {', '.join(unknown)}" if unknown else "",
+                f"it requires {', '.join(required)}, which this route does not pass" if required else "",
+            ]))
+            return f"its {name} is not the one this route calls ({what})"
+    return None
+
+
+def package_version(package: FlashPackage) -> str:
+    try:
+        return importlib.metadata.version(package.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+@functools.cache
+def load_flash_package(backend: str) -> tuple[ModuleType | None, str]:
+    """``(the package's interface module, "")``, or ``(None, why it cannot be used)``; looked up once per process."""
+    package = FLASH_PACKAGES[backend]
+    try:
+        module = importlib.import_module(package.module)
+    except (ImportError, OSError, RuntimeError) as err:  # an extension built for another torch or CUDA
+        top = package.module.split(".")[0]
+        if isinstance(err, ModuleNotFoundError) and err.name in (top, package.module):
+            return None, f"the {package.title} package ({package.distribution}) is not installed"
+        return None, (f"the {package.title} package is installed but does not import ({type(err).__name__}:"
+                      f" {err})")
+    problem = interface_problem(module, package)
+    if problem is not None:
+        return None, f"{package.title} {package_version(package)} is installed, but {problem}"
+    return module, ""
+
+
+def flash_package_unusable_reason(backend: str, device_type: str, auto: bool = False) -> str | None:
+    """Why the FlashAttention-3/4 route ``backend`` cannot run (or, with ``auto``, is not picked) here, or None."""
+    package = FLASH_PACKAGES[backend]
+    if device_type != "cuda":
+        return f"{package.title} runs on CUDA devices, not {device_type}"
+    reason = load_flash_package(backend)[1]
+    if reason:
+        return reason
+    major, minor = torch.cuda.get_device_capability()
+    majors = package.auto_on if auto else package.runs_on
+    if major not in majors:
+        where, verb = "/".join(f"sm{m}x" for m in majors), "is picked by auto on" if auto else "runs on"
+        return f"the GPU is sm{major}{minor}, and {package.title} {verb} {where}"
+    return None
 
 
 def flash_attn_unavailable_reason() -> str | None:
@@ -126,8 +250,10 @@ def resolve_backend(backend: str, device_type: str, dtype: torch.dtype) -> str:
     """The backend that ``backend`` (``auto`` included) runs as on this device type and dtype.
 
     ``auto``: on CUDA with half precision, ``cudnn`` where :func:`cudnn_unusable_reason` finds nothing against it
-    (else said once, with the reason), then ``flash_attn`` when flash-attn imports and its version is supported,
-    else ``sdpa``; ``sdpa`` on CPU and on CUDA for float32; ``math`` for float64 on CUDA.
+    (else said once, with the reason), then ``flash_attn_4`` and ``flash_attn_3`` where installed with the interface
+    their routes call and the GPU is one :data:`FLASH_PACKAGES` picks them on, then ``flash_attn`` when flash-attn
+    imports and its version is supported, else ``sdpa``; ``sdpa`` on CPU and on CUDA for float32; ``math`` for
+    float64 on CUDA.
 
     Raises:
         ValueError: unknown backend name, or one that cannot run on this device or dtype.
@@ -141,6 +267,9 @@ def resolve_backend(backend: str, device_type: str, dtype: torch.dtype) -> str:
             if reason is None:
                 return "cudnn"
             _say_once(f"attention_backend='auto' does not use cuDNN's attention: {reason}.")
+            for package in FLASH_PACKAGES:
+                if flash_package_unusable_reason(package, device_type, auto=True) is None:
+                    return package
             if flash_attn_available():
                 return "flash_attn"
         return "math" if device_type == "cuda" and dtype == torch.float64 else "sdpa"
@@ -151,6 +280,15 @@ def resolve_backend(backend: str, device_type: str, dtype: torch.dtype) -> str:
         if reason is not None:
             raise FPDTError(f"attention_backend='cudnn' but {reason}; use attention_backend='auto' (it says what it"
                             " picks) or 'sdpa'.")
+        return backend
+    if backend in FLASH_PACKAGES:
+        reason = flash_package_unusable_reason(backend, device_type)
+        if reason is None and not half:
+            reason = f"it computes in float16/bfloat16, not {dtype}"
+        if reason is not None:
+            fix = f" {FLASH_PACKAGES[backend].install}, or" if "not installed" in reason else ""
+            raise FPDTError(f"attention_backend={backend!r} but {reason};{fix} use attention_backend='auto' (it says"
+                            " what it picks) or 'sdpa'.")
         return backend
     if backend != "flash_attn":
         return backend
@@ -180,6 +318,9 @@ def route_description(backend: str, device_type: str, dtype: torch.dtype) -> str
         return f"cudnn (cuDNN {loaded} through torch {torch.__version__}, sm{major}{minor})"
     if name == "flash_attn":
         return f"flash_attn (flash-attn {getattr(sys.modules.get('flash_attn'), '__version__', '?')})"
+    if name in FLASH_PACKAGES:
+        package, (major, minor) = FLASH_PACKAGES[name], torch.cuda.get_device_capability()
+        return f"{name} ({package.title} {package_version(package)}, sm{major}{minor})"
     if name == "math":
         return "math (torch matrix products)"
     if device_type != "cuda":

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
-from lightning_fpdt.backends import BACKENDS, resolve_backend
+from lightning_fpdt.backends import BACKENDS, HALF_ONLY_BACKENDS, resolve_backend
 from lightning_fpdt.errors import PREFIX, FPDTError, WrongType, is_positive_int
 from lightning_fpdt.parallel.batches import DEFAULT_SEQUENCE_KEYS
 from lightning_fpdt.parallel.binding import SequenceParallelContext, attention_heads
@@ -43,6 +43,8 @@ from lightning_fpdt.parallel.mesh import SequenceParallelGroups, resolve_ring_si
 
 Offload = Literal["off", "on", "emulate"]
 OffloadArgument = bool | Literal["emulate"]
+# the names of backends.BACKENDS, spelt out for LightningCLI's --help and type checks (tests/test_validation.py)
+AttentionBackend = Literal["auto", "math", "sdpa", "cudnn", "flash_attn", "flash_attn_3", "flash_attn_4"]
 
 # Lightning precision strings whose attention inputs are float16/bfloat16
 HALF_PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -91,7 +93,8 @@ class FPDTOptions:
     setup (CUDA), or of the host's available memory shared by this node's processes (CPU); the smallest
     over all ranks."""
     attention_backend: str = "auto"
-    """``"auto"``, ``"math"``, ``"sdpa"``, ``"cudnn"`` or ``"flash_attn"`` (:mod:`lightning_fpdt.attention.kernels`)."""
+    """``"auto"``, ``"math"``, ``"sdpa"``, ``"cudnn"``, ``"flash_attn"``, ``"flash_attn_3"`` or ``"flash_attn_4"``
+    (:mod:`lightning_fpdt.attention.kernels`)."""
     offload: Offload = "off"
     """Keep the attention chunks saved for backward in pinned host memory, prefetching each before use
     (pays off when activations, not weights, fill the device; see docs/configuration.md). ``True`` needs
@@ -310,7 +313,7 @@ def check_attention_backend(attention_backend: str, device_type: str, precision:
     Lightning's terms.
     """
     dtype = attention_dtype(precision)
-    if attention_backend in ("flash_attn", "cudnn") and device_type == "cuda" and precision not in HALF_PRECISIONS:
+    if attention_backend in HALF_ONLY_BACKENDS and device_type == "cuda" and precision not in HALF_PRECISIONS:
         raise FPDTError(
             f"{PREFIX}attention_backend={attention_backend!r} needs float16/bfloat16 attention inputs, but"
             f" precision={precision!r}. Use precision='bf16-mixed' (or one of {list(HALF_PRECISIONS)}),"

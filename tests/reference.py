@@ -24,3 +24,27 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float 
 def rel_error(a: Tensor, b: Tensor) -> float:
     """``max|a - b| / max|b|``: one number that is small only if every element agrees."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+def flash_reference(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, left: int, right: int, softcap: float
+) -> tuple[Tensor, Tensor]:
+    """Attention as flash-attn's README defines it (FlashAttention-3 and -4 too), by the textbook formula,
+    autograd-differentiable: windows aligned to the bottom-right corner (row ``i`` sees keys ``i + s_k - s_q - left
+    .. i + s_k - s_q + right``, ``-1`` unbounded; ``causal`` is ``right = 0``), scores scaled, then
+    ``softcap * tanh(s / softcap)`` (``0.0``: none). ``[b, s, heads, d]`` in; returns ``out`` and ``lse``
+    ``[b, heads, s_q]``."""
+    s_q, s_k, h = q.shape[1], k.shape[1], q.shape[2]
+    kk, vv = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    shift = torch.arange(s_k).view(1, -1) - torch.arange(s_q).view(-1, 1) - (s_k - s_q)  # key - row - offset
+    seen = torch.ones(s_q, s_k, dtype=torch.bool)
+    if left >= 0:
+        seen &= shift >= -left
+    if causal or right >= 0:
+        seen &= shift <= (0 if causal else right)
+    s = s.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse.unsqueeze(-1)), vv), lse

@@ -33,9 +33,10 @@ import torch
 import torchgen
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_fpdt import backends
 from lightning_fpdt.attention import kernels
 from lightning_fpdt.attention.kernels import FlashAttnKernel, MathKernel, SdpaKernel, get_kernel
-from tests.reference import rel_error
+from tests.reference import flash_reference, rel_error
 
 aten = torch.ops.aten
 FLASH = aten._scaled_dot_product_flash_attention.default
@@ -275,31 +276,10 @@ def test_float64_on_cuda_stays_off_the_fused_ops() -> None:
 # ---- flash-attn's private calls against the signatures of FLASH_ATTN_REQUIREMENT ------------------------
 
 
-def _flash_semantics(q, k, v, scale, causal, left, right, softcap):
-    """Attention as flash-attn's README defines it, by the textbook formula, autograd-differentiable: windows
-    aligned to the bottom-right corner (row ``i`` sees keys ``i + s_k - s_q - left .. i + s_k - s_q + right``,
-    ``-1`` unbounded; ``causal`` is ``right = 0``), scores scaled, then ``softcap * tanh(s / softcap)``
-    (``0.0``: none). ``[b, s, heads, d]`` in; returns ``out`` and ``lse`` ``[b, heads, s_q]``."""
-    s_q, s_k, h = q.shape[1], k.shape[1], q.shape[2]
-    kk, vv = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    shift = torch.arange(s_k).view(1, -1) - torch.arange(s_q).view(-1, 1) - (s_k - s_q)  # key - row - offset
-    seen = torch.ones(s_q, s_k, dtype=torch.bool)
-    if left >= 0:
-        seen &= shift >= -left
-    if causal or right >= 0:
-        seen &= shift <= (0 if causal else right)
-    s = s.masked_fill(~seen, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse.unsqueeze(-1)), vv), lse
-
-
 def _fake_flash_attn_interface(calls: list[tuple[str, int, tuple[str, ...]]],
                                variants: list[tuple[int, int, float]] | None = None) -> ModuleType:
     """flash-attn 2.7-2.8's ``_flash_attn_forward``/``_flash_attn_backward`` (their signatures and return arity,
-    no defaults where the releases have none), computed by :func:`_flash_semantics`, recording how they are
+    no defaults where the releases have none), computed by :func:`flash_reference`, recording how they are
     called (and, in ``variants``, each call's ``(window_size_left, window_size_right, softcap)``)."""
     variants = [] if variants is None else variants
 
@@ -310,7 +290,7 @@ def _fake_flash_attn_interface(calls: list[tuple[str, int, tuple[str, ...]]],
         assert all(x.shape[-1] % 8 == 0 and x.stride(-1) == 1 for x in (q, k, v))
         assert q.shape[-1] == k.shape[-1] == v.shape[-1]  # flash-attn 2 takes one head_size (its CHECK_SHAPE of v)
         variants.append((window_size_left, window_size_right, softcap))
-        out, lse = _flash_semantics(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap)
+        out, lse = flash_reference(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap)
         return out, lse.float(), torch.empty(0, dtype=q.dtype), torch.empty(2, dtype=torch.int64)
 
     def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
@@ -322,7 +302,7 @@ def _fake_flash_attn_interface(calls: list[tuple[str, int, tuple[str, ...]]],
         assert len({x.shape[-1] for x in (dout, q, k, v, out)}) == 1  # one head_size
         variants.append((window_size_left, window_size_right, softcap))
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        ref_out, _ = _flash_semantics(*leaves, softmax_scale, causal, window_size_left, window_size_right, softcap)
+        ref_out, _ = flash_reference(*leaves, softmax_scale, causal, window_size_left, window_size_right, softcap)
         grads = torch.autograd.grad(ref_out, leaves, dout)  # a whole block: its own lse is the row's
         for buf, grad in zip((dq, dk, dv), grads):
             buf.copy_(grad)
@@ -439,9 +419,9 @@ def no_flash_attn_imported(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.M
     """A fresh look for flash-attn (the kernels remember the first one per process) in a patched world."""
     for name in ("flash_attn", "flash_attn.flash_attn_interface"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    kernels.load_flash_attn.cache_clear()
+    backends.load_flash_attn.cache_clear()
     yield monkeypatch
-    kernels.load_flash_attn.cache_clear()  # the next test sees this machine's flash-attn, not the patched one
+    backends.load_flash_attn.cache_clear()  # the next test sees this machine's flash-attn, not the patched one
 
 
 def _install_fake_flash_attn(monkeypatch: pytest.MonkeyPatch, version: str) -> ModuleType:

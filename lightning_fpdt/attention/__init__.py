@@ -55,7 +55,8 @@ def fpdt_attention(
         chunk_size: global tokens per chunk (a multiple of ``P``); ``None`` runs plain Ulysses,
             one chunk. The shards must be laid out for this same chunk size (and ring size).
         causal: causal (decoder) or full (bidirectional) attention.
-        backend: ``"auto"``, ``"math"``, ``"sdpa"``, ``"cudnn"`` or ``"flash_attn"``.
+        backend: ``"auto"``, ``"math"``, ``"sdpa"``, ``"cudnn"``, ``"flash_attn"``, ``"flash_attn_3"`` or
+            ``"flash_attn_4"``.
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
         offload: keep the chunks saved for backward in host memory, prefetching the next one.
         return_lse: also return the log-sum-exp ``[batch, S/P, n_heads]`` (not differentiable).

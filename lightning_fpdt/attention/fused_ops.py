@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_fpdt.errors import FPDTError
+
 
 def repeat_kv(x: Tensor, n_heads: int) -> Tensor:
     """``[b, s, g, d] -> [b, s, n_heads, d]``: query head ``i`` uses KV head ``i // (n_heads / g)``."""
@@ -25,6 +27,22 @@ def sum_kv_grad(dx: Tensor, kv_heads: int) -> Tensor:
     """Inverse of :func:`repeat_kv` for gradients: sum over the query heads sharing a KV head."""
     b, s, h, d = dx.shape
     return dx if h == kv_heads else dx.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
+
+
+def check_shapes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+    """Raises ``FPDTError`` unless q, k and v have the layouts of the kernel interface (``kernels``) and a causal
+    block is square."""
+    if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3] or q.shape[0] != k.shape[0]
+            or q.shape[3] != k.shape[3]):
+        raise FPDTError(
+            f"Attention expects q [batch, seq, heads, head_dim], k [batch, seq_k, kv_heads, head_dim] and v"
+            f" [batch, seq_k, kv_heads, v_head_dim] (v's width may differ, q's and k's may not); got"
+            f" q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
+        )
+    if q.shape[2] % k.shape[2] != 0:
+        raise FPDTError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} key/value heads.")
+    if causal and q.shape[1] != k.shape[1]:
+        raise FPDTError(f"A causal block must be square; got seq_q={q.shape[1]}, seq_k={k.shape[1]}.")
 
 
 def last_dim_contiguous(x: Tensor) -> Tensor:

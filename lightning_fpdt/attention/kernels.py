@@ -25,21 +25,25 @@ output's and gradients' padded columns are sliced off).
 
 Backends: ``math`` (pure torch, any dtype: the reference), ``sdpa`` (torch's fused kernels through
 the aten ops that return the log-sum-exp), ``cudnn`` (cuDNN's fused attention through torch's aten op, on
-Hopper and newer, for the blocks it computes exactly; every other block as ``sdpa`` runs it), ``flash_attn``
-(the flash-attn package, CUDA).
+Hopper and newer, for the blocks it computes exactly; every other block as ``sdpa`` runs it), ``flash_attn``,
+``flash_attn_3`` and ``flash_attn_4`` (the FlashAttention packages 2, 3 and 4, CUDA, when installed:
+:mod:`lightning_fpdt.attention.flash_kernels`).
 
 The fused CUDA ops, GQA's key/value heads as each op takes them and the edge's mask are in ``fused_ops``.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from lightning_fpdt.attention.flash_kernels import FlashAttn3Kernel, FlashAttn4Kernel
+from lightning_fpdt.attention.flash_kernels import FlashAttnKernel as FlashAttnKernel
+from lightning_fpdt.attention.flash_kernels import flash_window as flash_window
 from lightning_fpdt.attention.fused_ops import (
+    check_shapes,
     common_head_dim,
     cudnn_op_backward,
     cudnn_op_forward,
@@ -59,9 +63,9 @@ from lightning_fpdt.attention.fused_ops import (
 # the backend rules (names, flash-attn's availability, what runs where) live in lightning_fpdt.backends, which
 # configuration reads without loading a kernel; the names tests and callers know here are re-exported (`as`)
 from lightning_fpdt.backends import BACKENDS as BACKENDS
-from lightning_fpdt.backends import FLASH_ATTN_FIX, HALF_DTYPES, load_flash_attn, resolve_backend
 from lightning_fpdt.backends import FLASH_ATTN_REQUIREMENT as FLASH_ATTN_REQUIREMENT
 from lightning_fpdt.backends import FLASH_ATTN_VERSIONS as FLASH_ATTN_VERSIONS
+from lightning_fpdt.backends import HALF_DTYPES, resolve_backend
 from lightning_fpdt.backends import flash_attn_available as flash_attn_available
 from lightning_fpdt.backends import flash_attn_unavailable_reason as flash_attn_unavailable_reason
 from lightning_fpdt.errors import FPDTError
@@ -77,20 +81,6 @@ def check_softcap(softcap: float | None) -> None:
     if softcap is not None and not softcap > 0:
         raise FPDTError(f"fpdt_attention: softcap={softcap}; the attention-logit cap must be positive (Gemma-2"
                         " uses 50.0). Use None for no cap.")
-
-
-def _check_shapes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
-    if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3] or q.shape[0] != k.shape[0]
-            or q.shape[3] != k.shape[3]):
-        raise FPDTError(
-            f"Attention expects q [batch, seq, heads, head_dim], k [batch, seq_k, kv_heads, head_dim] and v"
-            f" [batch, seq_k, kv_heads, v_head_dim] (v's width may differ, q's and k's may not); got"
-            f" q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
-        )
-    if q.shape[2] % k.shape[2] != 0:
-        raise FPDTError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} key/value heads.")
-    if causal and q.shape[1] != k.shape[1]:
-        raise FPDTError(f"A causal block must be square; got seq_q={q.shape[1]}, seq_k={k.shape[1]}.")
 
 
 class AttentionKernel(Protocol):
@@ -136,7 +126,7 @@ class MathKernel:
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None = None,
         softcap: float | None = None,
     ) -> tuple[Tensor, Tensor]:
-        _check_shapes(q, k, v, causal)
+        check_shapes(q, k, v, causal)
         s, _ = self._scores(q, k, causal, scale, lower, softcap)
         lse = torch.logsumexp(s, dim=-1)  # [b, h, s_q]
         p = torch.exp(s - lse.unsqueeze(-1))
@@ -147,7 +137,7 @@ class MathKernel:
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
         lower: int | None = None, softcap: float | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        _check_shapes(q, k, v, causal)
+        check_shapes(q, k, v, causal)
         acc = accumulate_dtype(q.dtype)
         h, g = q.shape[2], k.shape[2]
         dout_, v_ = dout.to(acc), repeat_kv(v, h).to(acc)
@@ -198,7 +188,7 @@ class SdpaKernel:
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None = None,
         softcap: float | None = None,
     ) -> tuple[Tensor, Tensor]:
-        _check_shapes(q, k, v, causal)
+        check_shapes(q, k, v, causal)
         if softcap is not None or (q.device.type != "cpu" and q.dtype not in (*HALF_DTYPES, torch.float32)):
             return MathKernel().forward(q, k, v, causal, scale, lower, softcap)
         if _edge_triangle(q, k, causal, lower):  # reversed, keys b >= a become b <= a: a causal call, no mask
@@ -221,7 +211,7 @@ class SdpaKernel:
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
         lower: int | None = None, softcap: float | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        _check_shapes(q, k, v, causal)
+        check_shapes(q, k, v, causal)
         if softcap is not None or (q.device.type != "cpu" and q.dtype not in (*HALF_DTYPES, torch.float32)):
             return MathKernel().backward(dout, q, k, v, out, lse, causal, scale, lower, softcap)
         if _edge_triangle(q, k, causal, lower):
@@ -264,7 +254,7 @@ class CudnnKernel(SdpaKernel):
     ) -> tuple[Tensor, Tensor]:
         if not self._takes(q, v, lower, softcap):
             return super().forward(q, k, v, causal, scale, lower, softcap)
-        _check_shapes(q, k, v, causal)
+        check_shapes(q, k, v, causal)
         return cudnn_op_forward(q, k, v, causal, scale)
 
     def backward(
@@ -273,81 +263,13 @@ class CudnnKernel(SdpaKernel):
     ) -> tuple[Tensor, Tensor, Tensor]:
         if not self._takes(q, v, lower, softcap):
             return super().backward(dout, q, k, v, out, lse, causal, scale, lower, softcap)
-        _check_shapes(q, k, v, causal)
+        check_shapes(q, k, v, causal)
         return cudnn_op_backward(dout, q, k, v, out, lse, causal, scale)
 
 
 def _edge_triangle(q: Tensor, k: Tensor, causal: bool, lower: int | None) -> bool:
     """Whether the block is a square on a window's lower edge: row ``a`` sees exactly the keys ``b >= a``."""
     return lower == 0 and not causal and q.shape[1] == k.shape[1]
-
-
-class FlashAttnKernel:
-    """The flash-attn package (CUDA, float16/bfloat16, ``FLASH_ATTN_REQUIREMENT``); supports GQA natively.
-
-    Args:
-        interface: the ``flash_attn.flash_attn_interface`` module; imported (and its version checked) when omitted.
-
-    Raises:
-        ValueError: flash-attn does not import or its version is outside ``FLASH_ATTN_VERSIONS``.
-    """
-
-    name = "flash_attn"
-    edge_band = None  # window_size: the edge inside one call
-
-    def __init__(self, interface: ModuleType | None = None) -> None:
-        if interface is None:
-            interface, problem = load_flash_attn()
-            if interface is None:
-                raise FPDTError(f"attention_backend='flash_attn' but {problem};{FLASH_ATTN_FIX}")
-        self._fa = interface
-
-    def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None = None,
-        softcap: float | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        _check_shapes(q, k, v, causal)
-        width = common_head_dim(q, v)  # flash-attn 2 takes one head width: v padded to q's, or q and k to v's
-        left, right = flash_window(q.shape[1], k.shape[1], causal, lower)
-        q8, k8, v8 = (dense_head_dim(x, width) for x in (q, k, v))  # k/v keep their kv_heads
-        # flash-attn 2.7-2.8 -> (out, softmax_lse, S_dmask, rng_state); softcap 0.0 is no cap
-        out, lse, _, _ = self._fa._flash_attn_forward(
-            q8, k8, v8, 0.0, scale, causal=causal, window_size_left=left, window_size_right=right,
-            softcap=softcap or 0.0, alibi_slopes=None, return_softmax=False,
-        )
-        return out[..., :v.shape[-1]], lse
-
-    def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
-        lower: int | None = None, softcap: float | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        _check_shapes(q, k, v, causal)
-        d, width = q.shape[-1], common_head_dim(q, v)
-        left, right = flash_window(q.shape[1], k.shape[1], causal, lower)
-        do8, q8, k8, v8, o8 = (dense_head_dim(x.to(q.dtype), width) for x in (dout, q, k, v, out))
-        dq, dk, dv = torch.empty_like(q8), torch.empty_like(k8), torch.empty_like(v8)
-        # fills dq, dk, dv; rng_state (unread without dropout) left at its default None
-        self._fa._flash_attn_backward(
-            do8, q8, k8, v8, o8, lse.to(torch.float32).contiguous(), dq, dk, dv, 0.0, scale, causal,
-            left, right, softcap or 0.0, None, False,
-        )
-        return dq[..., :d], dk[..., :d], dv[..., :v.shape[-1]]
-
-
-def flash_window(s_q: int, s_k: int, causal: bool, lower: int | None) -> tuple[int, int]:
-    """flash-attn's ``(window_size_left, window_size_right)`` for a block's window edge (``-1``: unbounded).
-
-    flash-attn aligns its window to the bottom-right corner: row ``a`` sees keys ``a + s_k - s_q - left`` to
-    ``a + s_k - s_q + right`` (its README, "sliding window"). ``b - a >= lower`` is ``left = s_k - s_q - lower``;
-    the causal diagonal is its ``causal`` flag. A rectangle of ``blocks.BlockRules`` has ``left >= 0``.
-    """
-    if lower is None:
-        return -1, -1
-    left = s_k - s_q - lower
-    if left < 0:
-        raise FPDTError(f"FlashAttnKernel: a window edge lower={lower} on a {s_q} x {s_k} block leaves its last"
-                        " rows without keys; trim the block to the rows that see one (blocks.BlockRules).")
-    return left, -1
 
 
 def get_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> AttentionKernel:
@@ -363,4 +285,8 @@ def get_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> Attent
         return SdpaKernel()
     if name == "cudnn":
         return CudnnKernel()
+    if name == "flash_attn_3":
+        return FlashAttn3Kernel()
+    if name == "flash_attn_4":
+        return FlashAttn4Kernel()
     return FlashAttnKernel()

@@ -39,7 +39,8 @@ class SequenceParallelContext:
     Attributes:
         group: the sequence-parallel process group; ``None`` means one process.
         chunk_size: global tokens per attention chunk; ``None`` is plain Ulysses (one chunk).
-        attention_backend: ``"auto"``, ``"math"``, ``"sdpa"``, ``"cudnn"`` or ``"flash_attn"``.
+        attention_backend: ``"auto"``, ``"math"``, ``"sdpa"``, ``"cudnn"``, ``"flash_attn"``, ``"flash_attn_3"`` or
+            ``"flash_attn_4"``.
         offload: keep the attention chunks saved for backward in host memory.
         activation_checkpointing: keep only each decoder layer's input for backward and recompute the layer.
         layer_input_store: where the inputs of recomputed layers live (``None``: in the autograd graph); a

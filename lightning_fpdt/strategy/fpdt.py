@@ -30,7 +30,13 @@ from lightning_fpdt.memory.planning import AnswerPlanner, ChunkPlanner, resolve_
 from lightning_fpdt.memory.unstreamed import report_unstreamed
 from lightning_fpdt.offload.chunk_store import ChunkStore
 from lightning_fpdt.offload.copy_engine import release_copy_engines
-from lightning_fpdt.options import FPDTOptions, OffloadArgument, attention_dtype, check_has_blocks
+from lightning_fpdt.options import (
+    AttentionBackend,
+    FPDTOptions,
+    OffloadArgument,
+    attention_dtype,
+    check_has_blocks,
+)
 from lightning_fpdt.parallel.batches import (
     DEFAULT_SEQUENCE_KEYS,
     BatchGate,
@@ -86,7 +92,7 @@ class FPDTStrategy(CheckpointHooks):
         ring_size: int | Literal["auto"] = "auto",
         chunk_size: int | Literal["auto"] | None = None,
         memory_budget: float | None = None,
-        attention_backend: Literal["auto", "math", "sdpa", "cudnn", "flash_attn"] = "auto",
+        attention_backend: AttentionBackend = "auto",
         offload: OffloadArgument = False,
         activation_checkpointing: bool = False,
         offload_checkpoints: OffloadArgument = False,
