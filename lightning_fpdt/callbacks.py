@@ -28,7 +28,9 @@ class FPDTMonitor(pl.Callback):
     one block's saved chunks) and, on CUDA, ``peak_device_memory_mib``
     (``torch.cuda.max_memory_allocated``, reset every step). Text, once at the start of training (loggers that take
     text, TensorBoard's): ``fpdt/attention_route``, the attention route the run takes and its library's version (what
-    the strategy logs at setup), so that a fallback shows beside the figures it explains.
+    the strategy logs at setup), so that a fallback shows beside the figures it explains; after the first step,
+    ``fpdt/attention_calls``, the kernels its attention calls ran on, with why any block left the route
+    (:mod:`lightning_fpdt.attention.routes`).
 
     Args:
         log_every_n_steps: log every n-th optimizer step.
@@ -37,6 +39,7 @@ class FPDTMonitor(pl.Callback):
     def __init__(self, log_every_n_steps: int = 1) -> None:
         self.log_every_n_steps = log_every_n_steps
         self._start = 0.0
+        self._calls_written = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         options = getattr(trainer.strategy, "options", None)  # FPDTStrategy's
@@ -44,10 +47,7 @@ class FPDTMonitor(pl.Callback):
             return
         route = route_description(options.attention_backend, trainer.strategy.root_device.type,
                                   attention_dtype(str(trainer.precision)))
-        for logger in trainer.loggers:
-            add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
-            if callable(add_text):
-                add_text("fpdt/attention_route", route, trainer.global_step)
+        _add_text(trainer, "fpdt/attention_route", route)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -59,6 +59,10 @@ class FPDTMonitor(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        watched = getattr(trainer.strategy, "first_step_attention", None)  # FPDTStrategy's
+        if not self._calls_written and watched is not None and watched.said is not None and trainer.global_rank == 0:
+            _add_text(trainer, "fpdt/attention_calls", watched.said)
+            self._calls_written = True
         if trainer.global_step % self.log_every_n_steps != 0:
             return
         records = attention_records(pl_module)
@@ -83,6 +87,14 @@ class FPDTMonitor(pl.Callback):
             peak = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
             metrics["fpdt/peak_device_memory_mib"] = peak / 2**20
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
+
+
+def _add_text(trainer: pl.Trainer, tag: str, text: str) -> None:
+    """``text`` to every logger that takes text (TensorBoard's ``add_text``)."""
+    for logger in trainer.loggers:
+        add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+        if callable(add_text):
+            add_text(tag, text, trainer.global_step)
 
 
 def tokens_in_batch(batch: Any) -> int:

@@ -102,6 +102,11 @@ def test_fit_logs_to_tensorboard_and_profiles(tmp_path: Path) -> None:
     texts.Reload()
     route = [e.tensor_proto.string_val[0].decode() for e in texts.Tensors("fpdt/attention_route/text_summary")]
     assert route == [f"sdpa (torch {torch.__version__}'s cpu flash kernel)"], route
+    # and what the first step's attention ran on: 2 layers x 3 blocks (2 chunks, causal), all on that kernel
+    calls = "sdpa: torch's cpu flash kernel: 6 calls"
+    assert f"attention calls of the first training step: {calls}\n" in proc.stdout + proc.stderr
+    said = [e.tensor_proto.string_val[0].decode() for e in texts.Tensors("fpdt/attention_calls/text_summary")]
+    assert said == [calls], said
     traces = glob.glob(str(tmp_path / "**" / "*.pt.trace.json"), recursive=True)
     assert traces, f"no profiler traces under {tmp_path}"
     text = "".join(Path(t).read_text() for t in traces)

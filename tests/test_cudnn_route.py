@@ -175,3 +175,29 @@ def test_the_route_is_said_in_words() -> None:
     version = torch.__version__
     assert backends.route_description("auto", "cpu", torch.float32) == f"sdpa (torch {version}'s cpu flash kernel)"
     assert backends.route_description("math", "cpu", torch.float64) == "math (torch matrix products)"
+
+
+# ---- every block's kernel, said: the first step's tally -----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, head_dim, block, said", [
+    (torch.bfloat16, 16, {}, ("cudnn", "")),
+    (torch.bfloat16, 16, {"lower": 0}, ("cudnn", "")),  # a square on a window's edge: reversed, a causal call
+    (torch.bfloat16, 16, {"softcap": 30.0}, ("math", "cuDNN's op cannot cap the scores (softcap)")),
+    (torch.bfloat16, 16, {"lower": -3}, ("sdpa: memory-efficient op", "cuDNN's op takes no window edge")),
+    (torch.float16, 192, {}, ("sdpa: FlashAttention-2 op", "head width 192 is over cuDNN's 128")),
+    (torch.float32, 16, {}, ("sdpa: memory-efficient op",
+                             "cuDNN's op takes float16/bfloat16 on CUDA, not torch.float32 on meta")),
+])
+def test_each_block_notes_the_kernel_it_ran_on_and_why(dtype: torch.dtype, head_dim: int, block: dict[str, Any],
+                                                       said: tuple[str, str]) -> None:
+    """What the strategy says after the first step: cuDNN's route, or the kernel a block went to and why."""
+    from lightning_fpdt.attention import routes
+
+    q = torch.empty(2, 40, 4, head_dim, dtype=dtype, device="meta")
+    with routes.tally() as counts:
+        CudnnKernel().forward(q, q, q, "lower" not in block, 0.25, **block)
+    assert counts == {said: 1}
+    assert routes.describe(counts) == f"{said[0]}: 1 call" + (f" ({said[1]})" if said[1] else "")
+    CudnnKernel().forward(q, q, q, "lower" not in block, 0.25, **block)  # no tally open: nothing kept
+    assert counts == {said: 1}

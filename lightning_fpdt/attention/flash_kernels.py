@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from lightning_fpdt.attention import routes
 from lightning_fpdt.attention.fused_ops import check_shapes, common_head_dim, dense_head_dim
 from lightning_fpdt.backends import FLASH_ATTN_FIX, FLASH_PACKAGES, load_flash_attn, load_flash_package
 from lightning_fpdt.errors import FPDTError
@@ -65,6 +66,7 @@ class _FlashKernel(ABC):
         softcap: float | None = None,
     ) -> tuple[Tensor, Tensor]:
         check_shapes(q, k, v, causal)
+        routes.note(self.name)
         width = common_head_dim(q, v)  # one head width: v padded to q's, or q and k to v's
         left, right = flash_window(q.shape[1], k.shape[1], causal, lower)
         q8, k8, v8 = (dense_head_dim(x, width) for x in (q, k, v))  # k/v keep their kv_heads

@@ -39,10 +39,12 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from lightning_fpdt.attention import routes
 from lightning_fpdt.attention.flash_kernels import FlashAttn3Kernel, FlashAttn4Kernel
 from lightning_fpdt.attention.flash_kernels import FlashAttnKernel as FlashAttnKernel
 from lightning_fpdt.attention.flash_kernels import flash_window as flash_window
 from lightning_fpdt.attention.fused_ops import (
+    CUDNN_MAX_HEAD_DIM,
     check_shapes,
     common_head_dim,
     cudnn_op_backward,
@@ -127,6 +129,12 @@ class MathKernel:
         softcap: float | None = None,
     ) -> tuple[Tensor, Tensor]:
         check_shapes(q, k, v, causal)
+        routes.note(self.name)
+        return self._forward(q, k, v, causal, scale, lower, softcap)
+
+    def _forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None, softcap: float | None
+    ) -> tuple[Tensor, Tensor]:
         s, _ = self._scores(q, k, causal, scale, lower, softcap)
         lse = torch.logsumexp(s, dim=-1)  # [b, h, s_q]
         p = torch.exp(s - lse.unsqueeze(-1))
@@ -189,12 +197,24 @@ class SdpaKernel:
         softcap: float | None = None,
     ) -> tuple[Tensor, Tensor]:
         check_shapes(q, k, v, causal)
+        return self._sdpa_forward(q, k, v, causal, scale, lower, softcap)
+
+    def _sdpa_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None, softcap: float | None,
+        declined: str = "",
+    ) -> tuple[Tensor, Tensor]:
+        """The forward as ``sdpa`` runs it, noting its route (:mod:`routes`) with why a block is not on the op it
+        would take (``declined``: why a subclass's own op did not take it)."""
         if softcap is not None or (q.device.type != "cpu" and q.dtype not in (*HALF_DTYPES, torch.float32)):
-            return MathKernel().forward(q, k, v, causal, scale, lower, softcap)
+            own = "softcap" if softcap is not None else f"{q.dtype} on {q.device.type}"
+            routes.note("math", declined or own)
+            return MathKernel()._forward(q, k, v, causal, scale, lower, softcap)
         if _edge_triangle(q, k, causal, lower):  # reversed, keys b >= a become b <= a: a causal call, no mask
-            out, lse = self.forward(q.flip(1), k.flip(1), v.flip(1), True, scale)
+            out, lse = self.forward(q.flip(1), k.flip(1), v.flip(1), True, scale)  # a subclass's op may take it
             return out.flip(1), lse.flip(-1)
+        masked = "a window's edge as a mask" if lower is not None else ""
         if q.device.type == "cpu":
+            routes.note("sdpa: torch's cpu flash kernel", declined or masked)
             h, width = q.shape[2], common_head_dim(q, v, multiple=1)
             # aten wants [b, h, s, d], q, k and v of one width (it refuses "Q/K/V should have the same head size")
             qt, kt, vt = (dense_head_dim(x, width).transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h)))
@@ -204,7 +224,9 @@ class SdpaKernel:
             )
             return out.transpose(1, 2)[..., :v.shape[-1]], lse
         if q.dtype in HALF_DTYPES and lower is None:
+            routes.note("sdpa: FlashAttention-2 op", declined)
             return flash_op_forward(q, k, v, causal, scale)
+        routes.note("sdpa: memory-efficient op", declined or masked)
         return efficient_op_forward(q, k, v, causal, scale, efficient_bias(q, k, lower))
 
     def backward(
@@ -244,24 +266,34 @@ class CudnnKernel(SdpaKernel):
     name = "cudnn"
 
     @staticmethod
-    def _takes(q: Tensor, v: Tensor, lower: int | None, softcap: float | None) -> bool:
-        return (q.device.type != "cpu" and q.dtype in HALF_DTYPES and lower is None and softcap is None
-                and cudnn_op_takes(q, v))
+    def _declines(q: Tensor, v: Tensor, lower: int | None, softcap: float | None) -> str:
+        """Why cuDNN's op does not take this block (``""``: it does)."""
+        if q.device.type == "cpu" or q.dtype not in HALF_DTYPES:
+            return f"cuDNN's op takes float16/bfloat16 on CUDA, not {q.dtype} on {q.device.type}"
+        if softcap is not None:
+            return "cuDNN's op cannot cap the scores (softcap)"
+        if lower is not None:
+            return "cuDNN's op takes no window edge"
+        if not cudnn_op_takes(q, v):
+            return f"head width {common_head_dim(q, v)} is over cuDNN's {CUDNN_MAX_HEAD_DIM}"
+        return ""
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None = None,
         softcap: float | None = None,
     ) -> tuple[Tensor, Tensor]:
-        if not self._takes(q, v, lower, softcap):
-            return super().forward(q, k, v, causal, scale, lower, softcap)
         check_shapes(q, k, v, causal)
+        declined = self._declines(q, v, lower, softcap)
+        if declined:
+            return self._sdpa_forward(q, k, v, causal, scale, lower, softcap, declined)
+        routes.note(self.name)
         return cudnn_op_forward(q, k, v, causal, scale)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
         lower: int | None = None, softcap: float | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        if not self._takes(q, v, lower, softcap):
+        if self._declines(q, v, lower, softcap):
             return super().backward(dout, q, k, v, out, lse, causal, scale, lower, softcap)
         check_shapes(q, k, v, causal)
         return cudnn_op_backward(dout, q, k, v, out, lse, causal, scale)

@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_fpdt.attention.routes import FirstStep
 from lightning_fpdt.backends import route_description
 from lightning_fpdt.checkpoints.resume import resumable
 from lightning_fpdt.errors import PREFIX, FPDTError, said_by_every_rank
@@ -130,6 +131,7 @@ class FPDTStrategy(CheckpointHooks):
         self._gate: BatchGate | None = None  # made in setup, once the model is known
         self._batch_seen = False  # a refusal before the first batch is every rank's alike (on_exception)
         self._peers: tuple[Peer, ...] = ()  # every rank's host and pid, to name a rank that dies
+        self.first_step_attention = FirstStep()  # the kernels the first step's attention ran on, said once
 
     # ---- properties ---------------------------------------------------------------------------
 
@@ -322,7 +324,9 @@ class FPDTStrategy(CheckpointHooks):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
+        with self.first_step_attention.watch(lambda said: rank_zero_info(f"{PREFIX}attention calls of the first"
+                                                                          f" training step: {said}")):
+            output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if isinstance(loss, torch.Tensor):
             self._guard.observe(loss, target_tokens(args[0] if args else kwargs.get("batch")))
