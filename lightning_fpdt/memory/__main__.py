@@ -22,6 +22,7 @@ import torch
 import yaml
 from torch import nn
 
+from lightning_fpdt.backends import BACKENDS
 from lightning_fpdt.errors import FPDTError, WrongType
 from lightning_fpdt.memory import EstimateOptions, ModelShape, communication_bytes, format_bytes, report
 from lightning_fpdt.models import GPTConfig, LlamaConfig
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--offload-checkpoints", action="store_true")
     parser.add_argument("--tiled", action="store_true", help="tiled MLP and loss")
     parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "flash_attn", "math"])
+    parser.add_argument("--attention-backend", default="sdpa", choices=[b for b in BACKENDS if b != "auto"],
+                        help="only math changes the estimate: it materializes a chunk pair's scores")
     parser.add_argument("--budget", type=float, default=None, help="GiB per rank, to resolve chunk_size 'auto'")
     parser.add_argument("--shard", action="store_true", help="shard_parameters (FSDP2 over dp x sp)")
     parser.add_argument("--offload-optimizer", action="store_true")
