@@ -108,7 +108,8 @@ FLASH_ATTN_4 = FlashPackage(
     runs_on=(9, 10, 11, 12), auto_on=(9, 10, 11, 12),
     install="pip install 'lightning-fpdt[flash4]' (the flash-attn-4 package)",
 )
-FLASH_PACKAGES = {package.backend: package for package in (FLASH_ATTN_4, FLASH_ATTN_3)}  # auto's order
+# auto's order: on Hopper FlashAttention-3, its own build, before FlashAttention-4; on Blackwell only -4 runs
+FLASH_PACKAGES = {package.backend: package for package in (FLASH_ATTN_3, FLASH_ATTN_4)}
 
 
 def _arguments(function: Callable) -> dict[str, bool] | None:
@@ -159,9 +160,10 @@ def load_flash_package(backend: str) -> tuple[ModuleType | None, str]:
     package = FLASH_PACKAGES[backend]
     try:
         module = importlib.import_module(package.module)
-    except (ImportError, OSError, RuntimeError) as err:  # an extension built for another torch or CUDA
-        top = package.module.split(".")[0]
-        if isinstance(err, ModuleNotFoundError) and err.name in (top, package.module):
+    except Exception as err:  # an extension built for another torch, CUDA or DSL release: not used, named
+        parts = package.module.split(".")
+        prefixes = {".".join(parts[:n]) for n in range(1, len(parts) + 1)}  # flash_attn alone is flash-attn 2's
+        if isinstance(err, ModuleNotFoundError) and err.name in prefixes:
             return None, f"the {package.title} package ({package.distribution}) is not installed"
         return None, (f"the {package.title} package is installed but does not import ({type(err).__name__}:"
                       f" {err})")
@@ -176,15 +178,14 @@ def flash_package_unusable_reason(backend: str, device_type: str, auto: bool = F
     package = FLASH_PACKAGES[backend]
     if device_type != "cuda":
         return f"{package.title} runs on CUDA devices, not {device_type}"
-    reason = load_flash_package(backend)[1]
-    if reason:
-        return reason
-    major, minor = torch.cuda.get_device_capability()
     majors = package.auto_on if auto else package.runs_on
+    # the GPU before the import: the package's kernels are of no use on another generation (and without a GPU, as
+    # in the tests' pretend machines, the package decides)
+    major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (majors[0], 0)
     if major not in majors:
         where, verb = "/".join(f"sm{m}x" for m in majors), "is picked by auto on" if auto else "runs on"
         return f"the GPU is sm{major}{minor}, and {package.title} {verb} {where}"
-    return None
+    return load_flash_package(backend)[1] or None
 
 
 def flash_attn_unavailable_reason() -> str | None:
@@ -250,10 +251,10 @@ def resolve_backend(backend: str, device_type: str, dtype: torch.dtype) -> str:
     """The backend that ``backend`` (``auto`` included) runs as on this device type and dtype.
 
     ``auto``: on CUDA with half precision, ``cudnn`` where :func:`cudnn_unusable_reason` finds nothing against it
-    (else said once, with the reason), then ``flash_attn_4`` and ``flash_attn_3`` where installed with the interface
-    their routes call and the GPU is one :data:`FLASH_PACKAGES` picks them on, then ``flash_attn`` when flash-attn
-    imports and its version is supported, else ``sdpa``; ``sdpa`` on CPU and on CUDA for float32; ``math`` for
-    float64 on CUDA.
+    (else said once, with the reason), then ``flash_attn_3`` (sm90) and ``flash_attn_4`` (sm90 and newer) where
+    installed with the interface their routes call (one installed but not usable is said once), then ``flash_attn``
+    when flash-attn imports and its version is supported, else ``sdpa``; ``sdpa`` on CPU and on CUDA for float32;
+    ``math`` for float64 on CUDA.
 
     Raises:
         ValueError: unknown backend name, or one that cannot run on this device or dtype.
@@ -268,8 +269,11 @@ def resolve_backend(backend: str, device_type: str, dtype: torch.dtype) -> str:
                 return "cudnn"
             _say_once(f"attention_backend='auto' does not use cuDNN's attention: {reason}.")
             for package in FLASH_PACKAGES:
-                if flash_package_unusable_reason(package, device_type, auto=True) is None:
+                reason = flash_package_unusable_reason(package, device_type, auto=True)
+                if reason is None:
                     return package
+                if "installed" in reason and "not installed" not in reason:  # installed, yet not used: say so
+                    _say_once(f"attention_backend='auto' does not use {FLASH_PACKAGES[package].title}: {reason}.")
             if flash_attn_available():
                 return "flash_attn"
         return "math" if device_type == "cuda" and dtype == torch.float64 else "sdpa"

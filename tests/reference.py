@@ -26,6 +26,25 @@ def rel_error(a: Tensor, b: Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
+def _flash_scores(
+    q: Tensor, k: Tensor, scale: float, causal: bool, left: int, right: int, softcap: float
+) -> tuple[Tensor, Tensor | None]:
+    """Masked scores ``[b, heads, s_q, s_k]`` as flash-attn defines them, and ``tanh(scaled / softcap)`` if capped."""
+    s_q, s_k, h = q.shape[1], k.shape[1], q.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(h // k.shape[2], dim=2)) * scale
+    capped = None
+    if softcap > 0:
+        capped = torch.tanh(s / softcap)
+        s = softcap * capped
+    shift = torch.arange(s_k).view(1, -1) - torch.arange(s_q).view(-1, 1) - (s_k - s_q)  # key - row - offset
+    seen = torch.ones(s_q, s_k, dtype=torch.bool)
+    if left >= 0:
+        seen &= shift >= -left
+    if causal or right >= 0:
+        seen &= shift <= (0 if causal else right)
+    return s.masked_fill(~seen, float("-inf")), capped
+
+
 def flash_reference(
     q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, left: int, right: int, softcap: float
 ) -> tuple[Tensor, Tensor]:
@@ -34,17 +53,31 @@ def flash_reference(
     .. i + s_k - s_q + right``, ``-1`` unbounded; ``causal`` is ``right = 0``), scores scaled, then
     ``softcap * tanh(s / softcap)`` (``0.0``: none). ``[b, s, heads, d]`` in; returns ``out`` and ``lse``
     ``[b, heads, s_q]``."""
-    s_q, s_k, h = q.shape[1], k.shape[1], q.shape[2]
-    kk, vv = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    shift = torch.arange(s_k).view(1, -1) - torch.arange(s_q).view(-1, 1) - (s_k - s_q)  # key - row - offset
-    seen = torch.ones(s_q, s_k, dtype=torch.bool)
-    if left >= 0:
-        seen &= shift >= -left
-    if causal or right >= 0:
-        seen &= shift <= (0 if causal else right)
-    s = s.masked_fill(~seen, float("-inf"))
+    s, _ = _flash_scores(q, k, scale, causal, left, right, softcap)
     lse = torch.logsumexp(s, dim=-1)
+    vv = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     return torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse.unsqueeze(-1)), vv), lse
+
+
+def flash_block_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, left: int,
+    right: int, softcap: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A flash backward by the textbook formula, from the ``out`` and ``lse`` it is given (a block's share of rows
+    whose final output and log-sum-exp cover other keys too): ``P = exp(S - lse)``, ``D = rowsum(dout * out)``,
+    ``dS = P (dP - D)`` through the cap. Returns ``dq``, and ``dk``/``dv`` at k's head count."""
+    h, g = q.shape[2], k.shape[2]
+    s, capped = _flash_scores(q, k, scale, causal, left, right, softcap)
+    p = torch.exp(s - lse.to(s.dtype).unsqueeze(-1))
+    vv = v.repeat_interleave(h // g, dim=2)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+    dp = torch.einsum("bqhd,bkhd->bhqk", dout, vv)
+    delta = (dout * out.to(dout.dtype)).sum(-1).transpose(1, 2)  # [b, h, s_q]
+    ds = p * (dp - delta.unsqueeze(-1))
+    if capped is not None:
+        ds = ds * (1 - capped.square())
+    ds = ds * scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k.repeat_interleave(h // g, dim=2))
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q)
+    b, s_k = k.shape[:2]
+    return dq, dk.view(b, s_k, g, h // g, -1).sum(3), dv.view(b, s_k, g, h // g, -1).sum(3)

@@ -104,7 +104,7 @@ def test_fit_logs_to_tensorboard_and_profiles(tmp_path: Path) -> None:
     assert route == [f"sdpa (torch {torch.__version__}'s cpu flash kernel)"], route
     # and what the first step's attention ran on: 2 layers x 3 blocks (2 chunks, causal), all on that kernel
     calls = "sdpa: torch's cpu flash kernel: 6 calls"
-    assert f"attention calls of the first training step: {calls}\n" in proc.stdout + proc.stderr
+    assert f"attention calls of the first training batch: {calls}\n" in proc.stdout + proc.stderr
     said = [e.tensor_proto.string_val[0].decode() for e in texts.Tensors("fpdt/attention_calls/text_summary")]
     assert said == [calls], said
     traces = glob.glob(str(tmp_path / "**" / "*.pt.trace.json"), recursive=True)

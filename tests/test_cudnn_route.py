@@ -201,3 +201,26 @@ def test_each_block_notes_the_kernel_it_ran_on_and_why(dtype: torch.dtype, head_
     assert routes.describe(counts) == f"{said[0]}: 1 call" + (f" ({said[1]})" if said[1] else "")
     CudnnKernel().forward(q, q, q, "lower" not in block, 0.25, **block)  # no tally open: nothing kept
     assert counts == {said: 1}
+
+
+def test_tallies_nest_and_the_first_batch_is_said_once() -> None:
+    from lightning_fpdt.attention import routes
+
+    with routes.tally() as outer:
+        routes.note("cudnn")
+        with routes.tally() as inner:  # equal counts to the outer one when it closes: removed by identity
+            routes.note("cudnn")
+        routes.note("math", "softcap")
+    routes.note("cudnn")  # none open: kept by none
+    assert inner == {("cudnn", ""): 1} and outer == {("cudnn", ""): 2, ("math", "softcap"): 1}
+    assert routes.describe(outer) == "cudnn: 2 calls; math: 1 call (softcap)"
+    said: list[str] = []
+    first = routes.FirstStep()
+    for _ in range(3):
+        with first.watch(said.append):
+            routes.note("cudnn")
+    assert said == ["cudnn: 1 call"] and first.said == "cudnn: 1 call"
+    quiet = routes.FirstStep()
+    with quiet.watch(said.append):  # no attention through the kernels: nothing to say
+        pass
+    assert quiet.said is None and said == ["cudnn: 1 call"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from types import ModuleType
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -166,21 +167,78 @@ class FlashAttn3Kernel(_FlashKernel):
         return dq, dk, dv
 
 
+class Fallback(Protocol):
+    """The kernel of the blocks a route declines: ``kernels.SdpaKernel`` (which imports this module)."""
+
+    def forward_declined(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None, softcap: float | None,
+        declined: str = "",
+    ) -> tuple[Tensor, Tensor]: ...
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
+        lower: int | None = None, softcap: float | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
 class FlashAttn4Kernel(_FlashKernel):
     """FlashAttention-4 (``flash_attn.cute.interface``, the flash-attn-4 package): ``_flash_attn_fwd`` with
     ``return_lse=True`` gives ``out`` and the natural-log ``lse [b, h, s_q]`` float32 first (later releases return
     two more values), ``_flash_attn_bwd`` returns ``(dq, dk, dv)``. Its window bounds are ``None`` where flash-attn's
-    are ``-1``; a cap of ``0.0`` is none.
+    are ``-1``; a cap of ``0.0`` is none. On sm100 and newer its kernels take head widths up to 128 or of 256 (no
+    cap at 256); a block outside that (multi-head latent attention's 192, padded) runs on ``fallback``.
 
     Args:
         interface: the ``flash_attn.cute.interface`` module; imported (and its functions' arguments checked) when
             omitted.
+        fallback: the kernel of the blocks it does not take (``get_kernel`` gives ``sdpa``'s); ``None``: refused.
+        major: the GPU's compute-capability major (default: the tensors' device's; 9 off CUDA, as for the tests'
+            fakes).
     """
 
     name = "flash_attn_4"
 
-    def __init__(self, interface: ModuleType | None = None) -> None:
+    def __init__(self, interface: ModuleType | None = None, fallback: Fallback | None = None,
+                 major: int | None = None) -> None:
         super().__init__(_load(self.name, interface))
+        self._fallback, self._major = fallback, major
+
+    def _declines(self, q: Tensor, v: Tensor, softcap: float | None) -> str:
+        major = self._major
+        if major is None:
+            major = torch.cuda.get_device_capability(q.device)[0] if q.device.type == "cuda" else 9
+        width = common_head_dim(q, v)
+        if major >= 10 and 128 < width != 256:
+            return f"head width {width}: FlashAttention-4 on sm{major}x takes up to 128, or 256"
+        if major >= 10 and width == 256 and softcap:
+            return f"FlashAttention-4 on sm{major}x caps no scores at head width 256"
+        return ""
+
+    def _refused(self, declined: str) -> FPDTError:
+        return FPDTError(f"attention_backend='flash_attn_4': {declined}; use attention_backend='auto' or 'sdpa'.")
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None = None,
+        softcap: float | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        declined = self._declines(q, v, softcap)
+        if not declined:
+            return super().forward(q, k, v, causal, scale, lower, softcap)
+        if self._fallback is None:
+            raise self._refused(declined)
+        check_shapes(q, k, v, causal)
+        return self._fallback.forward_declined(q, k, v, causal, scale, lower, softcap, declined)
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
+        lower: int | None = None, softcap: float | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        declined = self._declines(q, v, softcap)
+        if not declined:
+            return super().backward(dout, q, k, v, out, lse, causal, scale, lower, softcap)
+        if self._fallback is None:
+            raise self._refused(declined)
+        return self._fallback.backward(dout, q, k, v, out, lse, causal, scale, lower, softcap)
 
     def _forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, left: int, right: int,
                  softcap: float) -> tuple[Tensor, Tensor]:

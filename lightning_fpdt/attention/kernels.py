@@ -197,14 +197,14 @@ class SdpaKernel:
         softcap: float | None = None,
     ) -> tuple[Tensor, Tensor]:
         check_shapes(q, k, v, causal)
-        return self._sdpa_forward(q, k, v, causal, scale, lower, softcap)
+        return self.forward_declined(q, k, v, causal, scale, lower, softcap)
 
-    def _sdpa_forward(
+    def forward_declined(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None, softcap: float | None,
         declined: str = "",
     ) -> tuple[Tensor, Tensor]:
-        """The forward as ``sdpa`` runs it, noting its route (:mod:`routes`) with why a block is not on the op it
-        would take (``declined``: why a subclass's own op did not take it)."""
+        """The forward as ``sdpa`` runs it, noting its route (:mod:`routes`) with why the block is not on the op it
+        would take, or (``declined``) why the run's own route did not take it (cuDNN's op, FlashAttention-4)."""
         if softcap is not None or (q.device.type != "cpu" and q.dtype not in (*HALF_DTYPES, torch.float32)):
             own = "softcap" if softcap is not None else f"{q.dtype} on {q.device.type}"
             routes.note("math", declined or own)
@@ -285,7 +285,7 @@ class CudnnKernel(SdpaKernel):
         check_shapes(q, k, v, causal)
         declined = self._declines(q, v, lower, softcap)
         if declined:
-            return self._sdpa_forward(q, k, v, causal, scale, lower, softcap, declined)
+            return self.forward_declined(q, k, v, causal, scale, lower, softcap, declined)
         routes.note(self.name)
         return cudnn_op_forward(q, k, v, causal, scale)
 
@@ -320,5 +320,5 @@ def get_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> Attent
     if name == "flash_attn_3":
         return FlashAttn3Kernel()
     if name == "flash_attn_4":
-        return FlashAttn4Kernel()
+        return FlashAttn4Kernel(fallback=SdpaKernel())
     return FlashAttnKernel()

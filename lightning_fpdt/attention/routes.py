@@ -35,12 +35,13 @@ def tally() -> Iterator[Counter[tuple[str, str]]]:
     try:
         yield counts
     finally:
-        with _LOCK:
-            _OPEN.remove(counts)
+        with _LOCK:  # by identity: another open tally may hold equal counts
+            del _OPEN[next(n for n, open_ in enumerate(_OPEN) if open_ is counts)]
 
 
 def describe(counts: Counter[tuple[str, str]]) -> str:
-    """The tally in words, most calls first: ``"cudnn: 224 calls; sdpa's math fallback: 32 calls (softcap)"``."""
+    """The tally in words, most calls first: ``"cudnn: 224 calls; math: 32 calls (cuDNN's op cannot cap the scores
+    (softcap))"``."""
     if not counts:
         return "no attention call"
     parts = []

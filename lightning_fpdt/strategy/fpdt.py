@@ -325,7 +325,7 @@ class FPDTStrategy(CheckpointHooks):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.first_step_attention.watch(lambda said: rank_zero_info(f"{PREFIX}attention calls of the first"
-                                                                          f" training step: {said}")):
+                                                                          f" training batch: {said}")):
             output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if isinstance(loss, torch.Tensor):
