@@ -247,6 +247,20 @@ def flash_attn_available() -> bool:
     return flash_attn_unavailable_reason() is None
 
 
+def flash_route(device_type: str) -> str:
+    """The FlashAttention package ``auto`` takes on CUDA in half precision where cuDNN's route is not used, and where
+    the blocks cuDNN's op declines go (softcaps, window edges, wide heads): ``flash_attn_3`` (sm90), ``flash_attn_4``
+    (sm90 and newer), ``flash_attn``, or ``"sdpa"`` where none is installed and usable. A package installed but not
+    usable is named once."""
+    for package in FLASH_PACKAGES:
+        reason = flash_package_unusable_reason(package, device_type, auto=True)
+        if reason is None:
+            return package
+        if "installed" in reason and "not installed" not in reason:  # installed, yet not used: say so
+            _say_once(f"attention_backend='auto' does not use {FLASH_PACKAGES[package].title}: {reason}.")
+    return "flash_attn" if flash_attn_available() else "sdpa"
+
+
 def resolve_backend(backend: str, device_type: str, dtype: torch.dtype) -> str:
     """The backend that ``backend`` (``auto`` included) runs as on this device type and dtype.
 
@@ -268,14 +282,7 @@ def resolve_backend(backend: str, device_type: str, dtype: torch.dtype) -> str:
             if reason is None:
                 return "cudnn"
             _say_once(f"attention_backend='auto' does not use cuDNN's attention: {reason}.")
-            for package in FLASH_PACKAGES:
-                reason = flash_package_unusable_reason(package, device_type, auto=True)
-                if reason is None:
-                    return package
-                if "installed" in reason and "not installed" not in reason:  # installed, yet not used: say so
-                    _say_once(f"attention_backend='auto' does not use {FLASH_PACKAGES[package].title}: {reason}.")
-            if flash_attn_available():
-                return "flash_attn"
+            return flash_route(device_type)
         return "math" if device_type == "cuda" and dtype == torch.float64 else "sdpa"
     if backend == "cudnn":
         reason = cudnn_unusable_reason(device_type)
@@ -319,7 +326,9 @@ def route_description(backend: str, device_type: str, dtype: torch.dtype) -> str
     if name == "cudnn":
         major, minor = torch.cuda.get_device_capability()
         loaded = ".".join(map(str, _cudnn_release(torch.backends.cudnn.version())))
-        return f"cudnn (cuDNN {loaded} through torch {torch.__version__}, sm{major}{minor})"
+        declined = route_description(flash_route(device_type), device_type, dtype)
+        return (f"cudnn (cuDNN {loaded} through torch {torch.__version__}, sm{major}{minor}; the blocks its op"
+                f" declines: {declined})")
     if name == "flash_attn":
         return f"flash_attn (flash-attn {getattr(sys.modules.get('flash_attn'), '__version__', '?')})"
     if name in FLASH_PACKAGES:

@@ -127,7 +127,8 @@ def test_auto_picks_cudnn_on_hopper_with_a_working_cudnn(gpu: dict[str, Any]) ->
     assert get_kernel("auto", torch.device("cuda"), torch.float32).name == "sdpa"  # cuDNN's route is half precision
     assert get_kernel("auto", torch.device("cpu"), torch.bfloat16).name == "sdpa"
     assert backends.route_description("auto", "cuda", torch.bfloat16) == (
-        f"cudnn (cuDNN 9.15.1 through torch {torch.__version__}, sm90)")
+        f"cudnn (cuDNN 9.15.1 through torch {torch.__version__}, sm90; the blocks its op declines: sdpa (torch"
+        f" {torch.__version__}'s FlashAttention-2 op))")
 
 
 @pytest.mark.parametrize("machine, reason", [

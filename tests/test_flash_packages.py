@@ -352,3 +352,33 @@ def test_flash_attn_4_hands_blackwell_the_blocks_it_takes(width: int, softcap: f
     with pytest.raises(ValueError, match=rf"attention_backend='flash_attn_4': {declined}; use attention_backend="):
         FlashAttn4Kernel(fake_fa4(), major=10).forward(q, q, q, True, 0.1, softcap=softcap)
 
+
+
+def test_the_blocks_cudnn_declines_go_where_auto_would_go_without_it(packages: dict[str, Any],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A softcapped block (Gemma-2's) on a cuDNN run, with FlashAttention-3 installed: FlashAttention-3 computes it
+    in one call, forward and backward, noted with cuDNN's reason; without a package it would go to ``math``."""
+    from lightning_fpdt.attention import routes
+    from lightning_fpdt.attention.kernels import CudnnKernel
+
+    calls: list[tuple[str, int, tuple[str, ...]]] = []
+    packages["flash_attn_3"] = fake_fa3(calls)
+    monkeypatch.setattr(backends, "cudnn_unusable_reason", lambda device_type: None)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91501)
+    kernel = get_kernel("auto", CUDA, torch.bfloat16)
+    assert isinstance(kernel, CudnnKernel) and isinstance(kernel._fallback, FlashAttn3Kernel)
+    assert backends.route_description("auto", "cuda", torch.bfloat16).endswith(
+        "sm90; the blocks its op declines: flash_attn_3 (FlashAttention-3 ?, sm90))")
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(1, 12, 4, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 12, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    with routes.tally() as counts:
+        out, lse = kernel.forward(q, k, v, True, 0.25, softcap=20.0)
+    grads = kernel.backward(dout, q, k, v, out, lse, True, 0.25, softcap=20.0)
+    assert counts == {("flash_attn_3", "cuDNN's op cannot cap the scores (softcap)"): 1}
+    assert [name for name, *_ in calls] == ["_flash_attn_forward", "_flash_attn_backward"]
+    ref_out, ref_lse = MathKernel().forward(q, k, v, True, 0.25, None, 20.0)
+    ref_grads = MathKernel().backward(dout, q, k, v, ref_out, ref_lse, True, 0.25, None, 20.0)
+    assert rel_error(out, ref_out) <= 1e-12
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert rel_error(a, b) <= 1e-5  # the float32 lse the package is handed

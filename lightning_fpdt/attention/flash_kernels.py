@@ -66,8 +66,16 @@ class _FlashKernel(ABC):
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None = None,
         softcap: float | None = None,
     ) -> tuple[Tensor, Tensor]:
+        return self.forward_declined(q, k, v, causal, scale, lower, softcap)
+
+    def forward_declined(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None, softcap: float | None,
+        declined: str = "",
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`forward`, noted (:mod:`routes`) with why the run's own route did not take the block (``declined``:
+        cuDNN's op, when this package runs the blocks it declines)."""
         check_shapes(q, k, v, causal)
-        routes.note(self.name)
+        routes.note(self.name, declined)
         width = common_head_dim(q, v)  # one head width: v padded to q's, or q and k to v's
         left, right = flash_window(q.shape[1], k.shape[1], causal, lower)
         q8, k8, v8 = (dense_head_dim(x, width) for x in (q, k, v))  # k/v keep their kv_heads
@@ -217,17 +225,18 @@ class FlashAttn4Kernel(_FlashKernel):
     def _refused(self, declined: str) -> FPDTError:
         return FPDTError(f"attention_backend='flash_attn_4': {declined}; use attention_backend='auto' or 'sdpa'.")
 
-    def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None = None,
-        softcap: float | None = None,
+    def forward_declined(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None, softcap: float | None,
+        declined: str = "",
     ) -> tuple[Tensor, Tensor]:
-        declined = self._declines(q, v, softcap)
-        if not declined:
-            return super().forward(q, k, v, causal, scale, lower, softcap)
+        own = self._declines(q, v, softcap)
+        if not own:
+            return super().forward_declined(q, k, v, causal, scale, lower, softcap, declined)
         if self._fallback is None:
-            raise self._refused(declined)
+            raise self._refused(own)
         check_shapes(q, k, v, causal)
-        return self._fallback.forward_declined(q, k, v, causal, scale, lower, softcap, declined)
+        both = "; ".join(reason for reason in (declined, own) if reason)
+        return self._fallback.forward_declined(q, k, v, causal, scale, lower, softcap, both)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,

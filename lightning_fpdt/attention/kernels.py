@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from lightning_fpdt.attention import routes
-from lightning_fpdt.attention.flash_kernels import FlashAttn3Kernel, FlashAttn4Kernel
+from lightning_fpdt.attention.flash_kernels import Fallback, FlashAttn3Kernel, FlashAttn4Kernel
 from lightning_fpdt.attention.flash_kernels import FlashAttnKernel as FlashAttnKernel
 from lightning_fpdt.attention.flash_kernels import flash_window as flash_window
 from lightning_fpdt.attention.fused_ops import (
@@ -67,7 +67,7 @@ from lightning_fpdt.attention.fused_ops import (
 from lightning_fpdt.backends import BACKENDS as BACKENDS
 from lightning_fpdt.backends import FLASH_ATTN_REQUIREMENT as FLASH_ATTN_REQUIREMENT
 from lightning_fpdt.backends import FLASH_ATTN_VERSIONS as FLASH_ATTN_VERSIONS
-from lightning_fpdt.backends import HALF_DTYPES, resolve_backend
+from lightning_fpdt.backends import HALF_DTYPES, flash_route, resolve_backend
 from lightning_fpdt.backends import flash_attn_available as flash_attn_available
 from lightning_fpdt.backends import flash_attn_unavailable_reason as flash_attn_unavailable_reason
 from lightning_fpdt.errors import FPDTError
@@ -260,20 +260,25 @@ class CudnnKernel(SdpaKernel):
     """cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention`` and its backward, with the log-sum-exp),
     on the blocks it computes exactly: whole and causal rectangles in float16/bfloat16 of one padded head width of
     at most 128. A window's edge reaches it in the unmasked pieces ``sdpa`` cuts (``edge_band``); a softcapped block,
-    another dtype or a wider head runs as :class:`SdpaKernel` runs it, block by block. Picked by ``auto`` on Hopper
+    another dtype or a wider head runs on ``fallback`` (``get_kernel`` gives the FlashAttention package ``auto``
+    would take without cuDNN, :func:`~lightning_fpdt.backends.flash_route`) or, without one, as :class:`SdpaKernel`
+    runs it, block by block, noted with the reason (:mod:`routes`). Picked by ``auto`` on Hopper
     and newer where the loaded cuDNN works (:func:`lightning_fpdt.backends.cudnn_unusable_reason`)."""
 
     name = "cudnn"
 
+    def __init__(self, fallback: Fallback | None = None) -> None:
+        self._fallback = fallback  # None: as sdpa runs them
+
     @staticmethod
     def _declines(q: Tensor, v: Tensor, lower: int | None, softcap: float | None) -> str:
         """Why cuDNN's op does not take this block (``""``: it does)."""
-        if q.device.type == "cpu" or q.dtype not in HALF_DTYPES:
-            return f"cuDNN's op takes float16/bfloat16 on CUDA, not {q.dtype} on {q.device.type}"
         if softcap is not None:
             return "cuDNN's op cannot cap the scores (softcap)"
         if lower is not None:
             return "cuDNN's op takes no window edge"
+        if q.device.type == "cpu" or q.dtype not in HALF_DTYPES:
+            return f"cuDNN's op takes float16/bfloat16 on CUDA, not {q.dtype} on {q.device.type}"
         if not cudnn_op_takes(q, v):
             return f"head width {common_head_dim(q, v)} is over cuDNN's {CUDNN_MAX_HEAD_DIM}"
         return ""
@@ -285,7 +290,7 @@ class CudnnKernel(SdpaKernel):
         check_shapes(q, k, v, causal)
         declined = self._declines(q, v, lower, softcap)
         if declined:
-            return self.forward_declined(q, k, v, causal, scale, lower, softcap, declined)
+            return (self._fallback or super()).forward_declined(q, k, v, causal, scale, lower, softcap, declined)
         routes.note(self.name)
         return cudnn_op_forward(q, k, v, causal, scale)
 
@@ -294,7 +299,7 @@ class CudnnKernel(SdpaKernel):
         lower: int | None = None, softcap: float | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         if self._declines(q, v, lower, softcap):
-            return super().backward(dout, q, k, v, out, lse, causal, scale, lower, softcap)
+            return (self._fallback or super()).backward(dout, q, k, v, out, lse, causal, scale, lower, softcap)
         check_shapes(q, k, v, causal)
         return cudnn_op_backward(dout, q, k, v, out, lse, causal, scale)
 
@@ -313,10 +318,15 @@ def get_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> Attent
     name = resolve_backend(backend, device.type, dtype)
     if name == "math":
         return MathKernel()
+    if name == "cudnn":  # the blocks cuDNN's op declines go where auto would go without it: a package, or sdpa
+        fallback = flash_route(device.type)
+        return CudnnKernel(None if fallback == "sdpa" else _kernel(fallback))
+    return _kernel(name)
+
+
+def _kernel(name: str) -> AttentionKernel:
     if name == "sdpa":
         return SdpaKernel()
-    if name == "cudnn":
-        return CudnnKernel()
     if name == "flash_attn_3":
         return FlashAttn3Kernel()
     if name == "flash_attn_4":
