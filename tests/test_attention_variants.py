@@ -18,7 +18,8 @@ from torch import Tensor
 
 from lightning_fpdt.attention import fpdt_attention
 from lightning_fpdt.attention.blocks import BlockRules, Rect
-from lightning_fpdt.attention.kernels import MathKernel, visible_keys
+from lightning_fpdt.attention.fused_ops import visible_keys
+from lightning_fpdt.attention.kernels import MathKernel
 from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
 from lightning_fpdt.attention.sources import TensorEnds
 from lightning_fpdt.offload.stats import OffloadStats

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from lightning_fpdt.attention import fpdt_attention, kernels
 from lightning_fpdt.attention.blocks import MIN_BAND, BlockRules, Rect, unmasked_pieces
-from lightning_fpdt.attention.kernels import MathKernel, SdpaKernel, visible_keys
+from lightning_fpdt.attention.fused_ops import visible_keys
+from lightning_fpdt.attention.kernels import MathKernel, SdpaKernel
 from lightning_fpdt.parallel.packed_documents import PackedDocuments
 from tests.reference import rel_error
 

@@ -72,12 +72,15 @@ def dense_head_dim(x: Tensor, width: int | None = None) -> Tensor:
     return x if d == width else F.pad(x, (0, width - d))
 
 
-def visible_keys(s_q: int, s_k: int, causal: bool, lower: int | None, device: torch.device) -> Tensor | None:
+def visible_keys(
+    s_q: int, s_k: int, causal: bool, lower: int | None, device: torch.device, first_row: int = 0
+) -> Tensor | None:
     """``[s_q, s_k]`` bool, True where row ``a`` sees key ``b`` (``b <= a`` if ``causal``, ``b - a >= lower``
-    if ``lower`` is given); ``None`` when every row sees every key."""
+    if ``lower`` is given), the rows being the block's from ``first_row`` on (a band of them); ``None`` when every
+    row sees every key."""
     if not causal and lower is None:
         return None
-    a = torch.arange(s_q, device=device).unsqueeze(1)
+    a = torch.arange(first_row, first_row + s_q, device=device).unsqueeze(1)
     b = torch.arange(s_k, device=device).unsqueeze(0)
     seen = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
     if causal:

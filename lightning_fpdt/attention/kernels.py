@@ -17,17 +17,17 @@ online merge over all key blocks, attention sinks included), which is what makes
 sees key ``b`` only if ``b - a >= lower``; every row must see at least one key. ``softcap`` is Gemma-2's
 attention-logit cap, ``cap * tanh(s / cap)`` on the scaled scores ``s`` before the softmax. ``math``
 computes both; ``sdpa`` is handed a cut rectangle in unmasked pieces (``edge_band``: its fused ops compute
-every pair of a masked call) and runs a softcapped block on ``math`` (its fused ops cannot cap), in the
-block's own memory; ``flash_attn`` passes ``window_size`` and ``softcap``. ``math`` computes a v of another
-width directly; the fused ops take one head width, so ``sdpa`` and ``flash_attn`` pad q, k and v with zero
-columns to a common one (``fused_ops.common_head_dim``: exact, the zero columns add nothing to a score and the
-output's and gradients' padded columns are sliced off).
+every pair of a masked call) and runs a softcapped block on ``math`` (its fused ops cannot cap), in bands of
+query rows that bound its scores (``math_kernel.MATH_BAND_SCORES``); ``flash_attn`` passes ``window_size`` and
+``softcap``. ``math`` computes a v of another width directly; the fused ops take one head width, so ``sdpa`` and
+``flash_attn`` pad q, k and v with zero columns to a common one (``fused_ops.common_head_dim``: exact, the zero
+columns add nothing to a score and the output's and gradients' padded columns are sliced off).
 
-Backends: ``math`` (pure torch, any dtype: the reference), ``sdpa`` (torch's fused kernels through
-the aten ops that return the log-sum-exp), ``cudnn`` (cuDNN's fused attention through torch's aten op, on
-Hopper and newer, for the blocks it computes exactly; every other block as ``sdpa`` runs it), ``flash_attn``,
-``flash_attn_3`` and ``flash_attn_4`` (the FlashAttention packages 2, 3 and 4, CUDA, when installed:
-:mod:`lightning_fpdt.attention.flash_kernels`).
+Backends: ``math`` (pure torch, any dtype: the reference, :mod:`lightning_fpdt.attention.math_kernel`), ``sdpa``
+(torch's fused kernels through the aten ops that return the log-sum-exp), ``cudnn`` (cuDNN's fused attention
+through torch's aten op, on Hopper and newer, for the blocks it computes exactly; every other block on an installed
+FlashAttention package or as ``sdpa`` runs it), ``flash_attn``, ``flash_attn_3`` and ``flash_attn_4`` (the
+FlashAttention packages 2, 3 and 4, CUDA, when installed: :mod:`lightning_fpdt.attention.flash_kernels`).
 
 The fused CUDA ops, GQA's key/value heads as each op takes them and the edge's mask are in ``fused_ops``.
 """
@@ -59,8 +59,9 @@ from lightning_fpdt.attention.fused_ops import (
     flash_op_forward,
     repeat_kv,
     sum_kv_grad,
-    visible_keys,
 )
+from lightning_fpdt.attention.math_kernel import MathKernel as MathKernel
+from lightning_fpdt.attention.math_kernel import accumulate_dtype as accumulate_dtype
 
 # the backend rules (names, flash-attn's availability, what runs where) live in lightning_fpdt.backends, which
 # configuration reads without loading a kernel; the names tests and callers know here are re-exported (`as`)
@@ -71,11 +72,6 @@ from lightning_fpdt.backends import HALF_DTYPES, flash_route, resolve_backend
 from lightning_fpdt.backends import flash_attn_available as flash_attn_available
 from lightning_fpdt.backends import flash_attn_unavailable_reason as flash_attn_unavailable_reason
 from lightning_fpdt.errors import FPDTError
-
-
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of softmax statistics and accumulators: float32, or float64 for float64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def check_softcap(softcap: float | None) -> None:
@@ -102,71 +98,6 @@ class AttentionKernel(Protocol):
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
-class MathKernel:
-    """Plain torch attention in the accumulation dtype. The reference every other path is tested against."""
-
-    name = "math"
-    edge_band = None  # the reference: masks exactly what the block rules say
-
-    @staticmethod
-    def _scores(
-        q: Tensor, k: Tensor, causal: bool, scale: float, lower: int | None, softcap: float | None
-    ) -> tuple[Tensor, Tensor | None]:
-        """Masked scores ``[b, h, s_q, s_k]`` and, when capped, ``tanh(scaled / cap)`` (for the backward)."""
-        acc = accumulate_dtype(q.dtype)
-        s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), repeat_kv(k, q.shape[2]).to(acc)) * scale
-        capped = None
-        if softcap is not None:  # scaled first, then capped (transformers Gemma-2's eager attention)
-            capped = torch.tanh(s / softcap)
-            s = capped * softcap
-        seen = visible_keys(q.shape[1], k.shape[1], causal, lower, q.device)
-        if seen is not None:
-            s = s.masked_fill(~seen, float("-inf"))
-        return s, capped
-
-    def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None = None,
-        softcap: float | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        check_shapes(q, k, v, causal)
-        routes.note(self.name)
-        return self._forward(q, k, v, causal, scale, lower, softcap)
-
-    def _forward(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None, softcap: float | None
-    ) -> tuple[Tensor, Tensor]:
-        s, _ = self._scores(q, k, causal, scale, lower, softcap)
-        lse = torch.logsumexp(s, dim=-1)  # [b, h, s_q]
-        p = torch.exp(s - lse.unsqueeze(-1))
-        out = torch.einsum("bhqk,bkhd->bqhd", p, repeat_kv(v, q.shape[2]).to(p.dtype))
-        return out.to(q.dtype), lse
-
-    def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
-        lower: int | None = None, softcap: float | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        check_shapes(q, k, v, causal)
-        acc = accumulate_dtype(q.dtype)
-        h, g = q.shape[2], k.shape[2]
-        dout_, v_ = dout.to(acc), repeat_kv(v, h).to(acc)
-        # 1. P = exp(S - lse), with the row's final lse: the block's share of the full softmax.
-        s, capped = self._scores(q, k, causal, scale, lower, softcap)
-        p = torch.exp(s - lse.to(acc).unsqueeze(-1))
-        # 2. dV = P^T dO
-        dv = torch.einsum("bhqk,bqhd->bkhd", p, dout_)
-        # 3. dP = dO V^T
-        dp = torch.einsum("bqhd,bkhd->bhqk", dout_, v_)
-        # 4. dS = P * (dP - D), D = rowsum(dO * O) with the row's final output
-        delta = (dout_ * out.to(acc)).sum(-1).transpose(1, 2)  # [b, h, s_q]
-        ds = p * (dp - delta.unsqueeze(-1)) * scale
-        if capped is not None:  # through the cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-            ds = ds * (1 - capped.square())
-        # 5. dQ = dS K, dK = dS^T Q
-        dq = torch.einsum("bhqk,bkhd->bqhd", ds, repeat_kv(k, h).to(acc))
-        dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(acc))
-        return dq, sum_kv_grad(dk, g), sum_kv_grad(dv, g)
-
-
 class SdpaKernel:
     """torch's fused attention through the aten ops that return the log-sum-exp.
 
@@ -180,7 +111,8 @@ class SdpaKernel:
     calls on reversed rows and keys, since these ops compute every pair of a masked call. Any other edge (a
     window shorter than ``blocks.MIN_BAND``, a direct call) is an additive mask: to the CPU op, and on CUDA
     to the memory-efficient op (the flash op takes none) for every dtype it runs. A softcapped block runs
-    on ``math``: none of these ops can cap the scores.
+    on ``math``, in bands of query rows (:meth:`~lightning_fpdt.attention.math_kernel.MathKernel.forward_in_bands`):
+    none of these ops can cap the scores.
     """
 
     name = "sdpa"
@@ -208,7 +140,7 @@ class SdpaKernel:
         if softcap is not None or (q.device.type != "cpu" and q.dtype not in (*HALF_DTYPES, torch.float32)):
             own = "softcap" if softcap is not None else f"{q.dtype} on {q.device.type}"
             routes.note("math", declined or own)
-            return MathKernel()._forward(q, k, v, causal, scale, lower, softcap)
+            return MathKernel().forward_in_bands(q, k, v, causal, scale, lower, softcap)
         if _edge_triangle(q, k, causal, lower):  # reversed, keys b >= a become b <= a: a causal call, no mask
             out, lse = self.forward(q.flip(1), k.flip(1), v.flip(1), True, scale)  # a subclass's op may take it
             return out.flip(1), lse.flip(-1)
@@ -235,7 +167,7 @@ class SdpaKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         check_shapes(q, k, v, causal)
         if softcap is not None or (q.device.type != "cpu" and q.dtype not in (*HALF_DTYPES, torch.float32)):
-            return MathKernel().backward(dout, q, k, v, out, lse, causal, scale, lower, softcap)
+            return MathKernel().backward_in_bands(dout, q, k, v, out, lse, causal, scale, lower, softcap)
         if _edge_triangle(q, k, causal, lower):
             dq, dk, dv = self.backward(*(x.flip(1) for x in (dout, q, k, v, out)), lse.flip(-1), True, scale)
             return dq.flip(1), dk.flip(1), dv.flip(1)
