@@ -10,7 +10,8 @@ Markdown tables, in this order:
    the memory-efficient op; ``math`` in fp32; ``cudnn`` in bf16/fp16 where torch's cuDNN works; ``flash_attn``,
    ``flash_attn_3`` and ``flash_attn_4`` in bf16/fp16 when their packages import), on small
    shapes (GQA, a head dim and a length that need padding), against float64 ``math`` attention:
-   the kernel's own forward and backward (out, lse, dq, dk, dv), and the chunked pipeline with offload
+   the kernel's own forward and backward (out, lse, dq, dk, dv; also with Gemma-2's softcap of 30, which cuDNN's op
+   hands on and ``sdpa`` runs on banded ``math``), and the chunked pipeline with offload
    through autograd (out and the gradients of q, k, v), plus offload on/off bitwise equal. Then a
    small Llama with every FPDT feature (chunks, tiled MLP and loss, activation checkpointing, offloaded
    attention chunks and checkpoints) against the plain model in float64: the loss and every
@@ -97,8 +98,10 @@ def _routes(cpu: bool) -> list[tuple[str, torch.dtype]]:
             ("flash_attn_4", torch.bfloat16), ("flash_attn_4", torch.float16)]
 
 
-def _kernel_row(kernel: Any, device: torch.device, dtype: torch.dtype, causal: bool, shape: tuple) -> list[float]:
-    """The route's forward and backward vs float64 ``math``: errors of out, lse, dq, dk, dv."""
+def _kernel_row(kernel: Any, device: torch.device, dtype: torch.dtype, causal: bool, shape: tuple,
+                softcap: float | None = None) -> list[float]:
+    """The route's forward and backward vs float64 ``math``: errors of out, lse, dq, dk, dv (``softcap``: Gemma-2's
+    attention-logit cap, which cuDNN's op hands to the FlashAttention package or to ``sdpa``'s banded ``math``)."""
     b, s, h, g, d = shape
     gen = torch.Generator().manual_seed(s + h + d)
     q, do = (torch.randn(b, s, h, d, generator=gen) for _ in range(2))
@@ -106,11 +109,11 @@ def _kernel_row(kernel: Any, device: torch.device, dtype: torch.dtype, causal: b
     scale = d**-0.5
     ref = MathKernel()
     x64 = [x.to(device, torch.float64) for x in (q, k, v, do)]
-    out_ref, lse_ref = ref.forward(*x64[:3], causal, scale)
-    grads_ref = ref.backward(x64[3], *x64[:3], out_ref, lse_ref, causal, scale)
+    out_ref, lse_ref = ref.forward(*x64[:3], causal, scale, None, softcap)
+    grads_ref = ref.backward(x64[3], *x64[:3], out_ref, lse_ref, causal, scale, None, softcap)
     xs = [x.to(device, dtype) for x in (q, k, v, do)]
-    out, lse = kernel.forward(*xs[:3], causal, scale)
-    grads = kernel.backward(xs[3], *xs[:3], out, lse, causal, scale)
+    out, lse = kernel.forward(*xs[:3], causal, scale, None, softcap)
+    grads = kernel.backward(xs[3], *xs[:3], out, lse, causal, scale, None, softcap)
     return [_rel(out, out_ref), _rel(lse, lse_ref), *(_rel(a, r) for a, r in zip(grads, grads_ref, strict=True))]
 
 
@@ -150,11 +153,12 @@ def check_routes(device: torch.device, cpu: bool) -> tuple[list[list], bool]:
             continue
         tol = TOLERANCE[dtype]
         for causal in (True, False):
-            for shape in shapes:
-                errs = _kernel_row(kernel, device, dtype, causal, shape)
+            for shape, softcap in [*((shape, None) for shape in shapes), (shapes[0], 30.0)]:
+                errs = _kernel_row(kernel, device, dtype, causal, shape, softcap)
                 good = max(errs) <= tol
                 ok &= good
-                rows.append([backend, str(dtype).removeprefix("torch."), f"kernel {shape}", causal, *errs, tol,
+                what = f"kernel {shape}" + (f" softcap {softcap:g}" if softcap else "")
+                rows.append([backend, str(dtype).removeprefix("torch."), what, causal, *errs, tol,
                              "ok" if good else "FAILED"])
             errs, same = _pipeline_row(backend, device, dtype, causal, (2, 256, 8, 2, 64), chunk=64)
             good = max(errs) <= tol and same

@@ -34,9 +34,10 @@ def test_gpu_check_cpu_smoke() -> None:
     out = _run("gpu_check.py", "--cpu")
     rows = _table_rows(out)
     routes = [r for r in rows if r[0] in ("sdpa", "math")]
-    # every CPU route: two kernel shapes and the pipeline, causal and not
+    # every CPU route: two kernel shapes, one softcapped, and the pipeline, causal and not
     assert {(r[0], r[1]) for r in routes} == {("sdpa", "float32"), ("sdpa", "bfloat16"), ("math", "float32")}
-    assert len(routes) == 3 * 6 and all(r[-1] == "ok" for r in routes), out
+    assert len(routes) == 3 * 8 and all(r[-1] == "ok" for r in routes), out
+    assert sum("softcap 30" in r[2] for r in routes) == 3 * 2, out
     model = [r for r in rows if r[0].startswith("llama ")]
     assert [(r[1], r[2]) for r in model] == [("math", "float32"), ("auto", "float32"), ("auto", "bfloat16")], out
     assert all(r[-1] == "ok" for r in model), out
