@@ -88,12 +88,18 @@ class _Recorded:
         return self.function(*args, **kwargs)
 
 
-def fake_fa3(calls: list | None = None) -> ModuleType:
-    module = ModuleType("flash_attn_interface")
+def _fake_module(name: str, functions: dict[str, Any], calls: list | None) -> ModuleType:
+    """A package's interface module whose functions record their calls into ``calls``."""
+    module = ModuleType(name)
     calls = [] if calls is None else calls
-    module._flash_attn_forward = _Recorded(_fa3_forward, "_flash_attn_forward", calls)
-    module._flash_attn_backward = _Recorded(_fa3_backward, "_flash_attn_backward", calls)
+    for attribute, function in functions.items():
+        setattr(module, attribute, _Recorded(function, attribute, calls))
     return module
+
+
+def fake_fa3(calls: list | None = None) -> ModuleType:
+    functions = {"_flash_attn_forward": _fa3_forward, "_flash_attn_backward": _fa3_backward}
+    return _fake_module("flash_attn_interface", functions, calls)
 
 
 # ---- FlashAttention-4: flash_attn/cute/interface.py's two functions (plain Python) -------------------------
@@ -128,11 +134,7 @@ def _fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=
 
 
 def fake_fa4(calls: list | None = None) -> ModuleType:
-    module = ModuleType("flash_attn.cute.interface")
-    calls = [] if calls is None else calls
-    module._flash_attn_fwd = _Recorded(_fa4_fwd, "_flash_attn_fwd", calls)
-    module._flash_attn_bwd = _Recorded(_fa4_bwd, "_flash_attn_bwd", calls)
-    return module
+    return _fake_module("flash_attn.cute.interface", {"_flash_attn_fwd": _fa4_fwd, "_flash_attn_bwd": _fa4_bwd}, calls)
 
 
 ROUTES = [pytest.param(FlashAttn3Kernel, fake_fa3, id="flash_attn_3"),
