@@ -257,7 +257,7 @@ def flash_route(device_type: str) -> str:
         if reason is None:
             return package
         if "installed" in reason and "not installed" not in reason:  # installed, yet not used: say so
-            _say_once(f"attention_backend='auto' does not use {FLASH_PACKAGES[package].title}: {reason}.")
+            _say_once(f"{FLASH_PACKAGES[package].title} is not used: {reason}.")
     return "flash_attn" if flash_attn_available() else "sdpa"
 
 

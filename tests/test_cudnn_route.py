@@ -225,3 +225,24 @@ def test_tallies_nest_and_the_first_batch_is_said_once() -> None:
     with quiet.watch(said.append):  # no attention through the kernels: nothing to say
         pass
     assert quiet.said is None and said == ["cudnn: 1 call"]
+
+
+def test_a_window_edge_square_stays_on_cudnn_beside_a_fallback() -> None:
+    """A square on a window's edge is reversed into a causal call cuDNN's op takes, whether or not a FlashAttention
+    package would take the blocks cuDNN declines; only those go to the package."""
+    from lightning_fpdt.attention import routes
+
+    class Refusing:  # a fallback that must not be asked
+        def forward_declined(self, *args: Any) -> Any:
+            raise AssertionError("a window edge square went to the fallback")
+
+        backward = forward_declined
+
+    rec, _ = _run(CudnnKernel(Refusing()), torch.bfloat16, False, 2, 16, lower=0)
+    assert [c.op for c in rec.calls] == [CUDNN, CUDNN_BWD]
+    q = torch.empty(2, 40, 4, 16, dtype=torch.bfloat16, device="meta")
+    with routes.tally() as counts, pytest.raises(AssertionError, match="went to the fallback"):
+        CudnnKernel(Refusing()).forward(q, q, q, True, 0.25, softcap=30.0)  # a softcap does go there
+    with routes.tally() as counts:
+        CudnnKernel(Refusing()).forward(q, q, q, False, 0.25, lower=0)
+    assert counts == {("cudnn", ""): 1}

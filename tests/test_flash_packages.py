@@ -326,8 +326,8 @@ def test_auto_says_once_why_an_installed_package_is_not_used(packages: dict[str,
         for _ in range(3):  # every attention call asks
             assert get_kernel("auto", CUDA, torch.bfloat16).name == "sdpa"
     said = [r.getMessage() for r in caplog.records if "FlashAttention-3" in r.getMessage()]
-    assert said == ["FPDTStrategy: attention_backend='auto' does not use FlashAttention-3: FlashAttention-3 ? is"
-                    " installed, but flash_attn_interface has no _flash_attn_backward."], said
+    assert said == ["FPDTStrategy: FlashAttention-3 is not used: FlashAttention-3 ? is installed, but"
+                    " flash_attn_interface has no _flash_attn_backward."], said
     backends._say_once.cache_clear()
 
 

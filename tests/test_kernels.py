@@ -167,6 +167,8 @@ def test_math_in_bands_is_math(monkeypatch: pytest.MonkeyPatch, s_q: int, s_k: i
     assert rel_error(b_out, out) <= 1e-14 and rel_error(b_lse, ref_lse) <= 1e-14
     for a, b in zip(b_grads, grads, strict=True):
         assert a.shape == b.shape and rel_error(a, b) <= 1e-13
+    no_rows = math.forward_in_bands(q[:, :0], k, v, False, 0.25, None, softcap)  # a direct call on no rows
+    assert no_rows[0].shape == (2, 0, 4, dv) and no_rows[1].shape == (2, 4, 0)
 
 
 def test_a_softcapped_block_never_holds_its_scores_whole(monkeypatch: pytest.MonkeyPatch) -> None:

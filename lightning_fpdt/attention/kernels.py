@@ -222,16 +222,27 @@ class CudnnKernel(SdpaKernel):
         check_shapes(q, k, v, causal)
         declined = self._declines(q, v, lower, softcap)
         if declined:
-            return (self._fallback or super()).forward_declined(q, k, v, causal, scale, lower, softcap, declined)
+            return self._declined_to(q, k, causal, lower, softcap).forward_declined(q, k, v, causal, scale, lower,
+                                                                                    softcap, declined)
         routes.note(self.name)
         return cudnn_op_forward(q, k, v, causal, scale)
+
+    def _declined_to(
+        self, q: Tensor, k: Tensor, causal: bool, lower: int | None, softcap: float | None
+    ) -> Fallback:
+        """Where a declined block goes, forward and backward alike: a square on a window's edge to ``sdpa``'s path,
+        which reverses it into a causal call this op takes; any other to the fallback, if any."""
+        if self._fallback is None or (softcap is None and _edge_triangle(q, k, causal, lower)):
+            return super()
+        return self._fallback
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
         lower: int | None = None, softcap: float | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         if self._declines(q, v, lower, softcap):
-            return (self._fallback or super()).backward(dout, q, k, v, out, lse, causal, scale, lower, softcap)
+            return self._declined_to(q, k, causal, lower, softcap).backward(dout, q, k, v, out, lse, causal, scale,
+                                                                            lower, softcap)
         check_shapes(q, k, v, causal)
         return cudnn_op_backward(dout, q, k, v, out, lse, causal, scale)
 

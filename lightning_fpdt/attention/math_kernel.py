@@ -113,8 +113,9 @@ class MathKernel:
         """:meth:`forward`, computed band by band (:meth:`_bands`): the same rows, at most ``MATH_BAND_SCORES``
         scores at once."""
         bands = self._bands(q, k, causal)
-        if len(bands) == 1:
+        if len(bands) <= 1:
             return self._forward(q, k, v, causal, scale, lower, softcap)
+        k, v = self._expanded(q, k, v)
         pieces = [self._forward(q[:, a0:a1], k[:, :keys], v[:, :keys], causal, scale, lower, softcap, a0)
                   for a0, a1, keys in bands]
         return torch.cat([o for o, _ in pieces], dim=1), torch.cat([l_ for _, l_ in pieces], dim=2)
@@ -125,11 +126,11 @@ class MathKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`backward`, band by band: each band's dq, and dk/dv summed over the bands."""
         bands = self._bands(q, k, causal)
-        if len(bands) == 1:
+        if len(bands) <= 1:
             return self._backward(dout, q, k, v, out, lse, causal, scale, lower, softcap)
-        acc = accumulate_dtype(q.dtype)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        g = k.shape[2]
+        k, v = self._expanded(q, k, v)  # dk and dv at q's heads below, summed to k's at the end
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         dqs = []
         for a0, a1, keys in bands:
             dq_band, dk_band, dv_band = self._backward(
@@ -139,4 +140,11 @@ class MathKernel:
             dqs.append(dq_band)
             dk[:, :keys] += dk_band
             dv[:, :keys] += dv_band
-        return torch.cat(dqs, dim=1), dk, dv
+        return torch.cat(dqs, dim=1), sum_kv_grad(dk, g), sum_kv_grad(dv, g)
+
+    @staticmethod
+    def _expanded(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k and v at q's head count in the accumulation dtype, made once for all the bands (each band's
+        ``_scores`` would otherwise repeat the whole block's keys for its few rows)."""
+        acc = accumulate_dtype(q.dtype)
+        return repeat_kv(k, q.shape[2]).to(acc), repeat_kv(v, q.shape[2]).to(acc)
