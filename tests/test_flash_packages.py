@@ -384,3 +384,34 @@ def test_the_blocks_cudnn_declines_go_where_auto_would_go_without_it(packages: d
     assert rel_error(out, ref_out) <= 1e-12
     for a, b in zip(grads, ref_grads, strict=True):
         assert rel_error(a, b) <= 1e-5  # the float32 lse the package is handed
+
+
+@pytest.mark.parametrize("route", ["flash_attn_3", "flash_attn_4", "cudnn+flash_attn_3"])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (10, None), (10, 20.0)])
+def test_the_chunked_pipeline_on_each_route_is_attention(route: str, window: int | None, softcap: float | None,
+                                                         fresh_seed: int) -> None:
+    """64 tokens in 8 chunks through the pipeline (offloaded store, online merge, per-block backward from the rows'
+    final out and lse) on each package's fake, and on cuDNN's route handing its declined blocks to FlashAttention-3
+    (here every block: CPU float64), against attention by the textbook formula: forward and every gradient."""
+    from lightning_fpdt.attention.kernels import CudnnKernel
+    from lightning_fpdt.attention.pipeline import PipelineOptions, run_pipeline
+    from lightning_fpdt.attention.sources import TensorEnds
+
+    kernel = {"flash_attn_3": lambda: FlashAttn3Kernel(fake_fa3()),
+              "flash_attn_4": lambda: FlashAttn4Kernel(fake_fa4()),
+              "cudnn+flash_attn_3": lambda: CudnnKernel(FlashAttn3Kernel(fake_fa3()))}[route]()
+    seq, scale = 64, 0.3
+    g = torch.Generator().manual_seed(fresh_seed)
+    q, dout = (torch.randn(1, seq, 4, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, seq, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    opt = PipelineOptions.for_chunk_size(None, 8, causal=True, scale=scale, kernel=kernel, offload=True,
+                                         window=window, softcap=softcap)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, _ = run_pipeline(TensorEnds(kv_heads=2), opt, *leaves)
+    out.backward(dout)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref, _ = flash_reference(*ref_leaves, scale, True, -1 if window is None else window - 1, -1, softcap or 0.0)
+    ref.backward(dout)
+    assert rel_error(out.detach(), ref.detach()) <= 1e-6  # the packages' float32 lse in the merge
+    for a, b in zip(leaves, ref_leaves, strict=True):
+        assert rel_error(a.grad, b.grad) <= 1e-5
