@@ -120,10 +120,10 @@ class HFDataModule(pl.LightningDataModule):
                             " not both.")
         self.save_hyperparameters()
         chat = format == "chat"
-        if mixture is None:
-            named = [DataSource(train_files, field=messages_field if chat else text_field)]
-            named += [DataSource(val_files, field=messages_field if chat else text_field, split="val")] * (
-                val_files is not None)
+        if mixture is None:  # the given files as the one-dataset mixture they are
+            field = messages_field if chat else text_field
+            named = [DataSource(train_files, field=field)]
+            named += [DataSource(val_files, field=field, split="val")] * (val_files is not None)
         else:
             named = [DataSource(**m) if isinstance(m, dict) else m for m in mixture]
         self.sources = [source.resolved(chat, i) for i, source in enumerate(named)]
@@ -131,7 +131,6 @@ class HFDataModule(pl.LightningDataModule):
             raise FPDTError(f"{OWNER}the mixture has no dataset of split 'train'.")
         self.train_files, self.val_files, self.tokenizer = train_files, val_files, tokenizer
         self.format, self.seq_len, self.batch_size = format, seq_len, batch_size
-        self.field = messages_field if format == "chat" else text_field
         self.too_long, self.val_fraction, self.seed, self.num_proc = too_long, val_fraction, seed, num_proc
         self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "lightning_fpdt" / "data")
         self.num_workers = num_workers
@@ -180,7 +179,7 @@ class HFDataModule(pl.LightningDataModule):
         tokenizer = cache.tokenizer_hash(self.tokenizer_path(), memo)
         sources = [(s, [[p, cache.source_hash(p, memo)] for p in paths]) for s, paths in self._sources()]
         options = {k: self.hparams[k] for k in ("format", "seq_len", "too_long", "val_fraction", "seed")}
-        key = {"version": cache.VERSION, "libraries": cache.versions(), "tokenizer": tokenizer, "field": self.field,
+        key = {"version": cache.VERSION, "libraries": cache.versions(), "tokenizer": tokenizer,
                "files": [[s.split, s.spec(), s.weight, s.samples, [[os.path.abspath(p), h] for p, h in f]]
                          for s, f in sources], **options}
         return cache.digest(key), tokenizer, {p: h for _, f in sources for p, h in f}
