@@ -10,6 +10,17 @@ from typing import Any
 
 from lightning_fpdt.errors import FPDTError
 
+IMPORT_ERRORS = (ImportError, AttributeError, ValueError)  # what importing a dotted path raises for a bad one
+
+
+def import_named(path: str, default_module: str | None = None) -> Any:
+    """What the dotted ``path`` names (a bare name: in ``default_module``).
+
+    Raises:
+        ImportError, AttributeError, ValueError: no such module or name (:data:`IMPORT_ERRORS`)."""
+    module_name, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module_name or default_module or ""), name)
+
 
 def resolve_class(class_path: str, default_module: str | None = None) -> type:
     """The class ``class_path`` names (``"package.module.Class"``; a bare ``"Class"`` is looked up in
@@ -18,11 +29,9 @@ def resolve_class(class_path: str, default_module: str | None = None) -> type:
     Raises:
         ValueError: no such module or class, named with the fix.
     """
-    module_name, _, class_name = class_path.rpartition(".")
-    module_name = module_name or default_module or ""
     try:
-        return getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as err:
+        return import_named(class_path, default_module)
+    except IMPORT_ERRORS as err:
         raise FPDTError(f"class_path {class_path!r} names no importable class ({err}); give the full dotted path,"
                         " e.g. lightning_fpdt.models.LlamaLM.") from None
 

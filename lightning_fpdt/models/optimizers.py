@@ -10,7 +10,6 @@ checkpoint keeps and a resumed run makes again.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ from lightning.pytorch.cli import instantiate_class
 from torch import nn
 
 from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.models.class_paths import IMPORT_ERRORS, import_named
 
 SCHEDULER_BASES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
@@ -48,10 +48,9 @@ def checked_spec(spec: Any, what: str, bases: tuple[type, ...], owner: str) -> d
 
 
 def _import(path: str, what: str, owner: str) -> Any:
-    module, _, name = path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as err:
+        return import_named(path)
+    except IMPORT_ERRORS as err:
         raise FPDTError(f"{owner}: {what} class_path {path!r} cannot be imported ({type(err).__name__}: {err});"
                         " give the full module path, e.g. 'torch.optim.AdamW'.") from None
 
