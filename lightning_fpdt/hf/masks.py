@@ -140,7 +140,7 @@ def check_mask_windows(model: PreTrainedModel, layers: list[tuple[str, nn.Module
             m.__dict__.pop("_fpdt_probed", None)
         if on_meta and isinstance(error, (RuntimeError, NotImplementedError)):
             return False  # a value-dependent step on the meta device: probed once the weights are in
-        if isinstance(error, NotImplementedError) and str(error).startswith("HFCausalLM"):
+        if isinstance(error, Unsupported):
             raise  # a refusal of ours, raised inside the forward
         raise Unsupported(
             f"HFCausalLM: the mask probe could not run {type(model).__name__}'s base model on two tokens"
