@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_fpdt.attention import fpdt_attention, get_kernel, update_out_and_lse
 from lightning_fpdt.attention.kernels import MathKernel, SdpaKernel
@@ -189,3 +190,45 @@ def test_a_softcapped_block_never_holds_its_scores_whole(monkeypatch: pytest.Mon
     scores = 2 * 4 * 512 * 512 * 4  # one whole block's float32 scores: 8 MiB
     # measured: 57.5 MiB whole, 6.2 MiB in bands of 32 rows (the backward's few band-sized intermediates)
     assert peaks["whole"] >= 3 * scores and peaks["bands"] < scores and 6 * peaks["bands"] < peaks["whole"], peaks
+
+
+class _BlockCopies(TorchDispatchMode):
+    """Counts the ops that copy a tensor's elements (``clone``, ``copy_``, ``_to_copy``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("clone", "copy_", "_to_copy"):
+            self.copies += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _CopyCountingKernel(SdpaKernel):
+    """``sdpa`` with every copy made inside its forward and backward calls counted."""
+
+    def __init__(self) -> None:
+        self.calls, self.mode = 0, _BlockCopies()
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        with self.mode:
+            return super().forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        self.calls += 1
+        with self.mode:
+            return super().backward(*args, **kwargs)
+
+
+def test_the_pipelines_block_calls_copy_nothing_on_cpu(monkeypatch: pytest.MonkeyPatch, fresh_seed: int) -> None:
+    """The CPU op reads q, k, v, out, dout and lse by their strides: a block's call copies none of them (a per-block
+    copy of dout and lse was most of the chunked pipeline's extra cost over one call on the whole sequence)."""
+    kernel = _CopyCountingKernel()
+    monkeypatch.setattr("lightning_fpdt.attention.get_kernel", lambda *_: kernel)
+    q, k, v, dout = _qkv(torch.float32, fresh_seed, kv_heads=4, seq_q=64, seq_k=64)  # GQA's k/v expand is a copy
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    fpdt_attention(q, k, v, chunk_size=8, backend="sdpa").backward(dout)
+    assert kernel.calls == 2 * 36  # 8 chunks: 36 causal blocks, forward and backward
+    assert kernel.mode.copies == 0
