@@ -40,9 +40,9 @@ def update_out_and_lse(
     new_lse = torch.logaddexp(lse, block_lse)
     kept = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)  # [b, s_q, h, 1] against out's [b, s_q, h, d]
     merged = out.mul_(kept) if in_place else out * kept
-    if block_out is not None:
-        added = block_out.to(out.dtype) * torch.exp(block_lse - new_lse).transpose(1, 2).unsqueeze(-1)
-        merged = merged.add_(added) if in_place else merged + added
+    if block_out is not None:  # one pass over the output for the product and the sum
+        weight = torch.exp(block_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+        merged = merged.addcmul_(block_out.to(out.dtype), weight)
     return merged, new_lse
 
 
