@@ -45,6 +45,16 @@ FLASH_ATTN_FIX = (
 )
 
 
+class NotInstalled(str):
+    """Why a package cannot be used, when the reason is that it is not installed: the one reason ``auto`` passes over
+    in silence, and the one whose fix is to install it."""
+
+
+class InstalledUnusable(str):
+    """Why a package cannot be used although it is installed (it does not import; its version or interface is not
+    the one its route calls): ``auto`` says it once, since the user installed it to be used."""
+
+
 @functools.cache
 def load_flash_attn() -> tuple[ModuleType | None, str]:
     """``(flash_attn.flash_attn_interface, "")``, or ``(None, why it cannot be used)``; looked up once per
@@ -54,13 +64,14 @@ def load_flash_attn() -> tuple[ModuleType | None, str]:
         interface = importlib.import_module("flash_attn.flash_attn_interface")
     except (ImportError, OSError, RuntimeError) as err:  # an extension built for another torch or CUDA
         if isinstance(err, ModuleNotFoundError) and err.name == "flash_attn":
-            return None, "the flash-attn package is not installed"
-        return None, f"the flash-attn package is installed but does not import ({type(err).__name__}: {err})"
+            return None, NotInstalled("the flash-attn package is not installed")
+        return None, InstalledUnusable(f"the flash-attn package is installed but does not import ({type(err).__name__}:"
+                                       f" {err})")
     version = str(getattr(sys.modules.get("flash_attn"), "__version__", "?"))
     found = re.match(r"(\d+)\.(\d+)", version)
     low, high = FLASH_ATTN_VERSIONS
     if found is None or not low <= (int(found[1]), int(found[2])) < high:
-        return None, (
+        return None, InstalledUnusable(
             f"flash-attn {version} is installed, and this backend calls its private _flash_attn_forward/"
             f"_flash_attn_backward as {FLASH_ATTN_REQUIREMENT} define them"
         )
@@ -164,12 +175,12 @@ def load_flash_package(backend: str) -> tuple[ModuleType | None, str]:
         parts = package.module.split(".")
         prefixes = {".".join(parts[:n]) for n in range(1, len(parts) + 1)}  # flash_attn alone is flash-attn 2's
         if isinstance(err, ModuleNotFoundError) and err.name in prefixes:
-            return None, f"the {package.title} package ({package.distribution}) is not installed"
-        return None, (f"the {package.title} package is installed but does not import ({type(err).__name__}:"
-                      f" {err})")
+            return None, NotInstalled(f"the {package.title} package ({package.distribution}) is not installed")
+        return None, InstalledUnusable(f"the {package.title} package is installed but does not import"
+                                       f" ({type(err).__name__}: {err})")
     problem = interface_problem(module, package)
     if problem is not None:
-        return None, f"{package.title} {package_version(package)} is installed, but {problem}"
+        return None, InstalledUnusable(f"{package.title} {package_version(package)} is installed, but {problem}")
     return module, ""
 
 
@@ -256,7 +267,7 @@ def flash_route(device_type: str) -> str:
         reason = flash_package_unusable_reason(package, device_type, auto=True)
         if reason is None:
             return package
-        if "installed" in reason and "not installed" not in reason:  # installed, yet not used: say so
+        if isinstance(reason, InstalledUnusable):  # installed, yet not used: say so
             _say_once(f"{FLASH_PACKAGES[package].title} is not used: {reason}.")
     return "flash_attn" if flash_attn_available() else "sdpa"
 
@@ -297,7 +308,7 @@ def resolve_backend(backend: str, device_type: str, dtype: torch.dtype) -> str:
         if reason is None and not half:
             reason = f"it computes in float16/bfloat16, not {dtype}"
         if reason is not None:
-            fix = f" {FLASH_PACKAGES[backend].install}, or" if "not installed" in reason else ""
+            fix = f" {FLASH_PACKAGES[backend].install}, or" if isinstance(reason, NotInstalled) else ""
             raise FPDTError(f"attention_backend={backend!r} but {reason};{fix} use attention_backend='auto' (it says"
                             " what it picks) or 'sdpa'.")
         return backend
