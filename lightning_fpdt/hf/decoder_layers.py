@@ -35,11 +35,14 @@ def describe_layers(model: PreTrainedModel, heads: tuple[int, int], mlp_tiled: b
                        and read_experts(c, config.hidden_size, top_k) is not None
                        and not any(is_attention_layer(m) for m in c.modules())), None)
         mlp, beside = (beside, None) if mlp is None else (mlp, beside)
+        # the cap the attention module hands the attention function (Gemma-2 passes softcap=attn_logit_softcapping)
+        softcap = None if attention is None else getattr(attention, "attn_logit_softcapping", None)
         layers.append(DecoderLayer(
             name=f"model.{name}", module=layer, hidden_size=config.hidden_size, n_heads=n_heads,
             n_kv_heads=n_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, mlp=mlp, experts=beside,
             experts_per_token=top_k,
             mlp_tiled=mlp_tiled, norms=norms, chunked_projections=False,
             attention=attention is not None, mixers=mixers, stream_refusal=layer_refusal(layer),
+            attention_softcap=softcap,
         ))
     return layers

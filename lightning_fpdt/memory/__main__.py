@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiled", action="store_true", help="tiled MLP and loss")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--attention-backend", default="sdpa", choices=[b for b in BACKENDS if b != "auto"],
-                        help="only math changes the estimate: it materializes a chunk pair's scores")
+                        help="math materializes a chunk pair's scores; for a model that caps its attention logits"
+                        " (Gemma-2), so do sdpa and cudnn without a FlashAttention package")
     parser.add_argument("--budget", type=float, default=None, help="GiB per rank, to resolve chunk_size 'auto'")
     parser.add_argument("--shard", action="store_true", help="shard_parameters (FSDP2 over dp x sp)")
     parser.add_argument("--offload-optimizer", action="store_true")

@@ -67,7 +67,8 @@ class EstimateOptions:
     optimizer: str = "adamw"
     """``"adamw"`` (two states per parameter), ``"sgd"`` (one) or ``"none"``."""
     attention_backend: str = "sdpa"
-    """The attention backend; ``"math"`` materializes a chunk pair's scores, the others do not."""
+    """The attention backend; ``"math"`` materializes a chunk pair's scores, and so does every route whose kernels
+    cannot cap, for a model that caps its attention logits (:mod:`lightning_fpdt.memory.scores`)."""
     shard_parameters: bool = False
     """Parameters, gradients and optimizer state sharded over every rank (FSDP2)."""
     offload_optimizer: bool = False

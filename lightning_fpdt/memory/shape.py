@@ -73,6 +73,8 @@ class ModelShape:
         head_trainable: the output projection gets a gradient (``False``: frozen, as under LoRA).
         mlp_adapter_values: intermediate-wide values per token LoRA's adapters on the MLP's projections into the
             intermediate add to a tile's backward (one for gate and up both adapted).
+        capped_attention: the attention caps its logits (Gemma-2's softcap): a route whose kernels cannot cap
+            computes the scores of its blocks (:mod:`lightning_fpdt.memory.scores`).
     """
 
     hidden_size: int
@@ -97,6 +99,7 @@ class ModelShape:
     block_trainable: int | None = None
     head_trainable: bool = True
     mlp_adapter_values: int = 0
+    capped_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -207,7 +210,8 @@ class ModelShape:
                     experts_per_token=top_k, layers=None if all(k == LayerKind() for k in kinds) else kinds,
                     v_head_dim=v_head_dim, trainable_params=None if trainable == num_params else trainable,
                     block_trainable=None if trainable == num_params else block_trainable,
-                    head_trainable=head_trainable, mlp_adapter_values=adapter_values)
+                    head_trainable=head_trainable, mlp_adapter_values=adapter_values,
+                    capped_attention=any(layer.attention_softcap is not None for layer in layers))
         return shape, {"mlp_tiled": all(tiled for _, mlp, _, tiled in read if mlp is not None),
                        "loss_tiled": loss_count != 1}
 

@@ -144,6 +144,8 @@ class DecoderLayer:
             or no experts).
         stream_refusal: why the layer, checkpointed, is recomputed whole instead of streaming chunk by chunk
             (:mod:`lightning_fpdt.layers.streaming`), whatever its arguments; ``None``: it streams.
+        attention_softcap: its attention-logit cap (Gemma-2's ``attn_logit_softcapping``), or ``None``: a route whose
+            kernels cannot cap computes its blocks' scores (:mod:`lightning_fpdt.memory.scores`).
     """
 
     name: str
@@ -162,6 +164,7 @@ class DecoderLayer:
     experts: nn.Module | None = None
     experts_per_token: int | None = None
     stream_refusal: str | None = None
+    attention_softcap: float | None = None
 
 
 @runtime_checkable
