@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from lightning_fpdt.attention import math_kernel
-from lightning_fpdt.attention.kernels import SdpaKernel
+from lightning_fpdt.attention.kernels import MathKernel, SdpaKernel
 from lightning_fpdt.memory import EstimateOptions, ModelShape, estimate
 from lightning_fpdt.memory.scores import capped_block_bytes, caps_in_kernel
 from lightning_fpdt.models import HFCausalLM
@@ -21,20 +21,22 @@ from lightning_fpdt.testing import run_on_ranks
 from tests.test_memory_model import _measured_step
 
 
-@pytest.mark.parametrize(("heads", "seq", "head_dim", "causal", "band_scores"), [
-    (2, 2048, 32, False, 1 << 24),  # one band: the whole block
-    (2, 4096, 32, True, 1 << 24),  # two bands
-    (4, 4096, 64, False, 1 << 22),  # 16 bands: k/v expanded once, their gradients, the bands' dq
-])
-def test_a_capped_blocks_scores_are_what_the_estimate_counts(monkeypatch: pytest.MonkeyPatch, heads: int, seq: int,
-                                                             head_dim: int, causal: bool, band_scores: int) -> None:
-    """``sdpa`` runs a softcapped block on ``math`` in bands: the peak of live tensors of its forward and of its
-    backward, beyond inputs and outputs, within 15% of :func:`capped_block_bytes` (the memory model's tolerance)."""
+@pytest.mark.parametrize(("kernel", "heads", "seq", "head_dim", "causal", "band_scores"), [
+    (SdpaKernel(), 2, 2048, 32, False, 1 << 24),  # one band: the whole block
+    (SdpaKernel(), 2, 4096, 32, True, 1 << 24),  # two bands
+    (SdpaKernel(), 4, 4096, 64, False, 1 << 22),  # 16 bands: k/v expanded once, their gradients, the bands' dq
+    (MathKernel(), 2, 4096, 32, True, 1 << 22),  # the math backend: whole, however many scores
+], ids=["sdpa-one-band", "sdpa-two-bands", "sdpa-16-bands", "math-whole"])
+def test_a_capped_blocks_scores_are_what_the_estimate_counts(monkeypatch: pytest.MonkeyPatch, kernel: Any, heads: int,
+                                                             seq: int, head_dim: int, causal: bool,
+                                                             band_scores: int) -> None:
+    """``sdpa`` runs a softcapped block on ``math`` in bands, the ``math`` backend whole: the peak of live tensors of
+    its forward and of its backward, beyond inputs and outputs, within 15% of :func:`capped_block_bytes` (the memory
+    model's tolerance)."""
     monkeypatch.setattr(math_kernel, "MATH_BAND_SCORES", band_scores)
     monkeypatch.setattr("lightning_fpdt.memory.scores.MATH_BAND_SCORES", band_scores)
     g = torch.Generator().manual_seed(seq)
     q, k, v, dout = (torch.randn(1, seq, heads, head_dim, generator=g) for _ in range(4))
-    kernel = SdpaKernel()
     with TensorMemoryTracker() as tracker:
         tracker.reset_peak()
         out, lse = kernel.forward(q, k, v, causal, head_dim**-0.5, None, 30.0)
@@ -42,7 +44,7 @@ def test_a_capped_blocks_scores_are_what_the_estimate_counts(monkeypatch: pytest
         tracker.reset_peak()
         grads = kernel.backward(dout, q, k, v, out, lse, causal, head_dim**-0.5, None, 30.0)
         backward = tracker.peak_bytes - sum(x.numel() * x.element_size() for x in grads)
-    estimated = capped_block_bytes(1, heads, seq, seq, head_dim, head_dim, 4)
+    estimated = capped_block_bytes(1, heads, seq, seq, head_dim, head_dim, 4, banded=kernel.name == "sdpa")
     assert abs(estimated[0] / forward - 1) <= 0.15, (forward / 2**20, estimated[0] / 2**20)
     assert abs(estimated[1] / backward - 1) <= 0.15, (backward / 2**20, estimated[1] / 2**20)
 
@@ -85,5 +87,17 @@ def test_the_shape_says_whether_attention_caps_and_only_uncapping_routes_count_t
     assert peak(capped) > peak(plain)
     assert peak(capped, precision="bf16-mixed", attention_backend="flash_attn") == peak(
         plain, precision="bf16-mixed", attention_backend="flash_attn")  # flash-attn caps in its kernel
-    assert caps_in_kernel("flash_attn_4", half=True) and not caps_in_kernel("sdpa", half=True)
-    assert not caps_in_kernel("auto", half=False)  # float32 on CUDA: sdpa's route, whatever is installed
+    # math holds every block's scores whole: capped, one more of them and the backward's
+    assert peak(capped, attention_backend="math") > peak(plain, attention_backend="math") > peak(capped)
+
+
+def test_which_routes_cap_in_a_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert caps_in_kernel("flash_attn", True, 256) and caps_in_kernel("flash_attn_3", True, 256)
+    assert not caps_in_kernel("sdpa", True, 128) and not caps_in_kernel("math", True, 128)
+    assert not caps_in_kernel("auto", True, 128)  # no FlashAttention package on this machine: sdpa's banded math
+    assert not caps_in_kernel("auto", False, 128)  # float32: sdpa's route, whatever is installed
+    assert caps_in_kernel("flash_attn_4", True, 256)  # off CUDA the kernel takes sm90's rule
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (10, 0))
+    assert caps_in_kernel("flash_attn_4", True, 128)
+    assert not caps_in_kernel("flash_attn_4", True, 256)  # sm100: no capped kernel at 256 (Gemma-2's width)

@@ -189,6 +189,16 @@ class Fallback(Protocol):
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
+def flash_attn_4_declines(width: int, softcap: float | None, major: int) -> str:
+    """Why FlashAttention-4 has no kernel for a block of padded head width ``width`` (and ``softcap``) on a GPU of
+    compute-capability ``major`` (``""``: it has one): on sm100 and newer it takes widths up to 128, or 256 uncapped."""
+    if major >= 10 and 128 < width != 256:
+        return f"head width {width}: FlashAttention-4 on sm{major}x takes up to 128, or 256"
+    if major >= 10 and width == 256 and softcap:
+        return f"FlashAttention-4 on sm{major}x caps no scores at head width 256"
+    return ""
+
+
 class FlashAttn4Kernel(_FlashKernel):
     """FlashAttention-4 (``flash_attn.cute.interface``, the flash-attn-4 package): ``_flash_attn_fwd`` with
     ``return_lse=True`` gives ``out`` and the natural-log ``lse [b, h, s_q]`` float32 first (later releases return
@@ -215,12 +225,7 @@ class FlashAttn4Kernel(_FlashKernel):
         major = self._major
         if major is None:
             major = torch.cuda.get_device_capability(q.device)[0] if q.device.type == "cuda" else 9
-        width = common_head_dim(q, v)
-        if major >= 10 and 128 < width != 256:
-            return f"head width {width}: FlashAttention-4 on sm{major}x takes up to 128, or 256"
-        if major >= 10 and width == 256 and softcap:
-            return f"FlashAttention-4 on sm{major}x caps no scores at head width 256"
-        return ""
+        return flash_attn_4_declines(common_head_dim(q, v), softcap, major)
 
     def _refused(self, declined: str) -> FPDTError:
         return FPDTError(f"attention_backend='flash_attn_4': {declined}; use attention_backend='auto' or 'sdpa'.")

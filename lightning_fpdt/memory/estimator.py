@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.memory.estimate_options import OPTIMIZER_STATES, PRECISION_BYTES, EstimateOptions
-from lightning_fpdt.memory.scores import capped_block_bytes, caps_in_kernel
+from lightning_fpdt.memory.scores import UNCAPPED_MATH, capped_block_bytes, caps_in_kernel
 from lightning_fpdt.memory.shape import LayerKind, ModelShape
 from lightning_fpdt.offload.tiling import largest_tile, mlp_tile_tokens
 from lightning_fpdt.parallel.comm import heads_fit
@@ -219,14 +219,18 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     ring_buffers = 2 * (r - 1) * part * max(e, 4)
     backward_buffers = (2 * min(chunk_tokens_rank, t) * (qd + od) * e + 2 * part * e + ring_buffers
                         - (0 if options.offload else (r - 1) * part * e))
+    # scores where the route makes them: math's every block whole; a capped block on a route that cannot cap, banded
     block = min(chunk, s_pad) // r  # a ring part of a chunk against a ring part
-    if shape.capped_attention and not caps_in_kernel(options.attention_backend, half=e == 2):  # scores on math
-        forward_scores, backward_scores = capped_block_bytes(batch_size, shape.num_heads // u or 1, block, block, hd,
-                                                             vd, max(e, 4))
+    local_heads = shape.num_heads // u or 1
+    on_math = options.attention_backend == "math"
+    width = -(-max(hd, vd) // 8) * 8  # q, k and v padded to one width, as the fused kernels take them
+    if shape.capped_attention and not caps_in_kernel(options.attention_backend, e == 2, width):
+        forward_scores, backward_scores = capped_block_bytes(batch_size, local_heads, block, block, hd, vd, max(e, 4),
+                                                             banded=not on_math)
         chunk_buffers += forward_scores
         backward_buffers += backward_scores
-    elif options.attention_backend == "math":  # it materializes a block's scores: S, P, dP and dS in backward
-        scores = 4 * batch_size * (shape.num_heads // u or 1) * block**2 * max(e, 4)
+    elif on_math:
+        scores = UNCAPPED_MATH * batch_size * local_heads * block**2 * max(e, 4)
         chunk_buffers += scores
         backward_buffers += scores
     attention_work = max(chunk_buffers, backward_buffers)
