@@ -158,7 +158,8 @@ class ForwardPass:
         if self.sinks is not None:  # once per row, after every key block
             out_i, lse_i = merge_sink(out_i, lse_i, self.sinks)
         out_i = out_i.to(dtype)
-        lse_i = lse_i.contiguous()  # once per chunk: the backward's kernel calls read it once per block
+        if self.save or self.answers == "keep":  # once per chunk: the backward's kernel calls read it once per block
+            lse_i = lse_i.contiguous()
         if self.keep_lse:
             self.lses.append(lse_i)
         if self.save:
