@@ -224,7 +224,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     local_heads = shape.num_heads // u or 1
     on_math = options.attention_backend == "math"
     width = -(-max(hd, vd) // 8) * 8  # q, k and v padded to one width, as the fused kernels take them
-    if shape.capped_attention and not caps_in_kernel(options.attention_backend, e == 2, width):
+    if shape.capped_attention and not caps_in_kernel(options.attention_backend, width):
         forward_scores, backward_scores = capped_block_bytes(batch_size, local_heads, block, block, hd, vd, max(e, 4),
                                                              banded=not on_math)
         chunk_buffers += forward_scores

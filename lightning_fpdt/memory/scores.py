@@ -1,6 +1,5 @@
 """The bytes of attention scores where a route materializes them: ``math`` on every block, whole, and a route whose
-kernels cannot cap the logits (``sdpa``; ``cudnn`` and ``auto`` without a FlashAttention package that caps at the
-model's head width) on a softcapped block, which runs on ``math`` in bands of query rows
+kernels cannot cap the logits on a softcapped block, which runs on ``math`` in bands of query rows
 (:class:`~lightning_fpdt.attention.math_kernel.MathKernel`'s ``forward_in_bands``/``backward_in_bands``, at most
 ``MATH_BAND_SCORES`` scores a band).
 
@@ -10,33 +9,31 @@ Gemma-2 training step): at its peak a capped block's (or band's) forward holds a
 (those, dP and dS's factors); with more than one band, the block's k and v at q's head count in the accumulation
 dtype, their gradients, and the bands' dq with their concatenation besides.
 
-Which FlashAttention package ``auto`` and ``cudnn`` would hand a capped block to is read on the machine that runs the
-estimate (:func:`~lightning_fpdt.backends.flash_route`): the training machine when the strategy plans its chunks.
+The estimate asks neither the GPU nor the installed packages: ``fpdt-train`` prints it in the process that starts the
+ranks, where loading a FlashAttention package or initialising CUDA would break ranks it forks, and the table and the
+ranks' chunk planner must agree. So ``auto`` and ``cudnn``, which hand a capped block to a FlashAttention package
+only where one is installed and usable, count the banded scores (at most ``MATH_BAND_SCORES`` of them a band, and one
+block's k and v: a bounded count on the safe side), and FlashAttention-4 is held to its sm100 rule.
 """
 
 from __future__ import annotations
 
-import torch
-
 from lightning_fpdt.attention.flash_kernels import flash_attn_4_declines
 from lightning_fpdt.attention.math_kernel import MATH_BAND_SCORES
-from lightning_fpdt.backends import flash_route
 
 BAND_FORWARD = 4  # score-sized tensors live at once in a capped block's (or band's) forward
 BAND_BACKWARD = 7  # and in its backward
 UNCAPPED_MATH = 4  # an uncapped block on math: S, P, dP and dS
 
 
-def caps_in_kernel(backend: str, half: bool, head_width: int) -> bool:
-    """Whether ``backend`` computes a softcapped block of (padded) ``head_width`` in a fused kernel (a FlashAttention
-    package's, which takes the cap) rather than on ``math``. ``sdpa`` and ``math`` never do; ``cudnn`` and ``auto``
-    pass such blocks, in half precision (``half``), to the package ``auto`` would take where one is installed and
-    usable; FlashAttention-4 on sm100 and newer has no capped kernel at width 256 (nor any at 129-255)."""
-    package = flash_route("cuda") if backend in ("auto", "cudnn") and half else backend
-    if package == "flash_attn_4":
-        major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 9
-        return not flash_attn_4_declines(head_width, 1.0, major)
-    return package in ("flash_attn", "flash_attn_3")
+def caps_in_kernel(backend: str, head_width: int) -> bool:
+    """Whether the route ``backend`` surely computes a softcapped block of (padded) ``head_width`` in a fused kernel
+    rather than on ``math``: flash-attn 2 and FlashAttention-3 do; FlashAttention-4 does except where sm100 and newer
+    have no capped kernel (width 256, or 129-255: the GPU generation is not asked); ``sdpa`` and ``math`` never do,
+    and ``auto`` and ``cudnn`` do only where a package is installed and usable, which the estimate does not ask."""
+    if backend == "flash_attn_4":
+        return not flash_attn_4_declines(head_width, 1.0, major=10)
+    return backend in ("flash_attn", "flash_attn_3")
 
 
 def capped_block_bytes(batch: int, heads: int, rows: int, keys: int, head_dim: int, v_head_dim: int,
