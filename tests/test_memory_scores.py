@@ -33,8 +33,7 @@ def test_a_capped_blocks_scores_are_what_the_estimate_counts(monkeypatch: pytest
     """``sdpa`` runs a softcapped block on ``math`` in bands, the ``math`` backend whole: the peak of live tensors of
     its forward and of its backward, beyond inputs and outputs, within 15% of :func:`capped_block_bytes` (the memory
     model's tolerance)."""
-    monkeypatch.setattr(math_kernel, "MATH_BAND_SCORES", band_scores)
-    monkeypatch.setattr("lightning_fpdt.memory.scores.MATH_BAND_SCORES", band_scores)
+    monkeypatch.setattr(math_kernel, "MATH_BAND_SCORES", band_scores)  # the kernel's bands and the estimate's
     g = torch.Generator().manual_seed(seq)
     q, k, v, dout = (torch.randn(1, seq, heads, head_dim, generator=g) for _ in range(4))
     with TensorMemoryTracker() as tracker:

@@ -50,13 +50,17 @@ def last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def padded_width(*widths: int, multiple: int = 8) -> int:
+    """The widest of ``widths`` rounded up to a multiple of ``multiple``."""
+    return -(-max(widths) // multiple) * multiple
+
+
 def common_head_dim(q: Tensor, v: Tensor, multiple: int = 8) -> int:
     """The one head width a fused op gets q, k and v at: the wider of q's (and k's) and v's, rounded up to a
     multiple of ``multiple``. The fused kernels take a single head width (flash-attn, torch's flash ops);
     multi-head latent attention (DeepSeek-V2/V3, MiniCPM3) has v narrower than q and k, and any model may have it
     wider: :func:`dense_head_dim` pads the others to it."""
-    d = max(q.shape[-1], v.shape[-1])
-    return -(-d // multiple) * multiple
+    return padded_width(q.shape[-1], v.shape[-1], multiple=multiple)
 
 
 def dense_head_dim(x: Tensor, width: int | None = None) -> Tensor:
@@ -68,7 +72,7 @@ def dense_head_dim(x: Tensor, width: int | None = None) -> Tensor:
     """
     x = last_dim_contiguous(x)
     d = x.shape[-1]
-    width = -(-d // 8) * 8 if width is None else width
+    width = padded_width(d) if width is None else width
     return x if d == width else F.pad(x, (0, width - d))
 
 

@@ -20,6 +20,12 @@ from lightning_fpdt.attention.fused_ops import check_shapes, repeat_kv, sum_kv_g
 MATH_BAND_SCORES = 1 << 24
 
 
+def band_rows(batch: int, heads: int, keys: int) -> int:
+    """Query rows a band of a block with ``keys`` keys at ``heads`` heads (``batch`` samples) holds, so that its scores
+    stay within :data:`MATH_BAND_SCORES` (at least one row); the memory model counts bands by the same rule."""
+    return max(1, MATH_BAND_SCORES // max(1, batch * heads * keys))
+
+
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of softmax statistics and accumulators: float32, or float64 for float64 inputs."""
     return torch.promote_types(dtype, torch.float32)
@@ -104,7 +110,7 @@ class MathKernel:
         """``(first row, end row, keys seen)`` per band: rows such that a band's scores hold at most
         :data:`MATH_BAND_SCORES`; a causal band sees no key past its last row."""
         b, s_q, h = q.shape[:3]
-        rows = max(1, MATH_BAND_SCORES // max(1, b * h * k.shape[1]))
+        rows = band_rows(b, h, k.shape[1])
         return [(a0, min(a0 + rows, s_q), min(a0 + rows, s_q) if causal else k.shape[1]) for a0 in range(0, s_q, rows)]
 
     def forward_in_bands(

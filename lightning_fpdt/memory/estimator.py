@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_fpdt.attention.fused_ops import padded_width
 from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.memory.estimate_options import OPTIMIZER_STATES, PRECISION_BYTES, EstimateOptions
 from lightning_fpdt.memory.scores import UNCAPPED_MATH, capped_block_bytes, caps_in_kernel
@@ -223,7 +224,7 @@ def estimate(shape: ModelShape, seq_len: int, options: EstimateOptions | None = 
     block = min(chunk, s_pad) // r  # a ring part of a chunk against a ring part
     local_heads = shape.num_heads // u or 1
     on_math = options.attention_backend == "math"
-    width = -(-max(hd, vd) // 8) * 8  # q, k and v padded to one width, as the fused kernels take them
+    width = padded_width(hd, vd)  # q, k and v at one width, as the fused kernels take them (common_head_dim)
     if shape.capped_attention and not caps_in_kernel(options.attention_backend, width):
         forward_scores, backward_scores = capped_block_bytes(batch_size, local_heads, block, block, hd, vd, max(e, 4),
                                                              banded=not on_math)

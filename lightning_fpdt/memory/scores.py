@@ -19,7 +19,7 @@ block's k and v: a bounded count on the safe side), and FlashAttention-4 is held
 from __future__ import annotations
 
 from lightning_fpdt.attention.flash_kernels import flash_attn_4_declines
-from lightning_fpdt.attention.math_kernel import MATH_BAND_SCORES
+from lightning_fpdt.attention.math_kernel import band_rows
 
 BAND_FORWARD = 4  # score-sized tensors live at once in a capped block's (or band's) forward
 BAND_BACKWARD = 7  # and in its backward
@@ -41,10 +41,10 @@ def capped_block_bytes(batch: int, heads: int, rows: int, keys: int, head_dim: i
     """``(forward, backward)`` bytes a softcapped block of ``rows`` queries and ``keys`` keys at ``heads`` heads
     (``batch`` samples) holds on ``math`` beyond its inputs and outputs: in bands (``sdpa``'s way), or whole
     (``banded=False``: the ``math`` backend's). ``acc_bytes``: the accumulation dtype's size (4, or 8 for float64)."""
-    band_rows = max(1, MATH_BAND_SCORES // max(1, batch * heads * keys)) if banded else rows
-    band = batch * heads * min(band_rows, rows) * keys * acc_bytes
+    rows_per_band = band_rows(batch, heads, keys) if banded else rows
+    band = batch * heads * min(rows_per_band, rows) * keys * acc_bytes
     forward, backward = BAND_FORWARD * band, BAND_BACKWARD * band
-    if band_rows < rows:  # banded: k and v expanded once for every band, their gradients, the bands' dq and its cat
+    if rows_per_band < rows:  # banded: k and v expanded once for every band, their gradients, the bands' dq and its cat
         expanded = batch * keys * heads * (head_dim + v_head_dim) * acc_bytes
         forward += expanded
         backward += 2 * expanded + 2 * batch * rows * heads * head_dim * acc_bytes
