@@ -67,6 +67,7 @@ class GradientRelease:
     def restore(self) -> None:
         """Give every released storage that is still alive (still DDP's) its bytes back; before a backward."""
         for ref, nbytes in self._freed:
-            if not ref.expired():
-                torch.UntypedStorage._new_with_weak_ptr(ref.cdata).resize_(nbytes)
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)  # None once it has died
+            if storage is not None:
+                storage.resize_(nbytes)
         self._freed = []

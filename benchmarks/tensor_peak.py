@@ -31,7 +31,10 @@ class PeakSnapshot(TensorMemoryTracker):
         if self.peak_bytes > before:
             kinds: dict[str, float] = {}
             for ref, nbytes in self._live.values():
-                ptr = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).data_ptr()
+                storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+                if storage is None:  # freed by another thread since the last collection
+                    continue
+                ptr = storage.data_ptr()
                 kind = self.labels.get(ptr) or (f"{nbytes / MIB:.1f} MiB" if nbytes >= MIB else "< 1 MiB")
                 kinds[kind] = kinds.get(kind, 0.0) + nbytes / MIB
             self.at_peak = (str(func), kinds)

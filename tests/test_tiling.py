@@ -101,6 +101,24 @@ def test_tiled_cross_entropy_keeps_one_tile_of_logits() -> None:
     assert backward.peak_bytes - inputs - gradients < 1.25 * tile_logits, (backward.peak_bytes, tile_logits)
 
 
+def test_resizable_tracker_survives_a_storage_freed_by_another_thread(monkeypatch) -> None:
+    """A storage can die between the tracker's liveness check and its re-read of the size (autograd's or a
+    collective's thread frees it): that storage leaves the count, and the others keep theirs."""
+    import lightning_fpdt.offload.memtrack as memtrack
+
+    kept = torch.zeros(64, dtype=torch.float64)
+    with TensorMemoryTracker(resizable=True) as tracker:
+        gone = torch.zeros(32, dtype=torch.float64)
+        tracker.track(kept, gone)
+        assert tracker.current_bytes == 96 * 8
+        # freed "after" the check: the weak reference still answers alive, but nothing can be read back
+        monkeypatch.setattr(memtrack.StorageWeakRef, "expired", lambda self: False)
+        del gone
+        assert tracker.current_bytes == 64 * 8
+        kept.untyped_storage().resize_(16 * 8)
+        assert tracker.current_bytes == 16 * 8
+
+
 def _block() -> FPDTBlock:
     return FPDTBlock(
         attention=FPDTAttention(32, 4, 2, rope=RotaryEmbedding(8)),

@@ -107,11 +107,17 @@ class TensorMemoryTracker(TorchDispatchMode):
         for key in dead:
             self._counted -= self._live.pop(key)[1]
         if self._resizable:
-            for key, (ref, nbytes) in self._live.items():
-                now = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-                if now != nbytes:
+            for key, (ref, nbytes) in list(self._live.items()):
+                storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+                # another thread (autograd's, a collective's worker) may free it after the check above
+                now = 0 if storage is None else storage.nbytes()
+                if storage is None:
+                    del self._live[key]
+                elif now == nbytes:
+                    continue
+                else:
                     self._live[key] = (ref, now)
-                    self._counted += now - nbytes
+                self._counted += now - nbytes
 
 
 def peak_step_bytes(
