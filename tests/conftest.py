@@ -1,4 +1,5 @@
-"""Test-session settings: one intra-op thread, the ``fresh_seed`` fixture, the ``distributed`` marker."""
+"""Test-session settings: one intra-op thread, no GPU whatever the torch build, the ``fresh_seed`` fixture, the
+``distributed`` marker."""
 
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ os.environ["JE_ARROW_MALLOC_CONF"] = "background_thread:false"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 tqdm.tqdm.monitor_interval = 0
 
+# The suite runs on the CPU, whatever torch build and hardware it finds. On a CUDA build of torch (what `pip install
+# torch` gives) without a driver, torch.cuda.is_available() and device_count() (Lightning's Trainer asks) fall back to
+# the CUDA runtime, which marks every process forked afterwards as unable to use CUDA, and Lightning's fork launcher
+# refuses to start in such a process ("Cannot re-initialize CUDA in forked subprocess"): 40 tests on torch
+# 2.15.0+cu132. With no device visible and the count taken NVML's way, torch answers 0 from the variable alone.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+
 SEED_VARIABLE = "FPDT_TEST_SEED"
 
 
@@ -54,6 +63,20 @@ def fork_safe_test_process() -> Iterator[None]:
         gc.collect()  # its groups freed here, where their threads run, never in a forked child (testing._after_fork)
     if torch.get_num_threads() != 1:  # see the top of this file; too late for forks already made, not for later ones
         torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def no_gpu_questions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No cuDNN and no compute capability unless a test pretends them (``tests/test_cudnn_route.py``'s ``gpu``
+    fixture): tests pretend CUDA with ``device_type="cuda"`` and meta tensors, and on a CUDA build
+    ``attention_backend="auto"`` there asked the real machine (without a GPU the question raised, and its attempt
+    to start CUDA made every later fork unusable, as above)."""
+
+    def ask_the_test(*args: object) -> tuple[int, int]:
+        raise AssertionError("a test asked the CUDA runtime for a compute capability: pretend one with monkeypatch")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", ask_the_test)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
 
 
 @pytest.fixture

@@ -120,6 +120,25 @@ def test_run_in_fork_reports_as_a_script_run() -> None:
     assert proc.stderr.endswith("the script's last words\n"), proc.stderr
 
 
+def _fork_launch_allowed() -> None:
+    from lightning.fabric.strategies.launchers.multiprocessing import _check_bad_cuda_fork
+
+    _check_bad_cuda_fork()  # what Lightning's fork launcher runs first; raises in a process CUDA was poisoned for
+
+
+def test_a_fork_after_an_in_process_trainer_can_still_launch_ranks_by_fork() -> None:
+    """Constructing a Trainer asks how many GPUs there are; on a CUDA build of torch without a driver that question
+    marked every later fork as unable to use CUDA, and each test that forks a run with Lightning's fork launcher
+    failed (seen on torch 2.15.0+cu132; tests/conftest.py sets the device count's rules). On a CPU build of torch
+    it holds whatever the settings."""
+    import lightning as L
+
+    L.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    torch.cuda.is_available()
+    proc = run_in_fork(_fork_launch_allowed, ["fork-launch"], timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_run_in_fork_survives_a_handler_on_a_closed_stream(tmp_path: Path) -> None:
     """A logging handler left on a stream that is closed by now (an earlier test's capture) is redirected, not
     flushed: flushing it raised before the script ran, an exit status 1 with nothing in its output."""

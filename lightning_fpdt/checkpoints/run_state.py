@@ -69,7 +69,9 @@ def rng_state() -> dict[str, Any]:
     plain Python values, so that a checkpoint holding them loads with ``torch.load(weights_only=True)``."""
     version, words, gauss = random.getstate()
     state: dict[str, Any] = {"python": [version, list(words), gauss], "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # not is_available(): on a CUDA build without a driver it starts the CUDA runtime's count, and no process forked
+    # afterwards can launch ranks with Lightning's fork launcher
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()  # this rank's device only: resumable with other GPU counts
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state["numpy"] = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
