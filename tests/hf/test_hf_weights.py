@@ -162,8 +162,21 @@ def test_the_mask_probe_reads_the_same_on_the_meta_device(name: str, tmp_path: P
     hf_attention.check_supported(real)  # the probe on real tensors: the oracle
     oracle = seen.pop()
     assert oracle[0] == "cpu" and len(oracle[1]) == config.num_hidden_layers
-    expected = [("meta", {}), ("cpu", oracle[1])] if name == "gpt_oss" else [("meta", oracle[1])]
+    later = name == "gpt_oss" and not _runs_on_meta(config)
+    expected = [("meta", {}), ("cpu", oracle[1])] if later else [("meta", oracle[1])]
     assert seen == expected
+
+
+def _runs_on_meta(config: PretrainedConfig) -> bool:
+    """Whether this torch runs the model's forward on meta tensors: gpt-oss's experts' grouped product refuses
+    float32 there in torch 2.13 and takes it in 2.15, so its probe waits for the weights only on the former."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    try:
+        model(torch.zeros(1, 8, dtype=torch.long, device="meta"))
+    except RuntimeError:
+        return False
+    return True
 
 
 def _keeping(probe: Any) -> Any:
