@@ -222,10 +222,9 @@ class FlashAttn4Kernel(_FlashKernel):
         self._fallback, self._major = fallback, major
 
     def _declines(self, q: Tensor, v: Tensor, softcap: float | None) -> str:
-        major = self._major
-        if major is None:
-            major = torch.cuda.get_device_capability(q.device)[0] if q.device.type == "cuda" else 9
-        return flash_attn_4_declines(common_head_dim(q, v), softcap, major)
+        if self._major is None and q.device.type == "cuda":  # a rank's kernel serves one device: asked once
+            self._major = torch.cuda.get_device_capability(q.device)[0]
+        return flash_attn_4_declines(common_head_dim(q, v), softcap, 9 if self._major is None else self._major)
 
     def _refused(self, declined: str) -> FPDTError:
         return FPDTError(f"attention_backend='flash_attn_4': {declined}; use attention_backend='auto' or 'sdpa'.")
