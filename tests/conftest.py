@@ -70,7 +70,7 @@ def no_gpu_questions(monkeypatch: pytest.MonkeyPatch) -> None:
     """No cuDNN and no compute capability unless a test pretends them (``tests/test_cudnn_route.py``'s ``gpu``
     fixture): tests pretend CUDA with ``device_type="cuda"`` and meta tensors, and on a CUDA build
     ``attention_backend="auto"`` there asked the real machine (without a GPU the question raised, and its attempt
-    to start CUDA made every later fork unusable, as above)."""
+    to start CUDA made every later fork unusable, as above). Module-scoped fixtures run before it: none asks."""
 
     def ask_the_test(*args: object) -> tuple[int, int]:
         raise AssertionError("a test asked the CUDA runtime for a compute capability: pretend one with monkeypatch")

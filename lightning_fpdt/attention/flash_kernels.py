@@ -222,7 +222,7 @@ class FlashAttn4Kernel(_FlashKernel):
         self._fallback, self._major = fallback, major
 
     def _declines(self, q: Tensor, v: Tensor, softcap: float | None) -> str:
-        if self._major is None and q.device.type == "cuda":  # a rank's kernel serves one device: asked once
+        if self._major is None and q.device.type == "cuda":  # a kernel serves one attention call: asked once there
             self._major = torch.cuda.get_device_capability(q.device)[0]
         return flash_attn_4_declines(common_head_dim(q, v), softcap, 9 if self._major is None else self._major)
 
