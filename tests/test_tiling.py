@@ -102,8 +102,8 @@ def test_tiled_cross_entropy_keeps_one_tile_of_logits() -> None:
 
 
 def test_resizable_tracker_survives_a_storage_freed_by_another_thread(monkeypatch) -> None:
-    """A storage can die between the tracker's liveness check and its re-read of the size (autograd's or a
-    collective's thread frees it): that storage leaves the count, and the others keep theirs."""
+    """A storage can die while the tracker reads the sizes (autograd's or a collective's thread frees it), even after
+    a liveness check said alive: that storage leaves the count, and the others keep theirs."""
     import lightning_fpdt.offload.memtrack as memtrack
 
     kept = torch.zeros(64, dtype=torch.float64)

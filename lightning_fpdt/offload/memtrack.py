@@ -103,21 +103,20 @@ class TensorMemoryTracker(TorchDispatchMode):
         self._counted += nbytes
 
     def _collect(self) -> None:
-        dead = [key for key, (ref, _) in self._live.items() if ref.expired()]
-        for key in dead:
-            self._counted -= self._live.pop(key)[1]
-        if self._resizable:
-            for key, (ref, nbytes) in list(self._live.items()):
-                storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-                # another thread (autograd's, a collective's worker) may free it after the check above
-                now = 0 if storage is None else storage.nbytes()
-                if storage is None:
-                    del self._live[key]
-                elif now == nbytes:
-                    continue
-                else:
-                    self._live[key] = (ref, now)
-                self._counted += now - nbytes
+        if not self._resizable:
+            for key in [key for key, (ref, _) in self._live.items() if ref.expired()]:
+                self._counted -= self._live.pop(key)[1]
+            return
+        # one read per storage: its size now, or None once freed (a liveness check before the read would leave
+        # a window in which another thread, autograd's or a collective's worker, frees it)
+        for key, (ref, nbytes) in list(self._live.items()):
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            now = 0 if storage is None else storage.nbytes()
+            if storage is None:
+                del self._live[key]
+            elif now != nbytes:
+                self._live[key] = (ref, now)
+            self._counted += now - nbytes
 
 
 def peak_step_bytes(
