@@ -45,12 +45,14 @@ def _module(tokenizer_dir: str, seed: int, **kwargs) -> HFCausalLM:
 
 
 def _short_chats(n: int, seed: int) -> list[dict]:
-    """Conversations of 20 to 70 tokens: 1 or 2 exchanges, some with a system prompt, one without a reply."""
+    """Conversations of 20 to 120 tokens: 1 or 2 exchanges, some with a system prompt, one without a reply. The first
+    is one exchange without a system prompt (about 20 tokens), so that it shares a sample of 128 tokens with
+    another whatever the draw (best-fit decreasing places it last, into a sample with room; one seed drew none)."""
     rng = random.Random(seed)
     rows = []
-    for _ in range(n):
-        messages = [{"role": "system", "content": "Be brief."}] if rng.random() < 0.5 else []
-        for _ in range(rng.randint(1, 2)):
+    for i in range(n):
+        messages = [{"role": "system", "content": "Be brief."}] if i and rng.random() < 0.5 else []
+        for _ in range(rng.randint(1, 2) if i else 1):
             messages += [{"role": "user", "content": sentence(rng, rng.randint(2, 6))},
                          {"role": "assistant", "content": sentence(rng, rng.randint(1, 5))}]
         rows.append({"messages": messages})
