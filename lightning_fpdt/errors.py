@@ -43,6 +43,13 @@ def is_said_by_every_rank(error: BaseException) -> bool:
     return bool(getattr(error, _SAID_BY_EVERY_RANK, False))
 
 
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of ``error``'s message (its class name where it has none): how a message of this
+    package quotes another library's error and stays one line (torch's argument errors list every overload on
+    lines of their own)."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
 def is_positive_int(value: Any) -> bool:
     """The one rule for a count a user gives (a size, a number of tiles): an ``int`` above 0, and not a ``bool``
     (``True`` is an ``int`` to Python, never a count to a user)."""

@@ -206,6 +206,6 @@ def test_when_a_rank_is_killed_the_survivor_names_it(tmp_path: Path) -> None:
     assert re.match(r"\[rank0\]: RuntimeError: FPDTStrategy: rank 0 lost a peer: the process of rank 1 \(pid \d+,"
                     r" killed by SIGKILL\) died, so this collective cannot complete\. Still running on .*: rank\(s\)"
                     r" \[0\]\.", last), proc.stderr[-3000:]
-    # the backend's words are kept at the end (gloo says one or the other, depending on where it noticed)
-    assert re.search(r"Connection reset by peer|caused by a remote worker crashing", last), last
+    # the backend's words are kept at the end (gloo words it one of three ways, depending on where it noticed)
+    assert re.search(r"Connection (reset|closed) by peer|caused by a remote worker crashing", last), last
     assert time.monotonic() - start < 90  # the survivor exits at once, not at the process-group timeout

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, first_line
 from lightning_fpdt.layers.accumulation import optimizer_parameters
 
 META_FILE = "meta.pt"
@@ -246,7 +246,7 @@ def read(path: Path, mmap: bool = False) -> dict[str, Any]:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         detail = next((line.strip() for line in str(err).splitlines() if "Unsupported global" in line
-                       or "not an allowed global" in line), str(err).splitlines()[0])
+                       or "not an allowed global" in line), first_line(err))
         raise CheckpointError(
             f"FPDTStrategy: the checkpoint {path} holds objects that are not tensors or plain Python values"
             f" ({detail}). lightning-fpdt writes only those; this file was written by other code. Load it with the"
@@ -254,9 +254,8 @@ def read(path: Path, mmap: bool = False) -> dict[str, Any]:
             " torch.serialization.add_safe_globals if you trust the file."
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(
-            f"FPDTStrategy: the checkpoint {path} is truncated or corrupt ({reason}). Resume from an earlier"
+            f"FPDTStrategy: the checkpoint {path} is truncated or corrupt ({first_line(err)}). Resume from an earlier"
             " checkpoint (lightning_fpdt.checkpoints.files.latest_checkpoint(dir) finds the newest complete one)."
         ) from None
     if not isinstance(checkpoint, dict) or ("state_dict" not in checkpoint and path.name != META_FILE):
@@ -288,7 +287,7 @@ def load_into(path: Path, module: torch.nn.Module, optimizers: list[Any], strict
         except Exception as err:
             raise CheckpointError(
                 f"FPDTStrategy: the sharded checkpoint {path} does not fit this model and its optimizers"
-                f" ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Resume it with the"
+                f" ({type(err).__name__}: {first_line(err)}). Resume it with the"
                 " model and optimizer configuration it was saved with."
             ) from None
         set_model_state_dict(module, states["state_dict"], options=StateDictOptions(strict=strict))

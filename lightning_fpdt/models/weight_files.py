@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, first_line
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -80,9 +80,8 @@ class SafetensorsFiles:
             raise FileNotFoundError(f"{self.owner}: {path} does not exist, but {INDEX_FILE} names it; copy or download"
                                     " the whole checkpoint directory again.") from None
         except (SafetensorError, OSError) as err:
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             size = f"; {path.stat().st_size} bytes" if path.is_file() else ""
-            raise FPDTError(f"{self.owner}: the safetensors file {path} cannot be read ({reason}{size}): it is"
+            raise FPDTError(f"{self.owner}: the safetensors file {path} cannot be read ({first_line(err)}{size}): it is"
                             " truncated or corrupt. Copy or download it again, or save the model again with"
                             " save_pretrained.") from None
         with handle as f:

@@ -288,6 +288,23 @@ def test_a_config_transformers_cannot_build_names_its_unset_sizes() -> None:
         HFCausalLM(Dots1Config(**sizes))
 
 
+def test_a_constructor_error_of_several_lines_is_quoted_in_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's argument errors list every overload on lines of their own (torch 2.11 answers dots1's unset sizes so,
+    where 2.13 says it in one line): the refusal quotes the error's first line and stays one line."""
+    sizes = dict(SIZES, num_key_value_heads=2, moe_intermediate_size=16)
+    overloads = "empty() received an invalid combination of arguments:\n * (tuple of ints size)\n * (int size)\n"
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise TypeError(overloads)
+
+    monkeypatch.setattr(modeling_dots1.Dots1ForCausalLM, "__init__", refuse)
+    with pytest.raises(ValueError) as refusal:
+        HFCausalLM(Dots1Config(**sizes))
+    message = str(refusal.value)
+    assert "\n" not in message, message
+    assert "(TypeError: empty() received an invalid combination of arguments:); the config leaves" in message, message
+
+
 def test_moe_refusals_name_the_feature() -> None:
     config = _config("mixtral", 2)
     config.router_jitter_noise = 0.1
