@@ -2,15 +2,30 @@
 
 ``transformers`` is the extra ``hf``: the strategy, the bundled models and the data modules work without it;
 ``HFCausalLM``, conversion to and from ``transformers`` and reading a pretrained directory need it. ``peft`` (the same
-extra) is needed for ``HFCausalLM(lora=...)`` only.
+extra) is needed for ``HFCausalLM(lora=...)`` only. Both need Python 3.11 or newer: the transformers releases the extra
+names (5.24 on) require it, so on Python 3.10 the extra does not install and the hint says which Python to use.
 """
 
 from __future__ import annotations
 
 import importlib
+import platform
+import sys
 from types import ModuleType
 
 HINTS = {"transformers": "pip install 'lightning-fpdt[hf]'", "peft": "pip install 'lightning-fpdt[hf]'"}
+# the oldest Python the hf extra's releases install on (transformers 5.24.0: Requires-Python >=3.11)
+HF_PYTHON = (3, 11)
+
+
+def install_hint(package: str) -> str:
+    """How to get ``package``: the extra that brings it, or, on a Python older than the extra's releases need, that
+    Python."""
+    if package in HINTS and sys.version_info[:2] < HF_PYTHON:
+        oldest = f"{HF_PYTHON[0]}.{HF_PYTHON[1]}"
+        return (f"the releases the 'hf' extra names need Python >= {oldest} (transformers 5.24 on), and this is Python"
+                f" {platform.python_version()}: run it on Python {oldest} or newer, then {HINTS[package]}")
+    return HINTS.get(package, f"pip install {package}")
 
 
 def require(module: str, feature: str) -> ModuleType:
@@ -28,5 +43,5 @@ def require(module: str, feature: str) -> ModuleType:
     except ModuleNotFoundError as err:
         if err.name != package:
             raise
-        raise ModuleNotFoundError(f"{feature} needs {package}: {HINTS.get(package, f'pip install {package}')}.",
+        raise ModuleNotFoundError(f"{feature} needs {package}: {install_hint(package)}.",
                                   name=package) from err

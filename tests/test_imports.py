@@ -400,3 +400,23 @@ def test_without_transformers_the_models_import_and_the_hf_features_name_the_ins
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           cwd=ROOT.parent)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("python", [(3, 10, 13, "final", 0), (3, 11, 7, "final", 0)])
+def test_the_hf_hint_names_the_python_its_releases_need(monkeypatch: pytest.MonkeyPatch, python: tuple) -> None:
+    """transformers 5.24 on needs Python 3.11: on 3.10 ``pip install 'lightning-fpdt[hf]'`` cannot succeed, so the hint
+    says which Python to use first; on 3.11 it is the install command alone."""
+    from lightning_fpdt import optional
+
+    def not_installed(name: str) -> None:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name.split(".")[0])
+
+    monkeypatch.setattr(optional.importlib, "import_module", not_installed)
+    monkeypatch.setattr(optional.sys, "version_info", python)
+    with pytest.raises(ModuleNotFoundError) as missing:
+        optional.require("transformers.models", "HFCausalLM")
+    message = str(missing.value)
+    assert message.startswith("HFCausalLM needs transformers: "), message
+    assert message.endswith("pip install 'lightning-fpdt[hf]'."), message
+    too_old = "need Python >= 3.11 (transformers 5.24 on), and this is Python " in message
+    assert too_old == (python[:2] == (3, 10)), message
