@@ -9,7 +9,6 @@ names (5.24 on) require it, so on Python 3.10 the extra does not install and the
 from __future__ import annotations
 
 import importlib
-import platform
 import sys
 from types import ModuleType
 
@@ -18,13 +17,14 @@ HINTS = {"transformers": "pip install 'lightning-fpdt[hf]'", "peft": "pip instal
 HF_PYTHON = (3, 11)
 
 
-def install_hint(package: str) -> str:
-    """How to get ``package``: the extra that brings it, or, on a Python older than the extra's releases need, that
-    Python."""
-    if package in HINTS and sys.version_info[:2] < HF_PYTHON:
-        oldest = f"{HF_PYTHON[0]}.{HF_PYTHON[1]}"
+def install_hint(package: str, python: tuple[int, ...] | None = None) -> str:
+    """How to get ``package``: the extra that brings it, or, on a Python older than the extra's releases need
+    (``python``: ``sys.version_info`` when not given), that Python first."""
+    python = tuple(sys.version_info[:3]) if python is None else python
+    if package in HINTS and python[:2] < HF_PYTHON:
+        oldest, this = ".".join(map(str, HF_PYTHON)), ".".join(map(str, python[:3]))
         return (f"the releases the 'hf' extra names need Python >= {oldest} (transformers 5.24 on), and this is Python"
-                f" {platform.python_version()}: run it on Python {oldest} or newer, then {HINTS[package]}")
+                f" {this}: use Python {oldest} or newer, then {HINTS[package]}")
     return HINTS.get(package, f"pip install {package}")
 
 

@@ -17,6 +17,7 @@ import torch
 
 import lightning_fpdt
 from lightning_fpdt import FPDTStrategy
+from lightning_fpdt.errors import described, first_line
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from lightning_fpdt.options import FPDTOptions
 from lightning_fpdt.parallel.batches import shard_batch
@@ -209,3 +210,19 @@ def test_when_a_rank_is_killed_the_survivor_names_it(tmp_path: Path) -> None:
     # the backend's words are kept at the end (gloo words it one of three ways, depending on where it noticed)
     assert re.search(r"Connection (reset|closed) by peer|caused by a remote worker crashing", last), last
     assert time.monotonic() - start < 90  # the survivor exits at once, not at the process-group timeout
+
+
+@pytest.mark.parametrize(("error", "line", "whole"), [
+    (TypeError("empty() received an invalid combination of arguments:\n * (tuple of ints size)\n * (int size)"),
+     "empty() received an invalid combination of arguments", "TypeError: empty() received an invalid combination of"
+     " arguments"),
+    (ValueError("\n  the reason, after a blank line  \nmore"), "the reason, after a blank line",
+     "ValueError: the reason, after a blank line"),
+    (AssertionError(), "AssertionError", "AssertionError"),
+    (KeyError("x"), "'x'", "KeyError: 'x'"),
+])
+def test_another_librarys_error_is_quoted_in_one_line(error: BaseException, line: str, whole: str) -> None:
+    """A refusal quotes a foreign error by its first line (no overload list, no trailing colon); an error without a
+    message is its class name once, not "AssertionError: AssertionError"."""
+    assert first_line(error) == line
+    assert described(error) == whole

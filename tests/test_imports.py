@@ -402,21 +402,29 @@ def test_without_transformers_the_models_import_and_the_hf_features_name_the_ins
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("python", [(3, 10, 13, "final", 0), (3, 11, 7, "final", 0)])
-def test_the_hf_hint_names_the_python_its_releases_need(monkeypatch: pytest.MonkeyPatch, python: tuple) -> None:
+def test_the_hf_hint_names_the_python_its_releases_need() -> None:
     """transformers 5.24 on needs Python 3.11: on 3.10 ``pip install 'lightning-fpdt[hf]'`` cannot succeed, so the hint
-    says which Python to use first; on 3.11 it is the install command alone."""
+    says which Python to use first; on 3.11 and newer it is the install command alone."""
+    from lightning_fpdt.optional import install_hint
+
+    assert install_hint("transformers", (3, 10, 13)) == (
+        "the releases the 'hf' extra names need Python >= 3.11 (transformers 5.24 on), and this is Python 3.10.13: use"
+        " Python 3.11 or newer, then pip install 'lightning-fpdt[hf]'")
+    assert install_hint("peft", (3, 10, 2)).endswith("this is Python 3.10.2: use Python 3.11 or newer, then pip install"
+                                                     " 'lightning-fpdt[hf]'")
+    for python in ((3, 11, 0), (3, 13, 1)):
+        assert install_hint("transformers", python) == "pip install 'lightning-fpdt[hf]'"
+    assert install_hint("numpy", (3, 10, 13)) == "pip install numpy"
+
+
+def test_a_missing_hf_package_is_named_with_the_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``require`` names the feature, the package and this Python's hint."""
     from lightning_fpdt import optional
 
     def not_installed(name: str) -> None:
         raise ModuleNotFoundError(f"No module named {name!r}", name=name.split(".")[0])
 
     monkeypatch.setattr(optional.importlib, "import_module", not_installed)
-    monkeypatch.setattr(optional.sys, "version_info", python)
     with pytest.raises(ModuleNotFoundError) as missing:
         optional.require("transformers.models", "HFCausalLM")
-    message = str(missing.value)
-    assert message.startswith("HFCausalLM needs transformers: "), message
-    assert message.endswith("pip install 'lightning-fpdt[hf]'."), message
-    too_old = "need Python >= 3.11 (transformers 5.24 on), and this is Python " in message
-    assert too_old == (python[:2] == (3, 10)), message
+    assert str(missing.value) == f"HFCausalLM needs transformers: {optional.install_hint('transformers')}."

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_fpdt.errors import FPDTError, first_line
+from lightning_fpdt.errors import FPDTError, described, first_line
 from lightning_fpdt.layers.accumulation import optimizer_parameters
 
 META_FILE = "meta.pt"
@@ -287,7 +287,7 @@ def load_into(path: Path, module: torch.nn.Module, optimizers: list[Any], strict
         except Exception as err:
             raise CheckpointError(
                 f"FPDTStrategy: the sharded checkpoint {path} does not fit this model and its optimizers"
-                f" ({type(err).__name__}: {first_line(err)}). Resume it with the"
+                f" ({described(err)}). Resume it with the"
                 " model and optimizer configuration it was saved with."
             ) from None
         set_model_state_dict(module, states["state_dict"], options=StateDictOptions(strict=strict))

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.errors import FPDTError, WrongType, first_line
+from lightning_fpdt.errors import FPDTError, WrongType, described
 from lightning_fpdt.hf.weights import build_on_meta, pretrained_dtype, unmatched
 from lightning_fpdt.models.class_paths import instantiate
 from lightning_fpdt.models.weight_files import SafetensorsFiles, tensor_names
@@ -123,7 +123,7 @@ def from_config(config: PretrainedConfig) -> PreTrainedModel:
         hint = f"; the config leaves {', '.join(unset[:6])} unset (None): set them" if unset else ""
         raise FPDTError(
             f"HFCausalLM: transformers could not build {type(config).__name__}'s causal LM from this config"
-            f" ({type(error).__name__}: {first_line(error)}){hint}."
+            f" ({described(error)}){hint}."
         ) from error
 
 

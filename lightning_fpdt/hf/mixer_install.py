@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.errors import first_line
+from lightning_fpdt.errors import described
 from lightning_fpdt.hf.kernel_binding import reached_kernels
 from lightning_fpdt.hf.recurrent import CONV, DELTA_RULE, KDA, SCAN, SequenceParallelRecurrence, recurrence_core
 from lightning_fpdt.hf.recurrent_heads import LIGHTNING
@@ -144,7 +144,7 @@ def _disagreement(module: nn.Module, forward: SequenceParallelRecurrence) -> str
             theirs = _first(type(module).forward(module, x, **extra))
             ours = _first(forward(x, fpdt_context=SequenceParallelContext(chunk_size=4), **extra))  # 3 chunks
     except Exception as err:  # a release's kernels with other arguments: reported by the refusal, not swallowed
-        return f"its sequence-parallel forward raised {type(err).__name__}: {first_line(err)}"
+        return f"its sequence-parallel forward raised {described(err)}"
     finally:
         module.train(training)
     if not isinstance(theirs, Tensor) or not isinstance(ours, Tensor) or theirs.shape != ours.shape:

@@ -302,7 +302,7 @@ def test_a_constructor_error_of_several_lines_is_quoted_in_one(monkeypatch: pyte
         HFCausalLM(Dots1Config(**sizes))
     message = str(refusal.value)
     assert "\n" not in message, message
-    assert "(TypeError: empty() received an invalid combination of arguments:); the config leaves" in message, message
+    assert "(TypeError: empty() received an invalid combination of arguments); the config leaves" in message, message
 
 
 def test_moe_refusals_name_the_feature() -> None:
