@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from lightning_fpdt.errors import FPDTError, Unsupported
+from lightning_fpdt.errors import FPDTError, Unsupported, described
 
 # A forward that casts its logits to float32 (some families do) is reproduced to float32 rounding per logit;
 # any real transform (a scale, a cap, a bias) differs by far more.
@@ -97,7 +97,7 @@ def find_head_transform(model: PreTrainedModel) -> HeadTransform:
     except Exception as error:  # any failure of the stood-in forward: refused, never guessed
         raise Unsupported(
             f"HFCausalLM: could not check {where}: {type(model).__name__}.forward failed on a stood-in base model"
-            f" and output embedding ({type(error).__name__}: {error}), so what it does to the logits after the"
+            f" and output embedding ({described(error)}), so what it does to the logits after the"
             " output embedding is unknown and the loss could silently differ; this model is not supported."
         ) from error
     if not isinstance(logits, Tensor) or logits.shape != raw.shape:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
-from lightning_fpdt.errors import Unsupported
+from lightning_fpdt.errors import Unsupported, described
 
 _PROBE = "lightning_fpdt_mask_probe"
 _FAR = 1 << 40  # a query position beyond any window: the rule read there holds for every position
@@ -144,7 +144,7 @@ def check_mask_windows(model: PreTrainedModel, layers: list[tuple[str, nn.Module
             raise  # a refusal of ours, raised inside the forward
         raise Unsupported(
             f"HFCausalLM: the mask probe could not run {type(model).__name__}'s base model on two tokens"
-            f" ({type(error).__name__}: {error}): its forward computes with transformers' attention mask outside the"
+            f" ({described(error)}): its forward computes with transformers' attention mask outside the"
             " attention function (as a tensor: a sparse-attention indexer such as DeepSeek-V3.2's, a gate), or its"
             " mask depends on the inputs (image or token-type overlays). Under FPDT no mask is built, so whether each"
             " layer attends as the pipeline computes cannot be checked; this model is not supported."

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from lightning_fpdt.errors import FPDTError, Unsupported
+from lightning_fpdt.errors import FPDTError, Unsupported, described
 from lightning_fpdt.hf.head_transform import head_name_of, stood_in
 
 # The family's loss against the formula on probe logits: float32 steps inside a family's loss function move it by
@@ -245,7 +245,7 @@ def router_loss_for(model: PreTrainedModel, routers: list[nn.Module], wrapped: l
         raise Unsupported(
             f"HFCausalLM: could not check whether {name}'s loss adds an auxiliary router loss: its forward failed on"
             f" stood-in router logits [{shape[0] * shape[1]}, {width}] x {len(routers)} routers"
-            f" ({type(error).__name__}: {error}); set output_router_logits=False if the family's config has it, or"
+            f" ({described(error)}); set output_router_logits=False if the family's config has it, or"
             " this model is not supported."
         ) from error
     moved = (losses[0] - losses[1]).item()
