@@ -43,19 +43,23 @@ def is_said_by_every_rank(error: BaseException) -> bool:
     return bool(getattr(error, _SAID_BY_EVERY_RANK, False))
 
 
+def _message_line(error: BaseException) -> str:
+    """The first non-empty line of ``error``'s message without a trailing colon; ``""`` for an error without one."""
+    line = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return line.rstrip(":").rstrip()
+
+
 def first_line(error: BaseException) -> str:
     """The first non-empty line of ``error``'s message, without a trailing colon (its class name where it has none):
     how a message of this package quotes another library's error and stays one line (torch's argument errors list
     every overload on lines of their own, after a line that ends in a colon)."""
-    line = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-    return line.rstrip(":").rstrip() or type(error).__name__
+    return _message_line(error) or type(error).__name__
 
 
 def described(error: BaseException) -> str:
     """``"<class>: <first line>"``, or the class name alone for an error without a message."""
-    name = type(error).__name__
-    line = first_line(error)
-    return name if line == name else f"{name}: {line}"
+    line = _message_line(error)
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
 
 
 def is_positive_int(value: Any) -> bool:
