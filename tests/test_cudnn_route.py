@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_fpdt import backends
+from lightning_fpdt.attention.fused_ops import contiguous_strides
 from lightning_fpdt.attention.kernels import CudnnKernel, get_kernel
 from tests.test_cuda_calls import (
     CUDNN,
@@ -71,6 +72,30 @@ def test_cudnn_calls_match_schemas_and_autograd(dtype: torch.dtype, causal: bool
         for name in ("query", "key", "value", "grad_out", "out"):
             if name in call_in:
                 assert call_in[name].shape[-1] % 8 == 0 and call_in[name].stride(-1) == 1, name
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cudnn_gets_one_layout_whatever_views_come_in(batch: int) -> None:
+    """cuDNN caches a graph by q's, k's and v's sizes and strides alone and gives out and dout q's layout: a
+    pipeline's chunks are views of a longer sequence (one batch row: a size-1 dim of another stride) one call and
+    fresh tensors the next, so every tensor reaches the op with the exact strides of a fresh contiguous
+    ``[b, s, h, d8]``, transposed, out and dout with q's (the views restrided, not copied, where they are dense)."""
+    heads, kv_heads, s, d = 4, 2, 40, 16
+    longer = [torch.empty(batch, 3 * s, n, d, dtype=torch.bfloat16, device="meta") for n in (heads, kv_heads,
+                                                                                          kv_heads, heads)]
+    q, k, v, dout = (x[:, s:2 * s] for x in longer)
+    kernel = CudnnKernel()
+    with _Recorder() as rec:
+        out, lse = kernel.forward(q, k, v, True, 0.25)
+        kernel.backward(dout, q, k, v, out, lse, True, 0.25)
+    assert [c.op for c in rec.calls] == [CUDNN, CUDNN_BWD]
+    for call_in in map(_bind, rec.calls):
+        for name in ("query", "key", "value", "out", "grad_out"):
+            if name in call_in:
+                x = call_in[name]
+                assert x.transpose(1, 2).stride() == contiguous_strides(x.transpose(1, 2).shape), (name, x.stride())
+        if "out" in call_in:
+            assert call_in["out"].stride() == call_in["grad_out"].stride() == call_in["query"].stride()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -203,6 +203,30 @@ def efficient_op_backward(
     return dq, sum_kv_grad(dk, g), sum_kv_grad(dv, g)
 
 
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a freshly allocated contiguous tensor of ``shape`` (size-1 dims included)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def cudnn_layout(x: Tensor, width: int) -> Tensor:
+    """``[b, s, h, d] -> [b, h, s, width]``: a view of ``[b, s, h, width]`` with exactly contiguous strides, size-1
+    dims included, padded as :func:`dense_head_dim` pads.
+
+    cuDNN's graphs are cached by q's, k's and v's sizes and strides alone, and the backward's graph takes out's and
+    dout's layout from q's: a pipeline hands in views (a chunk of a longer sequence, one batch row's stride) and
+    fresh tensors in turn, which one cached graph would read with another call's strides. A dense tensor whose
+    size-1 dims have other strides is only restrided (the same addresses); any other layout is copied."""
+    x = dense_head_dim(x, width)
+    strides = contiguous_strides(x.shape)
+    if x.stride() != strides:
+        x = x.as_strided(x.shape, strides) if x.is_contiguous() else x.contiguous()
+    return x.transpose(1, 2)
+
+
 CUDNN_MAX_HEAD_DIM = 128  # what cuDNN's fused attention takes forward and backward on every GPU it runs on
 
 
@@ -216,7 +240,7 @@ def cudnn_op_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
     """cuDNN's fused attention of q ``[b, s_q, h, d]``, k/v ``[b, s_k, kv_heads, d]``: ``(out, lse [b, h, s_q]
     float32)``. k/v repeated to q's heads (GQA is not taken natively on every cuDNN release torch loads)."""
     h, width = q.shape[2], common_head_dim(q, v)
-    qt, kt, vt = (dense_head_dim(x, width).transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h)))
+    qt, kt, vt = (cudnn_layout(x, width) for x in (q, repeat_kv(k, h), repeat_kv(v, h)))
     # -> (output, logsumexp [b, h, s_q, 1], cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug)
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         qt, kt, vt, None, True, 0.0, causal, False, scale=scale
@@ -228,11 +252,10 @@ def cudnn_op_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     h, g, d, width = q.shape[2], k.shape[2], q.shape[3], common_head_dim(q, v)
-    qt, kt, vt, dot = (
-        dense_head_dim(x, width).transpose(1, 2) for x in (q, repeat_kv(k, h), repeat_kv(v, h), dout.to(q.dtype))
+    # out and dout in q's layout, as the forward returned out; the lse with its trailing 1 again
+    qt, kt, vt, ot, dot = (
+        cudnn_layout(x, width) for x in (q, repeat_kv(k, h), repeat_kv(v, h), out.to(q.dtype), dout.to(q.dtype))
     )
-    # out in the layout the forward returned (q's: [b, s, h, d8] transposed); the lse with its trailing 1 again
-    ot = dense_head_dim(out.to(q.dtype).contiguous(), width).transpose(1, 2)
     philox_seed, philox_offset = unused_rng_state(False, q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dot, qt, kt, vt, ot, lse.to(torch.float32).contiguous().unsqueeze(-1), philox_seed, philox_offset,
