@@ -56,6 +56,20 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+def release_memory(device: torch.device | str) -> None:
+    """Hand the caching allocators' free blocks back between runs of different shapes: the device's, and on CUDA the
+    pinned host blocks of offloaded chunks too (``empty_cache`` leaves those cached; a long run of several shapes
+    would otherwise keep each shape's pinned copies of its chunks)."""
+    if torch.device(device).type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    # public from torch 2.13 on (torch.accelerator); the private binding before it
+    empty_host = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty_host is not None:
+        empty_host()
+
+
 def matmul_rate(device: torch.device | str, dtype: torch.dtype, n: int, reps: int) -> float:
     """Measured FLOP/s of ``[n, n] @ [n, n]`` in ``dtype`` on ``device`` (one warm-up, then ``reps`` timed)."""
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import is_oom, matmul_rate, print_table, synchronize
+from common import is_oom, matmul_rate, print_table, release_memory, synchronize
 from gpu_mfu import baseline_rows, mfu_rows, phase_rows
 
 from lightning_fpdt.attention import fpdt_attention, math_kernel, routes
@@ -66,8 +66,11 @@ from lightning_fpdt.parallel.binding import SequenceParallelContext, bind
 
 # max|a - b| / max|b| allowed per input dtype (the float64 reference is exact by comparison)
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-3}
-# dense bf16 tensor-core peaks (NVIDIA data sheets); other GPUs: the measured matmul rate only
-NOMINAL_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
+# dense bf16 tensor-core peaks (NVIDIA data sheets, half the figures "with sparsity"), the first name the device's
+# contains wins: the PCIe and NVL boards run slower clocks than the SXM ones their plain names are; other GPUs: the
+# measured matmul rate only
+NOMINAL_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989.4e12),
+                      ("H200", 989.4e12), ("A100", 312e12))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
@@ -79,11 +82,6 @@ def _batch(ids: torch.Tensor, chunk: int | None, device: torch.device) -> dict[s
     """One sequence (P = 1) as the strategy hands it to the model, on ``device``."""
     batch = shard_batch({"input_ids": ids}, 1, 0, chunk)
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---- 1. routes ---------------------------------------------------------------------------------
@@ -319,8 +317,9 @@ def offload_table(device: torch.device, args: argparse.Namespace, link: dict[str
                 if not is_oom(err):
                     raise
                 results[offload] = None
-            _free(device)
-        release_copy_engines()  # bound the pinned memory: the pool holds this length's buffers only
+            release_memory(device)
+        release_copy_engines()  # bound the pinned memory: the pool holds this length's buffers only,
+        release_memory(device)  # and the host allocator's cache none of them
         plain, off = results[False], results[True]
         if off is None or plain is None:
             rows.append([seq, seq // args.chunk_size, "OOM" if plain is None else plain["peak"] / 2**30,
@@ -356,7 +355,7 @@ def nominal_peak(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((flops for chip, flops in NOMINAL_BF16_FLOPS.items() if chip in name), None)
+    return next((flops for chip, flops in NOMINAL_BF16_FLOPS if chip in name), None)
 
 
 def main() -> None:
@@ -435,7 +434,8 @@ def main() -> None:
     print_table(["shape", "tokens", "s / step", "peak GiB", "TFLOP/s", "MFU strict", "MFU Megatron",
                  "strict / measured matmul", "attention route"], rows)
     print(f"matmul rate ({str(dtype).removeprefix('torch.')}, measured): {measured / 1e12:.1f} TFLOP/s; nominal peak: "
-          + ("unknown for this device" if nominal is None else f"{nominal / 1e12:.0f} TFLOP/s"), flush=True)
+          + ("unknown for this device" if nominal is None else f"{nominal / 1e12:.0f} TFLOP/s")
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""), flush=True)
     print(f"\ntotal {time.perf_counter() - started:.0f} s", flush=True)
     if not (routes_ok and model_ok):
         sys.exit("gpu_check: a correctness check FAILED (see the tables above).")

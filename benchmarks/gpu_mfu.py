@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from common import is_oom, synchronize
+from common import is_oom, release_memory, synchronize
 
 from lightning_fpdt.backends import route_description
 from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
@@ -105,12 +105,6 @@ class LlamaStep:
         release_copy_engines()
 
 
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
 def run_step(device: torch.device, config: LlamaConfig, seq: int, chunk: int | None, backend: str,
              bound: bool = True) -> tuple[float, float] | None:
     """:meth:`LlamaStep.timed`, or ``None`` when it does not fit the device."""
@@ -126,7 +120,7 @@ def run_step(device: torch.device, config: LlamaConfig, seq: int, chunk: int | N
         if step is not None:
             step.close()
         del step
-        _free(device)
+        release_memory(device)
 
 
 def mfu_rows(device: torch.device, runs: list[tuple[str, int]], chunk: int, backend: str, nominal: float | None,
@@ -184,6 +178,39 @@ def _device_time(event: Any) -> float:
     return float(getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0)))
 
 
+def _on_device(event: Any) -> bool:
+    return getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
+
+
+def tally(averages: Iterable[Any], events: Iterable[Any], wall: float | None) -> tuple[
+        dict[str, float], float, float, dict[str, int]]:
+    """A profile's ``(seconds by phase, step seconds, side-stream copy seconds, host counts)``.
+
+    ``averages`` are ``prof.key_averages()``, ``events`` ``prof.events()``; ``wall``: the step's wall time on CPU
+    (phases in CPU time), ``None`` on CUDA (phases in device time, the step the sum of its kernels, copies apart).
+    Kineto records each profiler range twice on CUDA, as the CPU range (its kernels' time) and as a GPU user
+    annotation (its span on the device; both are user annotations, told apart by device type): only the first is
+    counted, as torch's own table does, or every phase and the step would read about twice their time."""
+    phases: dict[str, float] = {}
+    host = dict.fromkeys(("launches", "syncs", "casts"), 0)
+    for event in averages:
+        if _on_device(event) and getattr(event, "is_user_annotation", False):
+            continue
+        if event.key in PHASES:
+            seconds = (event.cpu_time_total if wall is not None else _device_time(event)) / 1e6
+            phases[PHASES[event.key]] = phases.get(PHASES[event.key], 0.0) + seconds
+        elif event.key in SYNCS:
+            host["syncs"] += event.count
+        elif event.key == "aten::to":
+            host["casts"] += event.count
+        elif event.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"):
+            host["launches"] += event.count
+    kernels = [e for e in events if _on_device(e) and not getattr(e, "is_user_annotation", False)]
+    copies = sum(e.device_time for e in kernels if "Memcpy" in e.name) / 1e6
+    total = wall if wall is not None else sum(e.device_time for e in kernels if "Memcpy" not in e.name) / 1e6
+    return phases, total, copies, host
+
+
 def phase_rows(device: torch.device, seq: int, chunk: int | None, backend: str, cpu: bool) -> list[list]:
     """One full-stack step of the Llama-1B shape under ``torch.profiler``: device time by phase (CPU time on CPU),
     copies, and the host's share (module docstring)."""
@@ -202,26 +229,12 @@ def phase_rows(device: torch.device, seq: int, chunk: int | None, backend: str, 
         wall = time.perf_counter() - start
     finally:
         step.close()
-        _free(device)
-    measure: Callable[[Any], float] = (lambda e: e.cpu_time_total) if cpu else _device_time
-    phases: dict[str, float] = {}
-    launches = syncs = casts = 0
-    copies = 0.0
-    for event in prof.key_averages():
-        if event.key in PHASES:
-            phases[PHASES[event.key]] = phases.get(PHASES[event.key], 0.0) + measure(event) / 1e6
-        elif event.key in SYNCS:
-            syncs += event.count
-        elif event.key == "aten::to":
-            casts += event.count
-        elif event.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"):
-            launches += event.count
-    kernels = [e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
-    total = wall if cpu else sum(e.device_time for e in kernels if "Memcpy" not in e.name) / 1e6
-    copies = sum(e.device_time for e in kernels if "Memcpy" in e.name) / 1e6
+        release_memory(device)
+    phases, total, copies, host = tally(prof.key_averages(), prof.events(), wall if cpu else None)
     rows = [[phase, seconds * 1e3, f"{100 * seconds / total:.1f}%"] for phase, seconds in sorted(phases.items())]
     rows.append(["the rest", (total - sum(phases.values())) * 1e3, f"{100 * (1 - sum(phases.values()) / total):.1f}%"])
     rows.append(["step (device, copies excluded)" if not cpu else "step (wall)", total * 1e3, "100%"])
     rows.append(["copies (side streams, overlapped)", copies * 1e3, "-"])
-    rows.append([f"host: {launches} kernel launches, {syncs} stream synchronisations, {casts} aten::to", "-", "-"])
+    rows.append([f"host: {host['launches']} kernel launches, {host['syncs']} stream synchronisations,"
+                 f" {host['casts']} aten::to", "-", "-"])
     return rows
