@@ -18,8 +18,8 @@ import transformers
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from lightning_fpdt.cli import FPDTCLI, own_message
 from lightning_fpdt.cli import main as cli_main
-from lightning_fpdt.cli import own_message
 from lightning_fpdt.testing import free_port, run_in_fork
 
 pytestmark = pytest.mark.distributed  # every test here starts several processes
@@ -160,6 +160,18 @@ def test_print_config(monkeypatch, capsys) -> None:
     code, out, err = fpdt_train_here(monkeypatch, capsys, "fit", "--config", str(TINY), "--print_config")
     assert code == 0, err[-3000:]
     assert "class_path: lightning_fpdt.FPDTStrategy" in out and "chunk_size: 128" in out
+
+
+@pytest.mark.parametrize("given, expected", [
+    ([], True), (["--trainer.strategy.init_args.gradient_as_bucket_view=false"], False)])
+def test_the_cli_keeps_the_strategy_s_gradient_as_bucket_view(given: list[str], expected: bool) -> None:
+    """LightningCLI fills a strategy's ``**kwargs`` with every argument of ``DistributedDataParallel`` at DDP's
+    default (``gradient_as_bucket_view=False``): the strategy's own default (one copy of the gradients) holds from a
+    YAML file as from Python, and a configuration can still turn it off."""
+    cli = FPDTCLI(run=False, args=["--config", str(TINY), *given])
+    strategy = cli.trainer.strategy
+    assert strategy._ddp_kwargs["gradient_as_bucket_view"] is expected
+    assert strategy._options.gradient_as_bucket_view is expected  # what the memory estimate counts
 
 
 def test_fit_prints_the_memory_estimate_and_resolves_auto_chunks(tmp_path: Path) -> None:

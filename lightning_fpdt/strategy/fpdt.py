@@ -79,10 +79,10 @@ class FPDTStrategy(CheckpointHooks):
     Args: the fields of :class:`lightning_fpdt.options.FPDTOptions` (``sequence_parallel_size``, ``ring_size``,
     ``chunk_size``, ``memory_budget``, ``attention_backend``, ``offload``, ``activation_checkpointing``,
     ``offload_checkpoints``, ``keep_attention``, ``sequence_keys``, ``pad_token_id``, ``shard_parameters``,
-    ``offload_optimizer``, ``nonfinite_loss``), each documented and validated there, then DDPStrategy's
-    (``process_group_backend``, ``timeout``, ``start_method``, ``**kwargs``). A value wrong on its own raises
-    ``ValueError`` here. Of the ``**kwargs`` for ``DistributedDataParallel``, ``gradient_as_bucket_view`` defaults to
-    ``True``.
+    ``offload_optimizer``, ``nonfinite_loss``), each documented and validated there; ``gradient_as_bucket_view``
+    (``True``: ``DistributedDataParallel``'s gradients are views into its buckets, one copy of them instead of two;
+    DDP's own default is ``False``); then DDPStrategy's (``process_group_backend``, ``timeout``, ``start_method``,
+    ``**kwargs`` for ``DistributedDataParallel``). A value wrong on its own raises ``ValueError`` here.
     """
 
     strategy_name = "fpdt"
@@ -103,12 +103,15 @@ class FPDTStrategy(CheckpointHooks):
         shard_parameters: bool = False,
         offload_optimizer: bool = False,
         nonfinite_loss: Literal["raise", "skip"] = "raise",
+        gradient_as_bucket_view: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("gradient_as_bucket_view", True)  # DDP's gradients as views into its buckets: one copy
+        # DDP's gradients as views into its buckets: one copy of them, not two. A parameter of its own, not a default
+        # set in **kwargs: LightningCLI fills **kwargs with every argument of DistributedDataParallel at its default
+        kwargs["gradient_as_bucket_view"] = gradient_as_bucket_view
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                          **kwargs)
         self._options = FPDTOptions(
