@@ -232,3 +232,21 @@ def test_loss_tiles_live_on_the_lightning_module(lm_cls: type, config_cls: type)
     assert lm_cls(old).loss_tiles == 3
     with pytest.raises(ValueError, match=r"CausalLM: loss_tiles=1 and config.loss_tiles=3 disagree"):
         lm_cls(old, loss_tiles=1)
+
+
+@pytest.mark.parametrize("lm_cls, config", [
+    (GPTLM, GPTConfig(vocab_size=256, n_embd=64, n_layer=2, n_head=4, tie_word_embeddings=True)),
+    (LlamaLM, LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    (LlamaLM, LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+], ids=["gpt-tied", "llama-tied", "llama"])
+def test_a_fresh_model_starts_near_the_uniform_loss(lm_cls: type, config: Any, fresh_seed: int) -> None:
+    """With the default init a fresh model's loss on random tokens is about ln(vocab): a tied embedding is the output
+    layer too and gets its scale (at std 1 every logit had a std of sqrt(width): gpt_cpu.yaml started at 39)."""
+    torch.manual_seed(fresh_seed)
+    model = lm_cls(config).model
+    ids = torch.randint(0, 256, (4, 64))
+    logits = model(ids)[:, :-1]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1))
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 1.0, loss.item()

@@ -38,7 +38,8 @@ class GPTConfig:
         tie_word_embeddings: share the token embedding with the output projection.
         position_embedding: ``"learned"`` (GPT-2) or ``"rotary"`` (no length limit: for long context).
         rope_theta: RoPE base when ``position_embedding="rotary"``.
-        initializer_std: weight std; ``None`` means ``1 / sqrt(fan_in)`` (embeddings: 1).
+        initializer_std: weight std; ``None`` means ``1 / sqrt(fan_in)`` (embeddings: 1; a tied embedding, which
+            is the output layer too: ``1 / sqrt(n_embd)``).
         mlp_tiles: sequence tiles of the MLP (``None``: automatic; 1: off). The loss's tiles are the
             LightningModule's (``GPTLM(loss_tiles=...)``), not the model's.
     """
@@ -112,7 +113,7 @@ class GPT(nn.Module):
         )
         self.ln_f = nn.LayerNorm(c.n_embd, eps=c.layer_norm_epsilon)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
-        init_weights(self, c.initializer_std)
+        init_weights(self, c.initializer_std, tied=self.wte if c.tie_word_embeddings else None)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
 

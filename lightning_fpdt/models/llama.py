@@ -49,7 +49,8 @@ class LlamaConfig:
         attention_bias: biases on the q/k/v/o projections.
         mlp_bias: biases on the MLP projections.
         initializer_std: std of the linear and embedding weights; ``None`` means
-            ``1 / sqrt(fan_in)`` per layer (and 1 for embeddings).
+            ``1 / sqrt(fan_in)`` per layer (and 1 for embeddings; a tied embedding, which is the output layer too:
+            ``1 / sqrt(hidden_size)``).
         mlp_tiles: sequence tiles of the MLP (``None``: from the sequence and hidden sizes; 1: off).
             The loss's tiles are the LightningModule's (``LlamaLM(loss_tiles=...)``), not the model's.
         norm_compute_dtype: dtype RMSNorm computes in; ``None`` means float32 or wider (float64
@@ -166,7 +167,7 @@ class Llama(nn.Module):
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, norm_dtype)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        init_weights(self, c.initializer_std)
+        init_weights(self, c.initializer_std, tied=self.embed_tokens if c.tie_word_embeddings else None)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
