@@ -57,6 +57,9 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
                 env["MASTER_PORT"] = str(free_port())
                 outputs.append(_run(["bash", "-c", line], tmp_path, env))
     assert len(outputs) >= 9, len(outputs)
+    # the resume says it skips what the checkpoint trained on; Lightning's warning that it cannot is not shown
+    assert sum("resuming inside an epoch: the training loader's first" in o for o in outputs) == 1
+    assert not any("dataloader is not resumable" in o for o in outputs)
     fit = next(o for o in outputs if "HFDataModule: mixture:" in o)
     assert ("HFDataModule: mixture: sharegpt.jsonl (sharegpt, train): 90 documents from its 90; alpaca.jsonl"
             " (alpaca, train): 30 documents from its 60") in fit

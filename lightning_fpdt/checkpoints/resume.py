@@ -17,12 +17,14 @@ the checkpoint was loaded and before the first batch):
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 
 def batches_to_skip(trainer: pl.Trainer) -> int:
@@ -66,7 +68,16 @@ def resumable(dataloader: Any, trainer: pl.Trainer) -> Any:
             " in the same order every epoch; for other streams use a stateful loader (torchdata's"
             " StatefulDataLoader), whose position Lightning restores itself."
         )
+    else:
+        rank_zero_info(f"FPDTStrategy: resuming inside an epoch: the training loader's first {skip} batches are"
+                       " drawn and dropped, so the data order is the uninterrupted run's.")
+    # Lightning then warns that a loader without state_dict resumes unreliably: not this one, which skips what the
+    # checkpoint trained on (the warning comes after this hook, when the epoch loop restarts)
+    warnings.filterwarnings("ignore", message=_LIGHTNING_NOT_RESUMABLE, category=PossibleUserWarning)
     return ResumableLoader(dataloader, skip)
+
+
+_LIGHTNING_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended and your dataloader"
 
 
 def _has_len(loader: Any) -> bool:
