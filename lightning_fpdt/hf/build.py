@@ -11,8 +11,11 @@ local directory of safetensors files on the meta device, its weights read later
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,12 +55,44 @@ def hf_config(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None,
         # (or the overrides) on a config shared with another model would change that model too
         return apply_config_overrides(copy.deepcopy(model), overrides)
     if isinstance(model, (str, os.PathLike)):
-        config = AutoConfig.from_pretrained(os.fspath(model), **_config_kwargs(from_pretrained_kwargs or {}))
+        with named_checkpoint(os.fspath(model)):
+            config = AutoConfig.from_pretrained(os.fspath(model), **_config_kwargs(from_pretrained_kwargs or {}))
         return apply_config_overrides(config, overrides)
     raise WrongType(
         f"HFCausalLM: model must be a transformers PreTrainedModel, a PretrainedConfig, a config dict with"
         f" 'model_type', or a name/local path for from_pretrained; got {type(model).__name__}."
     )
+
+
+# a Hugging Face Hub id: a name, or owner/name (letters, digits, '-', '_', '.'; not starting with '.' or '-')
+_HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
+
+
+@contextlib.contextmanager
+def named_checkpoint(name: str) -> Iterator[None]:
+    """Reads ``HFCausalLM``'s ``model`` name inside: a local directory, else a Hugging Face Hub id.
+
+    A name that is no directory here and cannot be a Hub id (``./x``, ``/x``, ``~/x``, ``a/b/c``) is refused before
+    anything is read, where transformers would ask the Hub for it (retrying a minute without a network) and then
+    not name it; an error reading any other name is refused naming it and the working directory.
+
+    Raises:
+        FPDTError: as above.
+    """
+    local = os.path.isdir(name)
+    if not local and not _HUB_ID.fullmatch(name):
+        raise FPDTError(f"HFCausalLM: model {name!r} is not a directory (working directory {os.getcwd()}), nor a"
+                        " Hugging Face Hub id; give the checkpoint's directory (config.json and weights).")
+    if not local:
+        rank_zero_info(f"HFCausalLM: model {name!r} is not a directory here (working directory {os.getcwd()}):"
+                       " asking the Hugging Face Hub for it.")
+    try:
+        yield
+    except OSError as err:
+        where = "" if local else f" it is not a directory here (working directory {os.getcwd()}), and"
+        reason = described(err).rstrip(".")
+        raise FPDTError(f"HFCausalLM: model {name!r} cannot be read:{where} {reason}; give the checkpoint's directory"
+                        " (config.json and weights) or a Hugging Face Hub id.") from None
 
 
 ALLOW_MISSING = "allow_missing_weights"  # from_pretrained_kwargs' own key: random values for missing tensors are meant
@@ -92,7 +127,8 @@ def build_model(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None
         return own_base_model(deferred[0]), deferred[1]
     if overrides:  # into the config before the weights load: RoPE's buffers are computed from it at build
         from_pretrained_kwargs["config"] = hf_config(model, from_pretrained_kwargs, overrides)
-    built, info = AutoModelForCausalLM.from_pretrained(model, output_loading_info=True, **from_pretrained_kwargs)
+    with named_checkpoint(os.fspath(model)):
+        built, info = AutoModelForCausalLM.from_pretrained(model, output_loading_info=True, **from_pretrained_kwargs)
     built.train()  # from_pretrained returns it in eval mode; training is what it is built for
     missing = sorted(info["missing_keys"])
     if missing and not allow_missing:

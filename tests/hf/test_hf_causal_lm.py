@@ -12,6 +12,7 @@ around 1 with noise, biases small) so a wrong scale, rotary fraction or mask can
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 from transformers import (
@@ -44,6 +46,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.callbacks import FPDTMonitor
+from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.hf.attention import ATTN_IMPLEMENTATION
 from lightning_fpdt.models import HFCausalLM
 from lightning_fpdt.parallel.binding import SequenceParallelContext, attention_records
@@ -491,3 +494,36 @@ def test_bad_tile_counts_raise() -> None:
 def test_unsupported_model_argument_raises() -> None:
     with pytest.raises(TypeError, match="PreTrainedModel, a PretrainedConfig"):
         HFCausalLM(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["./tiny-chat2", "missing/dir/here", "~/checkpoints/tiny"])
+def test_a_model_path_that_is_no_directory_is_refused_before_the_hub_is_asked(
+        name: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A path that is not a directory and cannot be a Hub id is refused at once, naming it and the working directory
+    (transformers asked the Hub for it, retried for a minute without a network and did not name it)."""
+    monkeypatch.chdir(tmp_path)
+
+    def hub(*args, **kwargs):
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", hub)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", hub)
+    with pytest.raises(FPDTError, match=re.escape(f"HFCausalLM: model {name!r} is not a directory (working directory"
+                                                  f" {tmp_path}), nor a Hugging Face Hub id")):
+        HFCausalLM(model=name)
+
+
+def test_a_name_the_hub_cannot_give_is_refused_naming_it(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name that could be a Hub id and is no directory here goes to the Hub; its failure names the argument and
+    the working directory (a mistyped local directory's name reads as one)."""
+    monkeypatch.chdir(tmp_path)
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", offline)
+    with pytest.raises(FPDTError, match=re.escape(
+            f"HFCausalLM: model 'tiny-chat2' cannot be read: it is not a directory here (working directory {tmp_path}),"
+            " and OSError: We couldn't connect to 'https://huggingface.co' to load the files; give the checkpoint's")):
+        HFCausalLM(model="tiny-chat2")
