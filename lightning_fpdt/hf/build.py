@@ -66,6 +66,7 @@ def hf_config(model: Any, from_pretrained_kwargs: dict[str, Any] | None = None,
 
 # a Hugging Face Hub id: a name, or owner/name (letters, digits, '-', '_', '.'; not starting with '.' or '-')
 _HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
+_ASKED_THE_HUB: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -83,7 +84,8 @@ def named_checkpoint(name: str) -> Iterator[None]:
     if not local and not _HUB_ID.fullmatch(name):
         raise FPDTError(f"HFCausalLM: model {name!r} is not a directory (working directory {os.getcwd()}), nor a"
                         " Hugging Face Hub id; give the checkpoint's directory (config.json and weights).")
-    if not local:
+    if not local and name not in _ASKED_THE_HUB:  # said once: the config and the model are read apart
+        _ASKED_THE_HUB.add(name)
         rank_zero_info(f"HFCausalLM: model {name!r} is not a directory here (working directory {os.getcwd()}):"
                        " asking the Hugging Face Hub for it.")
     try:
