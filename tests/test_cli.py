@@ -18,7 +18,7 @@ import transformers
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lightning_fpdt.cli import FPDTCLI, own_message
+from lightning_fpdt.cli import FPDTCLI, memory_report, own_message
 from lightning_fpdt.cli import main as cli_main
 from lightning_fpdt.testing import free_port, run_in_fork
 
@@ -172,6 +172,20 @@ def test_the_cli_keeps_the_strategy_s_gradient_as_bucket_view(given: list[str], 
     strategy = cli.trainer.strategy
     assert strategy._ddp_kwargs["gradient_as_bucket_view"] is expected
     assert strategy._options.gradient_as_bucket_view is expected  # what the memory estimate counts
+
+
+@pytest.mark.parametrize("given, kind, states", [
+    ([], "adamw", 2), (["--optimizer", "torch.optim.SGD"], "none", 0),
+    (["--optimizer", "torch.optim.SGD", "--optimizer.momentum", "0.9"], "sgd", 1)])
+def test_the_printed_memory_estimate_counts_the_configured_optimizer(given: list[str], kind: str, states: int) -> None:
+    """The estimate fpdt-train prints before the ranks start counts the optimizer the YAML's ``optimizer:`` key
+    makes (it counted AdamW's two states whatever the key said)."""
+    cli = FPDTCLI(run=False, args=["--config", str(TINY), *given])
+    table = memory_report(cli.model, cli.datamodule, cli.trainer)
+    assert table is not None and f"optimizer={kind}," in table, table
+    parameters = sum(p.numel() for p in cli.model.parameters()) * 4 / 1024  # float32, KiB
+    line = next(row for row in table.splitlines() if row.startswith("optimizer state"))
+    assert float(line.split()[-2]) == pytest.approx(states * parameters, abs=1), line
 
 
 def test_fit_prints_the_memory_estimate_and_resolves_auto_chunks(tmp_path: Path) -> None:

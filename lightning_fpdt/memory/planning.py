@@ -31,10 +31,22 @@ BUDGET_FRACTION = 0.9  # of the free memory: the rest is the allocator's fragmen
 
 def optimizer_kind(optimizer: Any) -> str:
     """``"adamw"`` (two moments per parameter), ``"sgd"`` (one momentum buffer) or ``"none"``."""
-    name = type(optimizer).__name__.lower()
+    return _kind(type(optimizer).__name__, optimizer.defaults.get("momentum", 0))
+
+
+def optimizer_spec_kind(spec: dict[str, Any] | None) -> str:
+    """:func:`optimizer_kind` of the optimizer a ``CausalLM``'s ``optimizer`` spec will make (``{"class_path",
+    "init_args"}``; ``None``: its default AdamW), before it is made: for the estimate printed before a run starts."""
+    if spec is None:
+        return "adamw"
+    return _kind(spec["class_path"].rsplit(".", 1)[-1], (spec.get("init_args") or {}).get("momentum", 0))
+
+
+def _kind(class_name: str, momentum: float) -> str:
+    name = class_name.lower()
     if "adam" in name or "lamb" in name:
         return "adamw"
-    if name == "sgd" and optimizer.defaults.get("momentum", 0):
+    if name == "sgd" and momentum:
         return "sgd"
     return "none" if name == "sgd" else "adamw"  # unknown optimizers: assume two states (conservative)
 
