@@ -121,6 +121,8 @@ class FPDTCLI(LightningCLI):
         head counts, token mixers, dropout where layers are recomputed), then print the memory estimate of the run
         (rank 0), both before any process is launched or model moved."""
         strategy, check = self.trainer.strategy, getattr(self.model, "check_binding", None)
+        if isinstance(strategy, FPDTStrategy):
+            strategy.check_run(self.model)  # what every rank refuses first: before the estimate, which assumes it
         if isinstance(strategy, FPDTStrategy) and callable(check):
             check(strategy.sequence_parallel_size, strategy.options.activation_checkpointing)
         table = memory_report(self.model, self.datamodule, self.trainer)

@@ -148,6 +148,21 @@ def test_bad_configuration_is_reported(monkeypatch, capsys, args: list[str], mes
     assert message in err, err[-3000:]
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--trainer.strategy.init_args.sequence_parallel_size=4"],
+     "sequence_parallel_size=4 does not divide the world size 2 (1 node(s) x 2 device(s)); use one of [1, 2]."),
+    (["--trainer.strategy.init_args.chunk_size=127"], "chunk_size=127 is not divisible by sequence_parallel_size=2"),
+], ids=["sequence-parallel-size", "chunk-size"])
+def test_a_run_the_strategy_refuses_stops_before_the_memory_estimate(tmp_path: Path, args: list[str],
+                                                                     message: str) -> None:
+    """What every rank would refuse first is refused before the estimate is printed (the estimate assumed it: a ring
+    of 2 for 4 ranks of 2) and before any process starts, as the last line, once."""
+    proc = fpdt_train_forked("fit", "--config", str(TINY), *args, cwd=tmp_path, timeout=120)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and message in proc.stderr.strip().splitlines()[-1], said[-3000:]
+    assert "memory estimate" not in said and said.count(message) == 1, said[-3000:]
+
+
 def test_bad_yaml_is_reported(tmp_path: Path, monkeypatch, capsys) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  max_steps: [1, 2\n")

@@ -233,13 +233,19 @@ class FPDTStrategy(CheckpointHooks):
         assert self.cluster_environment is not None
         self._launcher = fpdt_launcher(self, self._start_method)
 
+    def check_run(self, model: pl.LightningModule | None) -> None:
+        """Refuse what is wrong for this run of ``model`` (:meth:`FPDTOptions.check_run`: the world size, chunk size,
+        device, precision, head counts): on every rank before any collective, and by ``fpdt-train`` before it
+        launches any (the world as the trainer was given it, nodes x devices)."""
+        self._options.check_run(
+            world_size=self.world_size, num_nodes=self.num_nodes,
+            num_processes=self.num_processes, sequence_parallel_size=self.sequence_parallel_size,
+            precision=str(self.precision_plugin.precision), device_type=self.root_device.type, model=model,
+        )
+
     @override
     def setup_environment(self) -> None:
-        self._options.check_run(  # on every rank, before any collective
-            world_size=self.world_size, num_nodes=self.num_nodes, num_processes=self.num_processes,
-            sequence_parallel_size=self.sequence_parallel_size, precision=str(self.precision_plugin.precision),
-            device_type=self.root_device.type, model=self.model,
-        )
+        self.check_run(self.model)
         super().setup_environment()
         destroy_group_at_exit()
         self._peers = gather_peers()
