@@ -92,6 +92,17 @@ def test_training_step_sets_flops_per_batch_of_the_global_sequence() -> None:
     assert module.flops_per_batch == module.flops_per_token(32) * ids.numel()
 
 
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")  # a step outside a Trainer
+def test_validation_step_sets_the_forward_s_flops_per_batch() -> None:
+    """A validation batch counts its forward, a third of a training step's FLOPs; set without any training step
+    (fpdt-eval), where Lightning's ThroughputMonitor warned that the module defines no flops_per_batch."""
+    module = HFCausalLM(transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=88,
+                                                 num_hidden_layers=L, num_attention_heads=HEADS))
+    ids = torch.randint(0, V, (3, 32))
+    module.validation_step({"input_ids": ids}, 0)
+    assert module.flops_per_batch == pytest.approx(module.flops_per_token(32) * ids.numel() / 3, rel=1e-15)
+
+
 def test_throughput_monitor_takes_a_peak_for_mfu() -> None:
     assert isinstance(TokenThroughputMonitor(), ThroughputMonitor)
     assert TokenThroughputMonitor(available_flops=1e12).peak_flops == 1e12

@@ -252,11 +252,15 @@ class CausalLM(PendingWeightsModule):
         if stage == "fit":
             self.train()
 
+    def _count_flops(self, ids: Tensor, share: float = 1.0) -> None:
+        """``flops_per_batch``, which ``ThroughputMonitor`` reads for FLOP/s and MFU: ``share`` of a training step's
+        FLOPs on this rank's ``ids`` (``flops_per_token`` of the global sequence); unset when the model cannot count."""
+        flops = self.flops_per_token(ids.shape[1] * self.sequence_parallel_size())
+        if flops is not None:
+            self.flops_per_batch = flops * share * ids.numel()
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        ids = batch["input_ids"]
-        flops = self.flops_per_token(ids.shape[1] * self.sequence_parallel_size())  # of the global sequence
-        if flops is not None:  # read by ThroughputMonitor for FLOP/s and MFU
-            self.flops_per_batch = flops * ids.numel()
+        self._count_flops(batch["input_ids"])
         loss_sum, num_tokens = self.loss_terms(batch)
         trainer = self._trainer
         if trainer is not None and self.automatic_optimization:  # one token mean per accumulation window
@@ -274,6 +278,7 @@ class CausalLM(PendingWeightsModule):
         scale_window_gradients(self, optimizer_gradients(optimizer))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        self._count_flops(batch["input_ids"], 1 / 3)  # the forward alone: a third of forward and backward
         batch = self.prepared(batch)
         hidden = self.hidden_states(batch)
         _, mean = token_weighted_loss(*self.loss_terms(batch, hidden))
