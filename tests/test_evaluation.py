@@ -399,3 +399,14 @@ def test_fpdt_eval_on_a_run_s_checkpoint_writes_into_that_run(tmp_path: Path) ->
     assert (run / "evaluation" / "validate-step2" / "results.json").is_file()
     assert (run / "evaluation.yaml").is_file() and (run / "config.yaml").read_text() == config
     assert sorted(p.name for p in (tmp_path / "runs" / "tiny_cpu").iterdir()) == ["version_0"]
+
+
+def test_fpdt_eval_s_help_says_what_it_does(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """``fpdt-eval --help`` describes the long-context evaluation, not Lightning's validate subcommand."""
+    monkeypatch.setattr(sys, "argv", ["fpdt-eval"])
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code in (0, None)
+    assert "Long-context evaluation of a trained model" in out and "--evaluation.tasks" in out, out[:3000]
+    assert out.index("Long-context evaluation") < out.index("options:")  # the description, above the options

@@ -71,7 +71,15 @@ def run(args: list[str] | None = None) -> EvaluationCLI:
     check_config_files(args)
     return EvaluationCLI(CausalLM, pl.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
                          save_config_kwargs={"overwrite": True, "config_filename": "evaluation.yaml"},
+                         # --help: what this tool does, not what fpdt-train's validate subcommand does
+                         parser_kwargs={"validate": {"description": DESCRIPTION}},
                          args=["validate", *args])
+
+
+DESCRIPTION = ("Long-context evaluation of a trained model: the run's validation with LongContextEvaluation on (its"
+               " arguments under --evaluation.*: tasks, lengths, depths, samples per cell), on the run's strategy and"
+               " processes; results, heatmaps and curves are written beside the checkpoint's run (docs/evaluation.md)."
+               " Example: fpdt-eval --config run.yaml --ckpt_path runs/.../last.ckpt --evaluation.tasks=[passkey]")
 
 
 def main(args: list[str] | None = None) -> None:
