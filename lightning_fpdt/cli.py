@@ -121,8 +121,10 @@ class FPDTCLI(LightningCLI):
         head counts, token mixers, dropout where layers are recomputed), then print the memory estimate of the run
         (rank 0), both before any process is launched or model moved."""
         strategy, check = self.trainer.strategy, getattr(self.model, "check_binding", None)
-        if isinstance(strategy, FPDTStrategy):
-            strategy.check_run(self.model)  # what every rank refuses first: before the estimate, which assumes it
+        # what every rank refuses first, before the estimate, which assumes it; where this process launches the ranks
+        # (torchrun's workers each check their own world first), and without the backend, which asks CUDA
+        if isinstance(strategy, FPDTStrategy) and not strategy.cluster_environment.creates_processes_externally:
+            strategy.check_run(self.model, backend=False)
         if isinstance(strategy, FPDTStrategy) and callable(check):
             check(strategy.sequence_parallel_size, strategy.options.activation_checkpointing)
         table = memory_report(self.model, self.datamodule, self.trainer)

@@ -242,6 +242,7 @@ class FPDTOptions:
         precision: str,
         device_type: str,
         model: torch.nn.Module | None = None,
+        backend: bool = True,
     ) -> None:
         """Every check that needs the run; raises the first ``ValueError`` found (same on every rank).
 
@@ -253,12 +254,15 @@ class FPDTOptions:
             precision: Lightning's precision string (``"32-true"``, ``"bf16-mixed"``, ``"64-true"``, ...).
             device_type: the root device's type (``"cpu"``, ``"cuda"``, ...).
             model: the module whose FPDT blocks get bound (``None`` skips the model checks).
+            backend: check the attention backend too: it asks CUDA about the device, which a process that will fork
+                its ranks must not do (``False`` there; the ranks check it).
         """
         check_world_size(world_size, num_nodes, num_processes, sequence_parallel_size)
         ring = self.resolved_ring_size(sequence_parallel_size, num_processes, model)
         self.check_chunk_size(sequence_parallel_size, ring)
         self.check_offload(device_type)
-        check_attention_backend(self.attention_backend, device_type, precision)
+        if backend:
+            check_attention_backend(self.attention_backend, device_type, precision)
         check_model(model, sequence_parallel_size, ring)
 
     def check_offload(self, device_type: str) -> None:

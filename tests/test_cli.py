@@ -163,6 +163,21 @@ def test_a_run_the_strategy_refuses_stops_before_the_memory_estimate(tmp_path: P
     assert "memory estimate" not in said and said.count(message) == 1, said[-3000:]
 
 
+def test_the_check_before_launch_leaves_the_attention_backend_to_the_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's check asks CUDA about the device (``auto``, cuDNN, FlashAttention-3/4), which would leave ranks
+    forked after it (``fpdt_fork``) unable to use CUDA: the launching process checks the rest, the ranks the backend."""
+    from lightning_fpdt import options
+
+    def asks_cuda(*args: object) -> None:
+        raise AssertionError("the launching process checked the attention backend")
+
+    monkeypatch.setattr(options, "check_attention_backend", asks_cuda)
+    cli = FPDTCLI(run=False, args=["--config", str(TINY)])
+    cli.before_fit()  # the world, chunk and model checks, then the estimate: no backend check
+    with pytest.raises(AssertionError, match="checked the attention backend"):
+        cli.trainer.strategy.check_run(cli.model)  # a rank's check (setup_environment) does check it
+
+
 def test_bad_yaml_is_reported(tmp_path: Path, monkeypatch, capsys) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  max_steps: [1, 2\n")

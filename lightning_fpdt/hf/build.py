@@ -75,26 +75,29 @@ def named_checkpoint(name: str) -> Iterator[None]:
 
     A name that is no directory here and cannot be a Hub id (``./x``, ``/x``, ``~/x``, ``a/b/c``) is refused before
     anything is read, where transformers would ask the Hub for it (retrying a minute without a network) and then
-    not name it; an error reading any other name is refused naming it and the working directory.
+    not name it. A name the Hub does not give is refused naming it and the working directory, with transformers'
+    whole reason (a gated repository's link, a token's hint); a local directory's errors are transformers' own.
 
     Raises:
         FPDTError: as above.
     """
-    local = os.path.isdir(name)
-    if not local and not _HUB_ID.fullmatch(name):
-        raise FPDTError(f"HFCausalLM: model {name!r} is not a directory (working directory {os.getcwd()}), nor a"
-                        " Hugging Face Hub id; give the checkpoint's directory (config.json and weights).")
-    if not local and name not in _ASKED_THE_HUB:  # said once: the config and the model are read apart
+    if os.path.isdir(name):
+        yield
+        return
+    here = f"(working directory {os.getcwd()})"
+    if not _HUB_ID.fullmatch(name):
+        raise FPDTError(f"HFCausalLM: model {name!r} is not a directory {here}, nor a Hugging Face Hub id; give the"
+                        " checkpoint's directory (config.json and weights).")
+    if name not in _ASKED_THE_HUB:  # said once: the config and the model are read apart
         _ASKED_THE_HUB.add(name)
-        rank_zero_info(f"HFCausalLM: model {name!r} is not a directory here (working directory {os.getcwd()}):"
-                       " asking the Hugging Face Hub for it.")
+        rank_zero_info(f"HFCausalLM: model {name!r} is not a directory here {here}: asking the Hugging Face Hub for"
+                       " it.")
     try:
         yield
     except OSError as err:
-        where = "" if local else f" it is not a directory here (working directory {os.getcwd()}), and"
-        reason = described(err).rstrip(".")
-        raise FPDTError(f"HFCausalLM: model {name!r} cannot be read:{where} {reason}; give the checkpoint's directory"
-                        " (config.json and weights) or a Hugging Face Hub id.") from None
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise FPDTError(f"HFCausalLM: model {name!r} is not a directory here {here}, and the Hugging Face Hub did not"
+                        f" give it: {reason} (a local checkpoint: give its directory as seen from here).") from err
 
 
 ALLOW_MISSING = "allow_missing_weights"  # from_pretrained_kwargs' own key: random values for missing tensors are meant

@@ -233,14 +233,16 @@ class FPDTStrategy(CheckpointHooks):
         assert self.cluster_environment is not None
         self._launcher = fpdt_launcher(self, self._start_method)
 
-    def check_run(self, model: pl.LightningModule | None) -> None:
+    def check_run(self, model: pl.LightningModule | None, backend: bool = True) -> None:
         """Refuse what is wrong for this run of ``model`` (:meth:`FPDTOptions.check_run`: the world size, chunk size,
-        device, precision, head counts): on every rank before any collective, and by ``fpdt-train`` before it
-        launches any (the world as the trainer was given it, nodes x devices)."""
+        device, precision, head counts, and with ``backend`` the attention backend): on every rank before any
+        collective, and by ``fpdt-train`` before it launches any (the world as the trainer was given it, nodes x
+        devices; ``backend=False`` there, since asking CUDA about the device would spoil the ranks it forks)."""
         self._options.check_run(
             world_size=self.world_size, num_nodes=self.num_nodes,
             num_processes=self.num_processes, sequence_parallel_size=self.sequence_parallel_size,
             precision=str(self.precision_plugin.precision), device_type=self.root_device.type, model=model,
+            backend=backend,
         )
 
     @override

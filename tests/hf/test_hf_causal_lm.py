@@ -515,15 +515,17 @@ def test_a_model_path_that_is_no_directory_is_refused_before_the_hub_is_asked(
 
 def test_a_name_the_hub_cannot_give_is_refused_naming_it(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A name that could be a Hub id and is no directory here goes to the Hub; its failure names the argument and
-    the working directory (a mistyped local directory's name reads as one)."""
+    the working directory (a mistyped local directory's name reads as one), with transformers' whole reason, its
+    lines joined (a gated repository's link, a token's hint)."""
     monkeypatch.chdir(tmp_path)
 
     def offline(*args, **kwargs):
-        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection")
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", offline)
     with pytest.raises(FPDTError, match=re.escape(
-            f"HFCausalLM: model 'tiny-chat2' cannot be read: it is not a directory here (working directory {tmp_path}),"
-            " and OSError: We couldn't connect to 'https://huggingface.co' to load the files; give the checkpoint's")):
+            f"HFCausalLM: model 'tiny-chat2' is not a directory here (working directory {tmp_path}), and the Hugging"
+            " Face Hub did not give it: We couldn't connect to 'https://huggingface.co' to load the files. Check your"
+            " connection (a local checkpoint: give its directory as seen from here).")):
         HFCausalLM(model="tiny-chat2")
