@@ -17,6 +17,7 @@ where they live (host memory with ``offload=True``, else the device), against ro
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -205,3 +206,36 @@ class AnswerPlanner:
         if not self._said:
             self._said = True
             rank_zero_info(f"{PREFIX}{message}")
+
+
+@dataclass
+class RunPlans:
+    """A run's planners (:func:`run_planners`), each ``None`` where it is not asked for: the chunk size with
+    ``chunk_size="auto"``, whether recomputed layers keep their attention answers with ``keep_attention="auto"``."""
+
+    chunks: ChunkPlanner | None = None
+    answers: AnswerPlanner | None = None
+
+    def for_batch(self, module: pl.LightningModule, batch: Any, chunk: int | None,
+                  keep: bool) -> tuple[int | None, bool]:
+        """The chunk size and the answers' keeping for ``batch``'s shape (``chunk`` and ``keep`` where not planned)."""
+        if self.chunks is not None:
+            chunk = self.chunks.chunk_size_for(module, batch, chunk)
+        if self.answers is not None:
+            keep = self.answers.keep_for(module, batch, chunk, keep)
+        return chunk, keep
+
+
+def run_planners(
+    chunk_auto: bool, keep_auto: bool, memory_budget_gib: float | None, offload_on: bool, options: EstimateOptions,
+    device: torch.device, local_processes: int, world_size: int,
+) -> RunPlans:
+    """A run's planners, made once its process group is up (each resolves its room by a collective when
+    ``world_size > 1``): the chunk planner with ``chunk_size="auto"`` (``chunk_auto``), the kept-answers planner with
+    ``keep_attention="auto"`` under activation checkpointing (``keep_auto``)."""
+    plans = RunPlans()
+    if chunk_auto:
+        plans.chunks = ChunkPlanner(resolve_budget(memory_budget_gib, device, local_processes, world_size), options)
+    if keep_auto:
+        plans.answers = AnswerPlanner(resolve_room(offload_on, device, local_processes, world_size), options)
+    return plans

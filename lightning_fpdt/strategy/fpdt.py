@@ -27,7 +27,7 @@ from lightning_fpdt.errors import PREFIX, FPDTError, said_by_every_rank
 from lightning_fpdt.layers.accumulation import optimizer_gradients, scale_window_gradients
 from lightning_fpdt.layers.activation_checkpoint import new_layer_input_store
 from lightning_fpdt.memory import EstimateOptions, ModelShape
-from lightning_fpdt.memory.planning import AnswerPlanner, ChunkPlanner, resolve_budget, resolve_room
+from lightning_fpdt.memory.planning import RunPlans, run_planners
 from lightning_fpdt.memory.unstreamed import report_unstreamed
 from lightning_fpdt.offload.chunk_store import ChunkStore
 from lightning_fpdt.offload.copy_engine import release_copy_engines
@@ -125,10 +125,9 @@ class FPDTStrategy(CheckpointHooks):
         )
         self._device_mesh: DeviceMesh | None = None
         self._groups = SequenceParallelGroups(1, 1, 1)  # the Ulysses groups and rings: made in setup_environment
-        self._planner: ChunkPlanner | None = None  # chunk_size="auto": made in setup_environment
+        self._plans = RunPlans()  # chunk_size="auto", keep_attention="auto": made in setup_environment
         self._active_chunk_size: int | None = None if chunk_size == "auto" else chunk_size
         self._layer_input_store: ChunkStore | None = None  # offloaded block inputs: made in setup
-        self._answers: AnswerPlanner | None = None  # keep_attention="auto": made in setup_environment
         self._keep_attention = keep_attention is not False  # "auto": decided per batch shape
         self._guard = StepGuard(nonfinite_loss)
         self._gate: BatchGate | None = None  # made in setup, once the model is known
@@ -181,14 +180,14 @@ class FPDTStrategy(CheckpointHooks):
     def chunk_size(self) -> int | Literal["auto"] | None:
         """The chunk size in use (with ``"auto"``: the one picked for the latest batch; ``"auto"`` before
         the first batch)."""
-        if self._options.chunk_size == "auto" and (self._planner is None or not self._planner.planned):
+        if self._options.chunk_size == "auto" and (self._plans.chunks is None or not self._plans.chunks.planned):
             return "auto"
         return self._active_chunk_size
 
     @property
     def memory_budget_bytes(self) -> int | None:
         """The per-rank budget ``chunk_size="auto"`` plans for (``None`` before setup or without "auto")."""
-        return None if self._planner is None else self._planner.budget_bytes
+        return None if self._plans.chunks is None else self._plans.chunks.budget_bytes
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -256,13 +255,10 @@ class FPDTStrategy(CheckpointHooks):
         self._device_mesh, self._groups = build_mesh(self.root_device.type, dp, sp, ring)
         assert self.model is not None
         self.model._device_mesh = self._device_mesh  # exposed as `LightningModule.device_mesh`
-        if self._options.chunk_size == "auto":
-            budget = resolve_budget(self._options.memory_budget, self.root_device, self.num_processes, self.world_size)
-            self._planner = ChunkPlanner(budget, self.estimate_options)
-        if self._options.keep_attention == "auto" and self._options.activation_checkpointing:
-            room = resolve_room(self._options.offload == "on", self.root_device, self.num_processes, self.world_size)
-            self._answers = AnswerPlanner(room, self.estimate_options)
         o, where = self._options, placement(self._groups, self.num_processes)
+        self._plans = run_planners(
+            o.chunk_size == "auto", o.keep_attention == "auto" and o.activation_checkpointing, o.memory_budget,
+            o.offload == "on", self.estimate_options, self.root_device, self.num_processes, self.world_size)
         # the route and its library's version, once: a fallback (an old cuDNN, flash-attn missing) cannot hide
         route = route_description(o.attention_backend, self.root_device.type,
                                   attention_dtype(str(self.precision_plugin.precision)))
@@ -320,11 +316,7 @@ class FPDTStrategy(CheckpointHooks):
     def shard_batch(self, batch: Any) -> Any:
         """This rank's part of a dict batch of whole sequences (see
         :func:`lightning_fpdt.parallel.batches.shard_batch`)."""
-        chunk, keep = self._active_chunk_size, self._keep_attention
-        if self._planner is not None:
-            chunk = self._planner.chunk_size_for(self.lightning_module, batch, chunk)
-        if self._answers is not None:
-            keep = self._answers.keep_for(self.lightning_module, batch, chunk, keep)
+        chunk, keep = self._plans.for_batch(self.lightning_module, batch, self._active_chunk_size, self._keep_attention)
         if (chunk, keep) != (self._active_chunk_size, self._keep_attention):  # the layers follow the batch's shape
             self._active_chunk_size, self._keep_attention = chunk, keep
             self._bind(self.lightning_module, log=False)
