@@ -55,7 +55,7 @@ from lightning_fpdt.strategy.launcher import (
     fpdt_launcher,
     gather_peers,
 )
-from lightning_fpdt.strategy.sharding import check_replicated_gradients, setup_sharded
+from lightning_fpdt.strategy.sharding import check_replicated_gradients, host_shards_backend, setup_sharded
 from lightning_fpdt.strategy.step_guard import StepGuard
 
 
@@ -76,13 +76,10 @@ class FPDTStrategy(CheckpointHooks):
     single-process gradient, and over an accumulation window of a module with a
     :class:`~lightning_fpdt.layers.accumulation.TokenWindow` the gradient of the window's tokens as one batch.
 
-    Args: the fields of :class:`lightning_fpdt.options.FPDTOptions` (``sequence_parallel_size``, ``ring_size``,
-    ``chunk_size``, ``memory_budget``, ``attention_backend``, ``offload``, ``activation_checkpointing``,
-    ``offload_checkpoints``, ``keep_attention``, ``sequence_keys``, ``pad_token_id``, ``shard_parameters``,
-    ``offload_optimizer``, ``nonfinite_loss``), each documented and validated there; ``gradient_as_bucket_view``
-    (``True``: ``DistributedDataParallel``'s gradients are views into its buckets, one copy of them instead of two;
-    DDP's own default is ``False``); then DDPStrategy's (``process_group_backend``, ``timeout``, ``start_method``,
-    ``**kwargs`` for ``DistributedDataParallel``). A value wrong on its own raises ``ValueError`` here.
+    Args: the fields of :class:`lightning_fpdt.options.FPDTOptions` up to ``nonfinite_loss``, each documented and
+    validated there; ``gradient_as_bucket_view`` (``True``: DDP's gradients are views into its buckets, one copy of
+    them instead of two; DDP's own default is ``False``); then DDPStrategy's (``process_group_backend``, ``timeout``,
+    ``start_method``, ``**kwargs`` for ``DistributedDataParallel``). A value wrong on its own raises ``ValueError``.
     """
 
     strategy_name = "fpdt"
@@ -226,6 +223,11 @@ class FPDTStrategy(CheckpointHooks):
         return True  # states are loaded by name into the set-up (sharded or wrapped) model
 
     # ---- launcher and environment ---------------------------------------------------------------
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        chosen = self._process_group_backend or host_shards_backend(self.root_device, self._options.offload_optimizer)
+        return chosen or super()._get_process_group_backend()
 
     @override
     def _configure_launcher(self) -> None:

@@ -57,7 +57,7 @@ def setup_sharded(strategy: Any, trainer: pl.Trainer, offload_optimizer: bool) -
     precision = str(strategy.precision_plugin.precision)
     shard_module(strategy.lightning_module, mesh, precision, offload_optimizer)
     if on_meta:
-        load_shards_of(strategy.lightning_module, strategy.root_device)
+        load_shards_of(strategy.lightning_module, strategy.root_device, on_host=offload_optimizer)
     fitting = trainer.state.fn == TrainerFn.FITTING
     if fitting:
         strategy.setup_optimizers(trainer)
@@ -66,9 +66,13 @@ def setup_sharded(strategy: Any, trainer: pl.Trainer, offload_optimizer: bool) -
         _optimizers_to_device(strategy.optimizers, strategy.root_device)
 
 
-def load_shards_of(module: pl.LightningModule, device: torch.device) -> None:
+def load_shards_of(module: pl.LightningModule, device: torch.device, on_host: bool = False) -> None:
     """Fill the shards of a module built on the meta device (``HFCausalLM`` of a local safetensors directory)
     through its ``load_sharded_weights(device)``: each rank reads only the rows it owns.
+
+    ``on_host`` (``offload_optimizer``): the shards are made in host memory and only the buffers (RoPE's
+    frequencies) moved to ``device``: FSDP2's CPU offload wants sharded parameters whose DTensor is on the CPU,
+    and a DTensor made on the device keeps saying so after FSDP2 moves its local shard to the host.
 
     Raises:
         ValueError: a module on the meta device without ``load_sharded_weights``, or with parameters still on
@@ -80,11 +84,28 @@ def load_shards_of(module: pl.LightningModule, device: torch.device) -> None:
             f"{PREFIX}{type(module).__name__} has parameters on the meta device and no load_sharded_weights(device)"
             " to fill its shards with; build it with real tensors (or give it that method)."
         )
-    load(device)
+    load(torch.device("cpu") if on_host else device)
+    if on_host:
+        buffers_to(module, device)
     left = [name for name, p in module.named_parameters() if p.is_meta]
     if left:
         raise FPDTError(f"{PREFIX}{type(module).__name__}.load_sharded_weights left {len(left)} parameter(s) on the"
                         f" meta device, e.g. {left[:3]}.")
+
+
+def host_shards_backend(device: torch.device, offload_optimizer: bool) -> str | None:
+    """The process group's backends where ``offload_optimizer`` keeps FSDP2's shards and gradients on the host of a
+    CUDA run: NCCL for device tensors and gloo for host ones (gradient clipping's all-reduce, a full state dict's
+    all-gather), which an NCCL-only group cannot serve; ``None`` (the device's default) otherwise."""
+    return "cuda:nccl,cpu:gloo" if offload_optimizer and device.type == "cuda" else None
+
+
+def buffers_to(module: torch.nn.Module, device: torch.device) -> None:
+    """Move ``module``'s buffers, and only them, to ``device`` (its parameters stay where they are)."""
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.device != device:
+                sub._buffers[name] = buffer.to(device)
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:

@@ -131,6 +131,45 @@ def _sharded_shards(rank: int, world: int, directories: dict[str, str]) -> dict[
     return results
 
 
+def _shards_on_host(rank: int, world: int, directory: str) -> dict[str, list[str]]:
+    module = LlamaLM(hf_checkpoint=directory).double()
+    shard_module(module, init_device_mesh("cpu", (world,)), "64-true", offload_optimizer=False)
+    load_shards_of(module, torch.device("meta"), on_host=True)  # "meta" stands for the GPU: only buffers go there
+    full = dict(llama_from_hf(directory).named_parameters())
+    for key, param in module.model.named_parameters():
+        start, end = owned_rows(param, key, "test")
+        assert torch.equal(param.to_local(), full[key][start:end]), key
+    return {"parameters": sorted({f"{p.device.type}/{p.to_local().device.type}" for p in module.parameters()}),
+            "buffers": sorted({b.device.type for b in module.buffers()})}
+
+
+@pytest.mark.distributed
+def test_offload_optimizer_makes_the_shards_on_the_host_and_the_buffers_on_the_device(tmp_path: Path,
+                                                                                       fresh_seed: int) -> None:
+    """With ``offload_optimizer`` a meta-device model's shards are made and read in host memory (FSDP2's CPU offload
+    refuses a sharded parameter whose DTensor says it is on the GPU, which one made there keeps saying after its
+    shard moves to the host) and only its buffers (RoPE's frequencies) go to the device."""
+    _saved(CASES["llama-untied"][2](), tmp_path / "llama", fresh_seed)
+    placed = run_on_ranks(_shards_on_host, 1, str(tmp_path / "llama"), start_method="fork")[0]
+    assert placed == {"parameters": ["cpu/cpu"], "buffers": ["meta"]}, placed
+
+
+def test_offload_optimizer_on_gpus_asks_for_nccl_and_gloo() -> None:
+    """Host-side shards and gradients need a CPU backend for clipping's all-reduce and a full state dict's
+    all-gather: ``cuda:nccl,cpu:gloo`` unless the user names a backend; NCCL alone without offload."""
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    def backend(**options: Any) -> str:
+        gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]  # named only: nothing asks CUDA
+        strategy = FPDTStrategy(parallel_devices=gpus, cluster_environment=LightningEnvironment(), **options)
+        return strategy._get_process_group_backend()
+
+    assert backend(shard_parameters=True, offload_optimizer=True) == "cuda:nccl,cpu:gloo"
+    assert backend(shard_parameters=True, offload_optimizer=True, process_group_backend="nccl") == "nccl"
+    assert backend(shard_parameters=True) == "nccl"
+    assert not torch.cuda.is_initialized()
+
+
 @pytest.mark.distributed
 def test_each_rank_reads_exactly_its_shards(tmp_path: Path, fresh_seed: int) -> None:
     """3 ranks (vocabulary 100, 32-row projections, GPT-2's fused and transposed c_attn: uneven shards): every local
