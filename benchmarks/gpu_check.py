@@ -16,7 +16,9 @@ Markdown tables, in this order:
    small Llama with every FPDT feature (chunks, tiled MLP and loss, activation checkpointing, offloaded
    attention chunks and checkpoints) against the plain model in float64: the loss and every
    parameter's gradient. Error: ``max|a - b| / max|b|`` (a gradient's scale floored at 1e-3 of the
-   largest gradient, for gradients that are zero in exact arithmetic).
+   largest gradient, for gradients that are zero in exact arithmetic). Last, ``shard_parameters`` with
+   ``offload_optimizer`` (FSDP2's CPU offload, the shards in host memory) of a meta-device model read from a
+   Hugging Face directory: one step against the unsharded model (``gpu_sharded.py``).
 2. **Host link.** Pinned host -> device, device -> host, and both at once on the two copy streams of
    ``lightning_fpdt.offload.chunk_store`` (GB/s).
 3. **Offload.** One causal attention layer (P = 1, ``--chunk-size`` tokens per chunk), forward+backward
@@ -51,6 +53,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import is_oom, matmul_rate, print_table, release_memory, synchronize
 from gpu_mfu import baseline_rows, mfu_rows, phase_rows
+from gpu_sharded import offload_optimizer_rows
 
 from lightning_fpdt.attention import fpdt_attention, math_kernel, routes
 from lightning_fpdt.attention.kernels import MathKernel, get_kernel
@@ -401,6 +404,10 @@ def main() -> None:
     rows, model_ok = check_model(device, args.cpu)
     print_table(["model (all FPDT features, attention kept) vs plain float64", "backend", "dtype", "loss",
                  "worst gradient", "status"], rows)
+    print()
+    rows, sharded_ok = offload_optimizer_rows(device, args.cpu)
+    print_table(["FSDP2 sharded, one step vs unsharded (float32)", "shards on", "loss", "gradient norm",
+                 "worst weight after the step", "tolerance", "status"], rows)
 
     print("\n## 2. Host link (pinned memory, the offload's copy streams)\n", flush=True)
     link = host_link(device, 2**30 if device.type == "cuda" else 2**24)
@@ -437,7 +444,7 @@ def main() -> None:
           + ("unknown for this device" if nominal is None else f"{nominal / 1e12:.0f} TFLOP/s")
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""), flush=True)
     print(f"\ntotal {time.perf_counter() - started:.0f} s", flush=True)
-    if not (routes_ok and model_ok):
+    if not (routes_ok and model_ok and sharded_ok):
         sys.exit("gpu_check: a correctness check FAILED (see the tables above).")
 
 

@@ -42,6 +42,8 @@ def test_gpu_check_cpu_smoke() -> None:
     model = [r for r in rows if r[0].startswith("llama ")]
     assert [(r[1], r[2]) for r in model] == [("math", "float32"), ("auto", "float32"), ("auto", "bfloat16")], out
     assert all(r[-1] == "ok" for r in model), out
+    sharded = [r for r in rows if r[0].startswith("offload_optimizer=")]  # CPU: FSDP2 without the offload
+    assert [(r[0], r[1], r[-1]) for r in sharded] == [("offload_optimizer=False", "cpu", "ok")], out
     assert sum(r[0] in ("host -> device", "device -> host", "both at once (sum)") for r in rows) == 3
     offload = [r for r in rows if len(r) == 11 and r[0].isdigit()]  # tokens, chunks, peaks, times, ..., overlap
     assert [(r[0], r[1]) for r in offload] == [("64", "1"), ("128", "2"), ("256", "4")], out

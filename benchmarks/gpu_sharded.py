@@ -1,0 +1,80 @@
+"""``gpu_check.py``'s check of ``shard_parameters`` with ``offload_optimizer`` (FSDP2's CPU offload), which only a
+CUDA device runs: a small Llama read from a local Hugging Face directory on the meta device, sharded by FSDP2 over a
+mesh of this one device with its shards in host memory (as ``FPDTStrategy`` shards and fills it), one training step
+(forward, backward, gradient clipping, AdamW) against the same model unsharded on the device, float32. On CPU
+(``--cpu``) the same code runs without the offload, which CPU refuses: a smoke run of the harness.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from lightning_fpdt.models import LlamaLM
+from lightning_fpdt.strategy.sharding import host_shards_backend, load_shards_of, shard_module
+
+TOLERANCE = 1e-5  # max|a - b| / max|b| of float32 steps; the offloaded AdamW step runs on the host
+
+
+def _step(module: LlamaLM, ids: torch.Tensor) -> tuple[float, float, dict[str, torch.Tensor]]:
+    """One step of ``module`` on ``ids``: the loss, the gradient norm before clipping, the weights after the step."""
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    logits = module(ids)
+    loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    optimizer.step()
+    weights = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", torch.float64)
+               for name, p in module.named_parameters()}
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return loss.item(), float(norm), weights
+
+
+def _rel(a: float | torch.Tensor, b: float | torch.Tensor) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+def offload_optimizer_rows(device: torch.device, cpu: bool) -> tuple[list[list[Any]], bool]:
+    """The check's one row (where the shards lived, the errors of the loss, the gradient norm and the weights after
+    the step, the status) and whether it passed; an error is reported in the row, not raised."""
+    offload = not cpu
+    started = not dist.is_initialized()
+    if started:  # one process: FSDP2 needs a process group and a device mesh
+        backend = host_shards_backend(device, offload) or ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        import transformers
+
+        with tempfile.TemporaryDirectory() as directory:
+            config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              tie_word_embeddings=False)
+            torch.manual_seed(0)
+            transformers.LlamaForCausalLM(config).save_pretrained(directory)
+            reference = LlamaLM(hf_checkpoint=directory)
+            reference.load_weights(device)
+            sharded = LlamaLM(hf_checkpoint=directory)
+            shard_module(sharded, init_device_mesh(device.type, (1,)), "32-true", offload_optimizer=offload)
+            load_shards_of(sharded, device, on_host=offload)
+            shards = sorted({p.to_local().device.type for p in sharded.parameters()})
+            ids = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(1)).to(device)
+            loss_ref, norm_ref, weights_ref = _step(reference, ids)
+            loss, norm, weights = _step(sharded, ids)
+        worst = max(_rel(weights[name], weights_ref[name]) for name in weights_ref)
+        errors = [_rel(loss, loss_ref), _rel(norm, norm_ref), worst]
+        ok = all(e <= TOLERANCE for e in errors) and shards == (["cpu"] if offload else [device.type])
+        return [[f"offload_optimizer={offload}", "/".join(shards), *errors, TOLERANCE, "ok" if ok else "FAILED"]], ok
+    except Exception as err:  # the remaining sections still run
+        line = " ".join(str(err).split())[:300]
+        return [[f"offload_optimizer={offload}", "-", "-", "-", "-", TOLERANCE, f"FAILED: {type(err).__name__}: {line}"]
+                ], False
+    finally:
+        if started:
+            dist.destroy_process_group()
