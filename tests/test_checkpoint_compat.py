@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.models import LlamaLM
+from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.models import GPTLM, LlamaLM
 from lightning_fpdt.models.from_config import module_from_hyperparameters, saved_class
 from tests.helpers import TokenDataset
 
@@ -59,3 +61,17 @@ def test_a_fit_resumes_from_a_checkpoint_from_before_the_move(tmp_path: Path) ->
     for name, value in checkpoint["state_dict"].items():
         assert torch.equal(restored[name], value), name
     assert int(restored["_steps"]) == len(checkpoint["optimizer_states"][0]["state"]) > 0
+
+
+def test_load_from_checkpoint_takes_the_class_the_checkpoint_names() -> None:
+    """Lightning's ``load_from_checkpoint`` hands the saved hyper-parameters back to the class, ``_class_path`` (which
+    fpdt-train reads) included: it rebuilds the checkpoint's class with its weights, and another class is refused
+    naming the checkpoint's (it failed with "unexpected keyword argument '_class_path'" for every bundled model)."""
+    checkpoint = torch.load(OLD, map_location="cpu", weights_only=True)
+    module = LlamaLM.load_from_checkpoint(OLD)
+    assert type(module) is LlamaLM
+    for name, value in checkpoint["state_dict"].items():
+        assert torch.equal(module.state_dict()[name], value), name
+    with pytest.raises(FPDTError, match=r"GPTLM: the checkpoint holds a lightning_fpdt.models.LlamaLM; load it with"
+                                        r" that class \(LlamaLM.load_from_checkpoint\)"):
+        GPTLM.load_from_checkpoint(OLD)

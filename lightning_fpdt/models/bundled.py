@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from lightning_fpdt.models.causal_lm import CausalLM
+from lightning_fpdt.models.class_paths import check_saved_class
 from lightning_fpdt.models.configs import config_and_options, with_overrides
 from lightning_fpdt.models.family import Family
 from lightning_fpdt.models.pretrained import from_pretrained_dir
@@ -27,6 +28,7 @@ class BundledLM(CausalLM):
 
     def __init__(self, config: Any = None, hf_checkpoint: str | None = None,
                  config_overrides: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        check_saved_class(kwargs.get("_class_path"), type(self))  # load_from_checkpoint: before the config is read
         config_class, owner = self.family.config_class, type(self).__name__
         if isinstance(config, dict):  # from a checkpoint's hyper-parameters
             config, kwargs = config_and_options(config, kwargs)

@@ -20,7 +20,7 @@ from lightning_fpdt.errors import FPDTError, Unsupported, is_positive_int
 from lightning_fpdt.layers.accumulation import TokenWindow, optimizer_gradients, scale_window_gradients
 from lightning_fpdt.layers.loss import cross_entropy_sum, tiled_cross_entropy_sum, token_weighted_loss
 from lightning_fpdt.layers.token_mixing import TokenMixer, refusal
-from lightning_fpdt.models.class_paths import class_path_of
+from lightning_fpdt.models.class_paths import check_saved_class, class_path_of
 from lightning_fpdt.models.contract import OWN_MODEL_DOC, CountsFlops, DecoderModel, check_decoder_model, output_norm
 from lightning_fpdt.models.metrics import AnswerAccuracy
 from lightning_fpdt.models.mixing import own_token_mixers
@@ -56,6 +56,9 @@ class CausalLM(PendingWeightsModule):
             top-level ``optimizer:`` key sets it (:mod:`lightning_fpdt.models.optimizers`).
         lr_scheduler: any torch scheduler instead of the warm-up and cosine, the same way, stepped every optimizer
             step (``ReduceLROnPlateau`` watches ``train/loss``); ``fpdt-train``'s ``lr_scheduler:`` key sets it.
+        _class_path: the class a checkpoint's hyper-parameters name (:meth:`on_save_checkpoint`), which
+            ``load_from_checkpoint`` hands back: checked to be this class, else refused naming it (private: no CLI
+            option).
     """
 
     def __init__(
@@ -68,9 +71,11 @@ class CausalLM(PendingWeightsModule):
         min_lr_ratio: float = 0.1,
         optimizer: dict | str | None = None,
         lr_scheduler: dict | str | None = None,
+        _class_path: str | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
+        check_saved_class(_class_path, type(self))
         self.optimizer_spec = checked_spec(optimizer, "optimizer", (torch.optim.Optimizer,), owner)
         self.lr_scheduler_spec = checked_spec(lr_scheduler, "lr_scheduler", SCHEDULER_BASES, owner)
         if loss_tiles is not None and not is_positive_int(loss_tiles):

@@ -70,3 +70,23 @@ def instantiate(value: Any) -> Any:
         args = {k: instantiate(v) for k, v in (value.get("init_args") or {}).items()}
         return resolve_class(value["class_path"])(**args)
     return value
+
+
+def check_saved_class(class_path: str | None, cls: type) -> None:
+    """Refuse to build ``cls`` from a checkpoint whose hyper-parameters name another class (``class_path``, as
+    :func:`class_path_of` wrote it; ``None``: nothing named). A path that no longer imports is not held against it.
+
+    Raises:
+        FPDTError: the checkpoint's class is not ``cls`` or one of its subclasses, naming both.
+    """
+    if class_path is None:
+        return
+    try:
+        saved = import_named(class_path)
+    except IMPORT_ERRORS:
+        return
+    if not (isinstance(saved, type) and issubclass(saved, cls)):
+        raise FPDTError(f"{cls.__name__}: the checkpoint holds a {class_path}; load it with that class"
+                        f" ({class_path.rpartition('.')[2]}.load_from_checkpoint), or with"
+                        " lightning_fpdt.models.from_config.module_from_hyperparameters, which reads the class.")
+
