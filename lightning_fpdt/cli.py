@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from lightning_fpdt.checkpoints import files as checkpoint_files
 from lightning_fpdt.data import PasskeyDataModule
 from lightning_fpdt.errors import FPDTError, is_said_by_every_rank
-from lightning_fpdt.memory import ModelShape, report
+from lightning_fpdt.memory import EstimateOptions, ModelShape, report
 from lightning_fpdt.memory.planning import optimizer_spec_kind
 from lightning_fpdt.models import CausalLM, LlamaLM
 from lightning_fpdt.models.class_paths import class_path_of
@@ -208,7 +208,9 @@ def memory_report(model: pl.LightningModule, datamodule: Any, trainer: pl.Traine
     except ValueError:
         return None
     strategy = trainer.strategy
-    options = strategy.estimate_options.replace(
+    # this model's heads resolve ring_size="auto" (the strategy holds no model before fit)
+    options = EstimateOptions.from_strategy(strategy.options, strategy.num_nodes, strategy.num_processes,
+                                            model=model).replace(
         batch_size=getattr(datamodule, "batch_size", 1), precision=str(trainer.precision), **tiling,
         # the optimizer the model's spec will make (a model of its own making: the estimate's default, two states)
         **({"optimizer": optimizer_spec_kind(model.optimizer_spec)} if hasattr(model, "optimizer_spec") else {}))

@@ -218,6 +218,17 @@ def test_the_printed_memory_estimate_counts_the_configured_optimizer(given: list
     assert float(line.split()[-2]) == pytest.approx(states * parameters, abs=1), line
 
 
+def test_the_printed_memory_estimate_resolves_the_ring_from_the_model_s_heads() -> None:
+    """Before the ranks start the strategy holds no model: the estimate resolves ``ring_size="auto"`` from the
+    config's model as the ranks will (4 heads of 2 KV heads over 3 ranks: a ring of 3), where it assumed any heads
+    fit (ring 1) and foretold a refusal of a run that then trained."""
+    cli = FPDTCLI(run=False, args=["--config", str(TINY), "--trainer.devices=3",
+                                   "--trainer.strategy.init_args.sequence_parallel_size=3",
+                                   "--trainer.strategy.init_args.chunk_size=126"])
+    table = memory_report(cli.model, cli.datamodule, cli.trainer)
+    assert table is not None and "ring_size=3," in table and "refused" not in table, table
+
+
 def test_fit_prints_the_memory_estimate_and_resolves_auto_chunks(tmp_path: Path) -> None:
     proc = fpdt_train_forked(
         "fit", "--config", str(TINY), "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
