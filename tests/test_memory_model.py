@@ -621,3 +621,26 @@ def test_estimate_of_a_hybrid_matches_a_measured_step_at_two_lengths(full: bool,
         print(f"{family} full={full} seq={seq}: measured {measured / 2**20:.1f} MiB, estimate/measured"
               f" {estimated / measured:.3f}")
         assert abs(estimated / measured - 1) <= 0.15, (seq, measured / 2**20, estimated / 2**20)
+
+
+def test_memory_cli_flags_replace_the_yaml_s_run_settings(capsys) -> None:
+    """With --config a run flag given replaces the YAML's value (they were silently ignored: "what if the sequence
+    doubles" read the YAML's run); model sizes are refused with it (the YAML's model is sized), a missing file and
+    a chunk the ranks cannot split are one line each."""
+    main(["--config", "examples/configs/tiny_cpu.yaml", "--seq", "4096", "--batch", "1", "--chunk-size", "256",
+          "--checkpointing", "--precision", "bf16-mixed", "--sp", "4"])
+    head = capsys.readouterr().out.splitlines()[0]
+    for part in ("seq_len 4096", "batch_size=1", "chunk_size=256", "sequence_parallel_size=4",
+                 "activation_checkpointing=True", "precision=bf16-mixed"):
+        assert part in head, (part, head)
+    main(["--config", "examples/configs/tiny_cpu.yaml"])  # nothing given: the YAML's run
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "seq_len 256, batch_size=32, chunk_size=128, sequence_parallel_size=2" in head, head
+    for argv, message in [
+        (["--hidden", "64"], r"--hidden: the sizes of a Llama without --config; with --config the YAML's model is"),
+        (["--sp", "3"], r"chunk_size=128 is not divisible by 6 \(sequence_parallel_size=3, ring_size=3\)"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main(["--config", "examples/configs/tiny_cpu.yaml", *argv])
+    with pytest.raises(SystemExit, match=r"--config 'nope.yaml' cannot be read \(No such file or directory\)"):
+        main(["--config", "nope.yaml"])

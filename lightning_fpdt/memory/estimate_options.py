@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_fpdt.errors import FPDTError, is_positive_int
 from lightning_fpdt.options import FPDTOptions
+from lightning_fpdt.parallel.layout import validate_chunk_size
 
 # Lightning precision string -> (parameter bytes, activation bytes)
 PRECISION_BYTES = {
@@ -99,6 +100,8 @@ class EstimateOptions:
             divisors = [r for r in range(1, sp + 1) if sp % r == 0]
             raise FPDTError(f"EstimateOptions: ring_size={self.ring_size} does not divide sequence_parallel_size={sp}"
                             f" (the group is ulysses x ring ranks); use one of {divisors}.")
+        if isinstance(self.chunk_size, int):  # as the strategy refuses it: no estimate of a run that cannot start
+            validate_chunk_size(self.chunk_size, self.sequence_parallel_size, self.ring_size)
 
     @property
     def ulysses_size(self) -> int:
