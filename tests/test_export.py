@@ -139,6 +139,8 @@ def test_export_reloads_with_the_trained_logits(runs, kind: str, shard: bool, tm
         assert torch.equal(from_callback[name], tensor), name
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
         assert (out / name).is_file() and (run / "callback" / name).is_file(), name
+    for written in (out, run / "callback"):  # what the model's own save_pretrained writes: serving tools read it
+        assert json.loads((written / "config.json").read_text())["architectures"] == [type(hf).__name__], written
     assert transformers.AutoTokenizer.from_pretrained(out)("hello world").input_ids
     assert hf.config.tie_word_embeddings == (kind != "llama")
     if hf.config.tie_word_embeddings:

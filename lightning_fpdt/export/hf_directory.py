@@ -93,6 +93,7 @@ def plan_for(module: pl.LightningModule, tokenizer_dir: str | None = None) -> Ex
         parts.setdefault(row.name, []).append(Part(names[id(row.ours)], row if row.transposed or row.rows else None))
     shapes = {name: p.shape for name, p in hf.named_parameters() if name in parts}
     config.dtype = next(ours.parameters()).dtype
+    config.architectures = [type(hf).__name__]  # what save_pretrained of the model writes: serving tools read it
     # a model read from a pretrained directory (hf_checkpoint) keeps its tokenizer there
     return ExportPlan(config, parts, shapes, tokenizer_dir or _source_dir(_source_of(module)))
 
@@ -104,6 +105,7 @@ def hf_plan(model: PreTrainedModel, prefix: str, tokenizer_dir: str | None) -> E
     tensors = {**params, **{n: b for n, b in model.named_buffers() if n in model.state_dict()}}
     config = copy.deepcopy(model.config)
     config._attn_implementation = None  # FPDT's attention is this run's; the export loads with transformers' own
+    config.architectures = [type(model).__name__]  # as the model's save_pretrained writes it (a built config has none)
     sources, merges = export_sources(model, list(tensors))  # without adapters: each name its own
     return ExportPlan(config, {n: [Part(prefix + k) for k in keys] for n, keys in sources.items()},
                       {n: tensors[keys[0]].shape for n, keys in sources.items()}, tokenizer_dir, merges)
