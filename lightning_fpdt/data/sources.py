@@ -4,7 +4,8 @@ A :class:`DataSource` names local files (globs, ``save_to_disk`` directories), t
 share of the mixture. Each row is read as what the data module tokenizes: a text (``format="text"``) or a list of
 ``{"role", "content"}`` messages (every chat format):
 
-- ``"messages"``: OpenAI-style ``{"messages": [{"role": "user", "content": ...}, ...]}``;
+- ``"messages"``: OpenAI-style ``{"messages": [{"role": "user", "content": ...}, ...]}`` (``roles`` renames roles
+  that are not system/user/assistant);
 - ``"sharegpt"``: ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}``, its speakers
   mapped to roles (``human``/``user`` -> user, ``gpt``/``assistant``/``chatgpt``/``bing``/``bard`` -> assistant,
   ``system`` -> system; ``roles`` adds or replaces names);
@@ -115,8 +116,10 @@ def as_documents(rows: dict[str, list[Any]], source: dict[str, Any]) -> list[Any
     ``source``: :meth:`DataSource.spec` (what a ``datasets`` map worker gets). A row that cannot be read is given
     as it is, so the tokenizer names its problem with the file and row."""
     fmt, column = source["format"], source["field"]
-    if fmt in ("text", "messages"):
+    if fmt == "text" or (fmt == "messages" and not source["roles"]):
         return list(rows[column])
+    if fmt == "messages":
+        return [_renamed(messages, dict(source["roles"])) for messages in rows[column]]
     if fmt == "sharegpt":
         names = {**SHAREGPT_ROLES, **dict(source["roles"])}
         return [_sharegpt(turns, names) for turns in rows[column]]
@@ -130,6 +133,12 @@ def _sharegpt(turns: Any, names: dict[str, str]) -> Any:
     if not isinstance(turns, list) or not all(isinstance(t, dict) and "from" in t and "value" in t for t in turns):
         return turns  # the tokenizer names it: not a list of messages
     return [{"role": names.get(t["from"], t["from"]), "content": t["value"]} for t in turns]
+
+
+def _renamed(messages: Any, names: dict[str, str]) -> Any:
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        return messages  # the tokenizer names it: not a list of messages
+    return [{**m, "role": names.get(m["role"], m["role"])} for m in messages]
 
 
 def _alpaca(instruction: Any, extra: Any, output: Any, system: Any) -> list[dict[str, Any]]:

@@ -123,8 +123,9 @@ def tokenize_source(source: DataSource, paths: list[str], tokenizer_path: str, d
         raise DataError(f"{OWNER}the {source.split} files {paths} have no rows; give files with data.")
     if not ids:
         raise DataError(
-            f"{OWNER}none of the {rows} {source.split} rows is left: {skipped} conversations without an assistant"
-            f" turn, {too_long} longer than seq_len={seq_len} dropped. Check the data, seq_len and too_long."
+            f"{OWNER}none of the {rows} {source.split} rows of {paths} ({source.format}) is left: {skipped}"
+            f" conversations without an assistant turn, {too_long} longer than seq_len={seq_len} dropped. Check the"
+            " data (its speakers' names: roles), seq_len and too_long."
         )
     return ids, labels, skipped, too_long
 

@@ -98,6 +98,11 @@ def test_rows_become_messages() -> None:
         [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "Add.\n\n1 2"},
          {"role": "assistant", "content": "3"}],
         [{"role": "user", "content": "Sum"}, {"role": "assistant", "content": "x"}]]
+    # messages rows whose speakers have other names: roles renames them too (it was read only for sharegpt)
+    rows = {"dialogue": [[{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo", "name": "b"}]]}
+    spec = DataSource("x", "messages", field="dialogue", roles={"bot": "assistant"}).resolved(True, 0).spec()
+    assert as_documents(rows, spec) == [[{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": "yo", "name": "b"}]]
 
 
 @pytest.mark.parametrize(("source", "chat", "message"), [
