@@ -141,6 +141,9 @@ def test_export_reloads_with_the_trained_logits(runs, kind: str, shard: bool, tm
         assert (out / name).is_file() and (run / "callback" / name).is_file(), name
     for written in (out, run / "callback"):  # what the model's own save_pretrained writes: serving tools read it
         assert json.loads((written / "config.json").read_text())["architectures"] == [type(hf).__name__], written
+    if kind == "gpt":  # GPT-2's <|endoftext|> id only in GPT-2's vocabulary, and no dropout the model never had
+        assert (hf.config.bos_token_id, hf.config.eos_token_id) == (None, None) and VOCAB <= 50256
+        assert (hf.config.resid_pdrop, hf.config.embd_pdrop, hf.config.attn_pdrop) == (0.0, 0.0, 0.0)
     assert transformers.AutoTokenizer.from_pretrained(out)("hello world").input_ids
     assert hf.config.tie_word_embeddings == (kind != "llama")
     if hf.config.tie_word_embeddings:

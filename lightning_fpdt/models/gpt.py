@@ -227,9 +227,13 @@ def gpt_config_to_hf(c: GPTConfig) -> dict[str, Any]:
         raise Unsupported(
             "to_hf: a GPT with rotary positions has no GPT-2 counterpart; use position_embedding='learned'."
         )
+    # GPT-2's ids of <|endoftext|> only where its vocabulary holds them (GPT2Config's 50256 otherwise names no
+    # token), and no dropout, as this GPT trains
+    special = 50256 if c.vocab_size > 50256 else None
     return dict(vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer,
                 n_head=c.n_head, n_inner=c.n_inner, layer_norm_epsilon=c.layer_norm_epsilon,
-                tie_word_embeddings=c.tie_word_embeddings)
+                tie_word_embeddings=c.tie_word_embeddings, bos_token_id=special, eos_token_id=special,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
 FAMILY = Family(name="GPT", model_type="gpt2", hf_class="GPT2LMHeadModel", model_class=GPT, config_class=GPTConfig,
