@@ -240,9 +240,9 @@ def test_fit_prints_the_memory_estimate_and_resolves_auto_chunks(tmp_path: Path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "memory estimate per rank: 0.1M parameters, seq_len 256, batch_size=4" in out
-    assert "chunk_size='auto' with a budget of 1.0 GiB per rank picks None" in out
+    assert "chunk_size='auto' with a budget of 1.0 GiB per rank picks None (one chunk: the whole sequence)" in out
     assert "device peak" in out
-    assert "FPDTStrategy: chunk_size='auto' picked None for batches of 4 x 256 tokens" in out
+    assert "FPDTStrategy: chunk_size='auto' picked None (one chunk: the whole sequence) for batches of 4 x 256" in out
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,22 @@ def test_a_setup_refusal_of_two_ranks_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
+def test_a_batch_every_rank_refuses_alike_is_one_line(tmp_path: Path) -> None:
+    """fpdt-train at 2 processes with chunk_size='auto' and a budget nothing fits: both ranks refuse the same first
+    batch for the same reason, printed once (it was printed by each rank, the lines now and then run together)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_fpdt.cli", "fit", "--config", str(TINY), "--trainer.logger=false",
+         "--trainer.max_steps=1", "--trainer.strategy.init_args.chunk_size=auto",
+         "--trainer.strategy.init_args.memory_budget=0.0001"],
+        cwd=tmp_path, env=_environment(), capture_output=True, text=True, timeout=200)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    lines = _own_lines(output, "fpdt-train")
+    assert len(lines) == 1, output[-3000:]
+    assert "chunk_size='auto': nothing fits a budget of 105 KiB per rank" in lines[0], output[-3000:]
+
+
+@pytest.mark.distributed
 def test_a_peer_killed_under_ring_and_streaming_is_one_line(tmp_path: Path) -> None:
     """Rank 1 of fpdt-train (ring of 2, streamed layers with checkpoints kept on the host) is SIGKILLed at its
     second batch: rank 0 says which rank died in one last line, with no traceback before it."""

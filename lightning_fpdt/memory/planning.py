@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_fpdt.errors import PREFIX, FPDTError
 from lightning_fpdt.memory import GIB, EstimateOptions, ModelShape, auto_chunk_size, estimate, format_bytes
+from lightning_fpdt.memory.sizing import chunk_words
 
 BUDGET_FRACTION = 0.9  # of the free memory: the rest is the allocator's fragmentation and the CUDA context
 
@@ -141,7 +142,7 @@ class ChunkPlanner:
         peak = estimate(shape, seq_len, options.replace(chunk_size=chunk)).device_peak
         self._chosen[key] = chunk
         rank_zero_info(
-            f"{PREFIX}chunk_size='auto' picked {chunk} for batches of {batch_size} x {seq_len} tokens"
+            f"{PREFIX}chunk_size='auto' picked {chunk_words(chunk)} for batches of {batch_size} x {seq_len} tokens"
             f" (estimated device peak {format_bytes(peak)} per rank, budget {format_bytes(self.budget_bytes)})"
         )
         return chunk

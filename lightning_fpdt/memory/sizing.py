@@ -55,7 +55,8 @@ def report(shape: ModelShape, seq_len: int, options: EstimateOptions, budget_gib
     if options.chunk_size == "auto":
         if budget_gib is not None:
             options = options.replace(chunk_size=auto_chunk_size(shape, seq_len, int(budget_gib * GIB), options))
-            lines.append(f"chunk_size='auto' with a budget of {budget_gib} GiB per rank picks {options.chunk_size}")
+            lines.append(f"chunk_size='auto' with a budget of {budget_gib} GiB per rank picks"
+                         f" {chunk_words(options.chunk_size)}")
         else:
             options = options.replace(chunk_size=None)
             lines.append("chunk_size='auto' is picked at the first batch from the device's free memory;"
@@ -65,3 +66,9 @@ def report(shape: ModelShape, seq_len: int, options: EstimateOptions, budget_gib
                     f" {settings}")
     lines.append(estimate(shape, seq_len, options).table())
     return "\n".join(lines)
+
+
+def chunk_words(chunk_size: int | None) -> str:
+    """A chunk size as the planner's lines say it: ``None`` is one chunk, the whole sequence (plain Ulysses)."""
+    return "None (one chunk: the whole sequence)" if chunk_size is None else str(chunk_size)
+

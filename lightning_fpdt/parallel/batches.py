@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fpdt.errors import PREFIX, FPDTError, WrongType
+from lightning_fpdt.errors import PREFIX, FPDTError, WrongType, said_by_every_rank
 from lightning_fpdt.parallel.layout import (
     IGNORE_INDEX,
     default_position_ids,
@@ -273,6 +273,10 @@ class BatchGate:
         first = self.rank // self.sp * self.sp
         self._check_group(table, first)
         if error is not None:
+            # the same batch on every rank, refused by every rank: the same reason everywhere (a chunk size no budget
+            # fits, an id beyond the vocabulary), which a console script prints once
+            if all(r == table[0] for r in table):
+                said_by_every_rank(error)
             raise error
         if any(r[-1] for r in table):
             raise FPDTError(
