@@ -179,3 +179,8 @@ def test_export_errors_name_the_fix(runs, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="the GPTLM of --config .* does not match the checkpoint"):
         export(ckpt, tmp_path / "y", config=wrong)
     assert not (tmp_path / "y").exists()  # refused before anything is written
+    larger = build_tokenizer(tmp_path / "tokenizer-512", vocab_size=512)  # ids past the model's 384 rows
+    with pytest.raises(ValueError, match=rf"the tokenizer of .*tokenizer-512 has {len(larger)} tokens, more than the"
+                                         rf" model's vocab_size={VOCAB}: ids {VOCAB} to {len(larger) - 1} have no"):
+        export(ckpt, tmp_path / "z", tokenizer=str(tmp_path / "tokenizer-512"))
+    assert not (tmp_path / "z").exists()

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
+from lightning_fpdt.data.tokenizing import load_tokenizer
 from lightning_fpdt.errors import FPDTError, WrongType
 from lightning_fpdt.export.adapter import adapted_module, write_adapter
 from lightning_fpdt.export.checks import (
@@ -134,6 +135,7 @@ def write(plan: ExportPlan, read: Callable[[str], Tensor], out: str | Path, dtyp
     dtype = export_dtype(dtype)
     if writer:
         check_out(out, True, [plan.tokenizer_dir])
+        check_tokenizer_fits(plan.tokenizer_dir, plan.config)
     staging = staging_dir(out) if writer else out
     try:
         _write_files(plan, read, staging, dtype, limit, writer)
@@ -142,6 +144,23 @@ def write(plan: ExportPlan, read: Callable[[str], Tensor], out: str | Path, dtyp
     finally:
         if writer and staging.exists():
             shutil.rmtree(staging)
+
+
+def check_tokenizer_fits(tokenizer_dir: str | None, config: PretrainedConfig) -> None:
+    """Refuse to write beside the model a tokenizer with more tokens than the model's vocabulary: its ids past the
+    embedding's rows would fail the first forward of whoever loads the export (fewer is fine: padded vocabularies).
+
+    Raises:
+        FPDTError: naming both sizes and the fix.
+    """
+    vocab = getattr(config, "vocab_size", None)
+    if tokenizer_dir is None or not (Path(tokenizer_dir) / "tokenizer.json").is_file() or not isinstance(vocab, int):
+        return
+    tokens = len(load_tokenizer(str(tokenizer_dir)))
+    if tokens > vocab:
+        raise FPDTError(f"{OWNER}the tokenizer of {tokenizer_dir} has {tokens} tokens, more than the model's"
+                        f" vocab_size={vocab}: ids {vocab} to {tokens - 1} have no embedding row. Give the tokenizer"
+                        " the model was trained with (--tokenizer). Nothing was written.")
 
 
 def _write_files(plan: ExportPlan, read: Callable[[str], Tensor], out: Path, dtype: torch.dtype | None, limit: int,
