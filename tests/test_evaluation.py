@@ -410,3 +410,19 @@ def test_fpdt_eval_s_help_says_what_it_does(monkeypatch: pytest.MonkeyPatch, cap
     assert exit_.value.code in (0, None)
     assert "Long-context evaluation of a trained model" in out and "--evaluation.tasks" in out, out[:3000]
     assert out.index("Long-context evaluation") < out.index("options:")  # the description, above the options
+
+
+def test_every_task_s_samples_are_made_before_the_first_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A length too short for the second task is refused before the first task's forwards (it was refused after the
+    first task had been scored whole)."""
+    import importlib
+
+    evaluate_module = importlib.import_module("lightning_fpdt.evaluation.evaluate")
+
+    forwards = []
+    monkeypatch.setattr(evaluate_module, "score_samples", lambda *args, **kwargs: forwards.append(args))
+    module = LlamaLM(LlamaConfig.tiny())
+    with pytest.raises(ValueError, match=r"NeedleTask: length=128 is too short for .* of 'niah_single_2'"):
+        evaluate_module.evaluate(module, [PasskeyTask(digits=1), "niah_single_2"], lengths=[128], depths=[0.5],
+                                 samples_per_cell=1, tokenizer=ByteTokenizer())
+    assert forwards == []
