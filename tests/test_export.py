@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -184,3 +185,8 @@ def test_export_errors_name_the_fix(runs, tmp_path: Path) -> None:
                                          rf" model's vocab_size={VOCAB}: ids {VOCAB} to {len(larger) - 1} have no"):
         export(ckpt, tmp_path / "z", tokenizer=str(tmp_path / "tokenizer-512"))
     assert not (tmp_path / "z").exists()
+    # the callback refuses it when fit starts (on every rank), not after training
+    callback = HFExport(dirpath=str(tmp_path / "hf"), tokenizer=str(tmp_path / "tokenizer-512"))
+    module = LlamaLM(LlamaConfig(**{**LlamaConfig.tiny().to_dict(), "vocab_size": VOCAB}))
+    with pytest.raises(ValueError, match=rf"has {len(larger)} tokens, more than the model's vocab_size={VOCAB}"):
+        callback.on_fit_start(SimpleNamespace(log_dir=None, default_root_dir=str(tmp_path)), module)

@@ -29,7 +29,6 @@ from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.data.tokenizing import load_tokenizer
 from lightning_fpdt.errors import FPDTError, WrongType
 from lightning_fpdt.export.adapter import adapted_module, write_adapter
 from lightning_fpdt.export.checks import (
@@ -44,6 +43,7 @@ from lightning_fpdt.export.checks import (
     shard_bytes,
     staging_dir,
 )
+from lightning_fpdt.export.tokenizer_files import check_tokenizer_fits
 from lightning_fpdt.hf.causal_lm import HFCausalLM
 from lightning_fpdt.hf.lora import export_sources
 from lightning_fpdt.models.bundled import BundledLM
@@ -133,9 +133,9 @@ def write(plan: ExportPlan, read: Callable[[str], Tensor], out: str | Path, dtyp
     out = Path(out)
     limit = shard_bytes(max_shard_size)
     dtype = export_dtype(dtype)
+    check_tokenizer_fits(plan.tokenizer_dir, plan.config)  # every rank, before any gather: refused alike
     if writer:
         check_out(out, True, [plan.tokenizer_dir])
-        check_tokenizer_fits(plan.tokenizer_dir, plan.config)
     staging = staging_dir(out) if writer else out
     try:
         _write_files(plan, read, staging, dtype, limit, writer)
@@ -144,23 +144,6 @@ def write(plan: ExportPlan, read: Callable[[str], Tensor], out: str | Path, dtyp
     finally:
         if writer and staging.exists():
             shutil.rmtree(staging)
-
-
-def check_tokenizer_fits(tokenizer_dir: str | None, config: PretrainedConfig) -> None:
-    """Refuse to write beside the model a tokenizer with more tokens than the model's vocabulary: its ids past the
-    embedding's rows would fail the first forward of whoever loads the export (fewer is fine: padded vocabularies).
-
-    Raises:
-        FPDTError: naming both sizes and the fix.
-    """
-    vocab = getattr(config, "vocab_size", None)
-    if tokenizer_dir is None or not (Path(tokenizer_dir) / "tokenizer.json").is_file() or not isinstance(vocab, int):
-        return
-    tokens = len(load_tokenizer(str(tokenizer_dir)))
-    if tokens > vocab:
-        raise FPDTError(f"{OWNER}the tokenizer of {tokenizer_dir} has {tokens} tokens, more than the model's"
-                        f" vocab_size={vocab}: ids {vocab} to {tokens - 1} have no embedding row. Give the tokenizer"
-                        " the model was trained with (--tokenizer). Nothing was written.")
 
 
 def _write_files(plan: ExportPlan, read: Callable[[str], Tensor], out: Path, dtype: torch.dtype | None, limit: int,
@@ -296,12 +279,16 @@ class HFExport(pl.Callback):
         self.dtype = export_dtype(dtype)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Refuse a directory that is the model's source (or ``adapter`` without LoRA), before training, not after."""
+        """Refuse a directory that is the model's source (or ``adapter`` without LoRA) and a tokenizer larger than the
+        model's vocabulary, before training, not after."""
         # every rank asks: trainer.log_dir is rank 0's, broadcast
         self.out = Path(self.dirpath or Path(trainer.log_dir or trainer.default_root_dir) / "hf")
         check_out(self.out, True, [self.tokenizer, _source_dir(_source_of(pl_module))])
         if self.adapter:
             adapted_module(pl_module)
+        else:  # a tokenizer the export would refuse, refused before training
+            plan = plan_for(pl_module, self.tokenizer)
+            check_tokenizer_fits(plan.tokenizer_dir, plan.config)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step

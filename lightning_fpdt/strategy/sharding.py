@@ -15,6 +15,8 @@ hooks and re-gathers its parameters in backward.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,6 +32,7 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from torchmetrics import Metric
 
 from lightning_fpdt.errors import PREFIX, FPDTError
 from lightning_fpdt.parallel.binding import decoder_layers
@@ -84,13 +87,30 @@ def load_shards_of(module: pl.LightningModule, device: torch.device, on_host: bo
             f"{PREFIX}{type(module).__name__} has parameters on the meta device and no load_sharded_weights(device)"
             " to fill its shards with; build it with real tensors (or give it that method)."
         )
-    load(torch.device("cpu") if on_host else device)
+    with metrics_aside(module, device):  # to_empty of the root would give a metric's states empty memory
+        load(torch.device("cpu") if on_host else device)
     if on_host:
         buffers_to(module, device)
     left = [name for name, p in module.named_parameters() if p.is_meta]
     if left:
         raise FPDTError(f"{PREFIX}{type(module).__name__}.load_sharded_weights left {len(left)} parameter(s) on the"
                         f" meta device, e.g. {left[:3]}.")
+
+
+@contextlib.contextmanager
+def metrics_aside(module: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Take ``module``'s torchmetrics metrics out of it inside (a sharded load's ``to_empty`` of the root replaced
+    their states and the defaults ``reset`` restores with uninitialised memory: the validation's answer accuracy read
+    garbage), then put them back on ``device``, where the steps update them (with ``offload_optimizer`` too)."""
+    taken = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
+             if isinstance(child, Metric)]
+    for parent, name, _ in taken:
+        delattr(parent, name)
+    try:
+        yield
+    finally:
+        for parent, name, child in taken:
+            setattr(parent, name, child.to(device))
 
 
 def host_shards_backend(device: torch.device, offload_optimizer: bool) -> str | None:

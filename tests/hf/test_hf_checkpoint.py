@@ -126,6 +126,11 @@ def _sharded_shards(rank: int, world: int, directories: dict[str, str]) -> dict[
             held += param.to_local().numel()
         buffers = dict(convert(directory).named_buffers())
         assert all(torch.equal(b, buffers[k]) for k, b in module.model.named_buffers()), name
+        # the validation's metric kept its zero defaults (to_empty of the root gave them uninitialised memory)
+        accuracy = module.val_answer_accuracy
+        accuracy.reset()
+        accuracy.update(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 0]))
+        assert accuracy.compute().item() == pytest.approx(2 / 3), (name, accuracy.correct, accuracy.total)
         results[name] = {"read": sum(counts), "held": held, "total": sum(p.numel() for p in full.values()),
                          "tied": module.model.lm_head.weight is next(module.model.parameters())}
     return results
@@ -140,7 +145,8 @@ def _shards_on_host(rank: int, world: int, directory: str) -> dict[str, list[str
         start, end = owned_rows(param, key, "test")
         assert torch.equal(param.to_local(), full[key][start:end]), key
     return {"parameters": sorted({f"{p.device.type}/{p.to_local().device.type}" for p in module.parameters()}),
-            "buffers": sorted({b.device.type for b in module.buffers()})}
+            "buffers": sorted({b.device.type for b in module.buffers()}),
+            "metric": module.val_answer_accuracy.correct.device.type}
 
 
 @pytest.mark.distributed
@@ -148,10 +154,10 @@ def test_offload_optimizer_makes_the_shards_on_the_host_and_the_buffers_on_the_d
                                                                                        fresh_seed: int) -> None:
     """With ``offload_optimizer`` a meta-device model's shards are made and read in host memory (FSDP2's CPU offload
     refuses a sharded parameter whose DTensor says it is on the GPU, which one made there keeps saying after its
-    shard moves to the host) and only its buffers (RoPE's frequencies) go to the device."""
+    shard moves to the host) and only its buffers (RoPE's frequencies) and its metric's states go to the device."""
     _saved(CASES["llama-untied"][2](), tmp_path / "llama", fresh_seed)
     placed = run_on_ranks(_shards_on_host, 1, str(tmp_path / "llama"), start_method="fork")[0]
-    assert placed == {"parameters": ["cpu/cpu"], "buffers": ["meta"]}, placed
+    assert placed == {"parameters": ["cpu/cpu"], "buffers": ["meta"], "metric": "meta"}, placed
 
 
 def test_offload_optimizer_on_gpus_asks_for_nccl_and_gloo() -> None:
