@@ -406,7 +406,7 @@ def main() -> None:
                  "worst gradient", "status"], rows)
     print()
     rows, sharded_ok = offload_optimizer_rows(device, args.cpu)
-    print_table(["FSDP2 sharded, one step vs unsharded (float32)", "shards on", "loss", "gradient norm",
+    print_table(["FSDP2 sharded, one step vs unsharded (float32)", "shards on", "loss", "worst gradient",
                  "worst weight after the step", "tolerance", "status"], rows)
 
     print("\n## 2. Host link (pinned memory, the offload's copy streams)\n", flush=True)

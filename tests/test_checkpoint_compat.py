@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.errors import FPDTError
 from lightning_fpdt.models import GPTLM, LlamaLM
+from lightning_fpdt.models.class_paths import check_saved_class
 from lightning_fpdt.models.from_config import module_from_hyperparameters, saved_class
 from tests.helpers import TokenDataset
 
@@ -75,3 +76,5 @@ def test_load_from_checkpoint_takes_the_class_the_checkpoint_names() -> None:
     with pytest.raises(FPDTError, match=r"GPTLM: the checkpoint holds a lightning_fpdt.models.LlamaLM; load it with"
                                         r" that class \(LlamaLM.load_from_checkpoint\)"):
         GPTLM.load_from_checkpoint(OLD)
+    check_saved_class("torch.distributed.fsdp.FSDPModule", LlamaLM)  # an older save's FSDP2 mixin: no LightningModule
+    check_saved_class("no.such.Module", LlamaLM)  # a class that moved away: not held against it

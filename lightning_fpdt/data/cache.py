@@ -37,8 +37,9 @@ WEIGHTS = frozenset({".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".ms
 SETTLED_S = 2.0  # seconds: a file changed more recently is not memoized (file timestamps tick in jiffies or seconds)
 _CHUNK = 1 << 20
 
-VERSION = 4  # of the samples made from the same inputs: bump when they change (2: headers of templates without a
-# generation prompt; 3: content parts joined, duplicates held out together; 4: datasets of a mixture, their formats)
+VERSION = 5  # of the samples made from the same inputs: bump when they change (2: headers of templates without a
+# generation prompt; 3: content parts joined, duplicates held out together; 4: datasets of a mixture, their formats;
+# 5: a messages dataset's roles applied)
 
 
 def digest(value: Any) -> str:

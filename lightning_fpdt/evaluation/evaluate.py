@@ -80,20 +80,19 @@ def evaluate(
     module.eval()
     try:
         result = EvaluationResult(step)
-        grids = []  # every task's samples before the first forward: a length too short for any task is refused now
+        resolved_tasks = []
         for task in (task_named(t) for t in tasks):
             resolved = getattr(task, "resolved", None)
-            task = resolved(datamodule) if callable(resolved) else task  # PasskeyTask: the data module's task
+            resolved_tasks.append(resolved(datamodule) if callable(resolved) else task)  # PasskeyTask: the data's
+        for task in resolved_tasks:  # before the first forward: a length too short for any task is refused now
+            sample_grid(task, encode, [min(lengths)], depths, samples_per_cell)
+        for task in resolved_tasks:  # one task's grid at a time (a million-token grid is large)
             start = time.perf_counter()
             samples = sample_grid(task, encode, lengths, depths, samples_per_cell)
-            grids.append((task, samples, time.perf_counter() - start))
-        for task, samples, sampling in grids:
-            start = time.perf_counter()
             scores = score_samples(module, samples, batch_size, trainer, tile_tokens)
             result.tasks[task.name] = task_result(task.name, samples, scores.cpu(), lengths, depths)
-            seconds = sampling + time.perf_counter() - start
             rank_zero_info(f"LongContextEvaluation: {task.name}: exact match {result.tasks[task.name].mean():.3f} over"
-                           f" {len(samples)} samples ({seconds:.1f} s)")
+                           f" {len(samples)} samples ({time.perf_counter() - start:.1f} s)")
         if position_data is not None:
             items = document_items(position_data, position_samples, position_targets)
             sums = position_loss_sums(module, items, batch_size, trainer, tile_tokens)

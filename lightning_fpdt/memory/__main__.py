@@ -201,8 +201,8 @@ def _module_from_yaml(model: dict[str, Any]) -> nn.Module:
         return module_from_yaml(model, on_meta=True)
     except (ImportError, AttributeError, TypeError, ValueError, OSError) as err:
         raise FPDTError(f"model {model.get('class_path', 'LlamaLM')!r} cannot be built from the YAML's init_args on"
-                        f" the meta device ({err}); give the model's sizes as flags instead (--hidden, --layers,"
-                        " ...).") from None
+                        f" the meta device ({err}); drop --config and give a Llama's sizes as flags (--hidden,"
+                        " --layers, ...).") from None
 
 
 if __name__ == "__main__":

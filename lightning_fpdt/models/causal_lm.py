@@ -299,7 +299,7 @@ class CausalLM(PendingWeightsModule):
         it), so ``fpdt-train fit --ckpt_path`` rebuilds this class, not the CLI's default model."""
         hparams = checkpoint.get(self.CHECKPOINT_HYPER_PARAMS_KEY)
         if isinstance(hparams, dict):
-            hparams.setdefault("_class_path", class_path_of(type(self), within=CausalLM))
+            hparams["_class_path"] = class_path_of(type(self), within=CausalLM)  # this class, whatever was loaded
 
     def configure_optimizers(self) -> Any:
         """:func:`~lightning_fpdt.models.optimizers.make_optimizers`: ``optimizer`` and ``lr_scheduler`` when given,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import lightning.pytorch as pl
+
 from lightning_fpdt.errors import FPDTError
 
 IMPORT_ERRORS = (ImportError, AttributeError, ValueError)  # what importing a dotted path raises for a bad one
@@ -85,7 +87,8 @@ def check_saved_class(class_path: str | None, cls: type) -> None:
         saved = import_named(class_path)
     except IMPORT_ERRORS:
         return
-    if not (isinstance(saved, type) and issubclass(saved, cls)):
+    # a name that is no LightningModule (an older save's FSDP2 mixin, FSDPModule) says nothing against cls
+    if isinstance(saved, type) and issubclass(saved, pl.LightningModule) and not issubclass(saved, cls):
         raise FPDTError(f"{cls.__name__}: the checkpoint holds a {class_path}; load it with that class"
                         f" ({class_path.rpartition('.')[2]}.load_from_checkpoint), or with"
                         " lightning_fpdt.models.from_config.module_from_hyperparameters, which reads the class.")
