@@ -12,6 +12,7 @@ process-group timeout. Last, the multi-node recipe (``examples/multinode/``) par
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import random
@@ -285,6 +286,10 @@ def test_the_multinode_recipe_parses_and_is_sized_as_its_comment_says(monkeypatc
     assert strategy["sequence_parallel_size"] == nodes * per_node and strategy["ring_size"] == nodes
     assert re.search(r'^ *--model\.hf_checkpoint "\$CHECKPOINT" --data\.path "\$TOKENS"', text, re.M)
     assert f"CKPT_DIR={config['trainer']['callbacks'][0]['init_args']['dirpath']} " in text
+    # the Python lines it runs before srun import what they name (under set -e a wrong module ended every job)
+    for module, name in re.findall(r"from (lightning_fpdt[\w.]*) import (\w+)", text):
+        assert hasattr(importlib.import_module(module), name), (module, name)
+    assert re.findall(r"from (lightning_fpdt[\w.]*) import", text), "the resume line was not found"
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["fpdt-train", "fit", "--config", config_path, "--model.hf_checkpoint", "ckpt",
