@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from lightning_fpdt.errors import one_line
 from lightning_fpdt.models import LlamaLM
 from lightning_fpdt.strategy.sharding import host_shards_backend, load_shards_of, shard_module
 
@@ -77,7 +78,7 @@ def offload_optimizer_rows(device: torch.device, cpu: bool) -> tuple[list[list[A
         ok = all(e <= TOLERANCE for e in errors) and shards == (["cpu"] if offload else [device.type])
         return [[f"offload_optimizer={offload}", "/".join(shards), *errors, TOLERANCE, "ok" if ok else "FAILED"]], ok
     except Exception as err:  # the remaining sections still run
-        line = " ".join(str(err).split())[:300]
+        line = one_line(err)[:300]
         return [[f"offload_optimizer={offload}", "-", "-", "-", "-", TOLERANCE, f"FAILED: {type(err).__name__}: {line}"]
                 ], False
     finally:

@@ -62,6 +62,13 @@ def described(error: BaseException) -> str:
     return f"{type(error).__name__}: {line}" if line else type(error).__name__
 
 
+def one_line(error: BaseException) -> str:
+    """``error``'s whole message on one line (each run of whitespace, line breaks included, one space), or its class
+    name where it has none: how a message quotes an error whose detail is on its later lines (a YAML error's
+    position, the Hugging Face Hub's link or hint), where :func:`first_line` would drop it."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def is_positive_int(value: Any) -> bool:
     """The one rule for a count a user gives (a size, a number of tiles): an ``int`` above 0, and not a ``bool``
     (``True`` is an ``int`` to Python, never a count to a user)."""

@@ -17,7 +17,7 @@ import torch
 
 import lightning_fpdt
 from lightning_fpdt import FPDTStrategy
-from lightning_fpdt.errors import described, first_line
+from lightning_fpdt.errors import described, first_line, one_line
 from lightning_fpdt.models import LlamaConfig, LlamaLM
 from lightning_fpdt.options import FPDTOptions
 from lightning_fpdt.parallel.batches import shard_batch
@@ -226,3 +226,12 @@ def test_another_librarys_error_is_quoted_in_one_line(error: BaseException, line
     message is its class name once, not "AssertionError: AssertionError"."""
     assert first_line(error) == line
     assert described(error) == whole
+
+
+def test_an_error_whose_detail_is_on_later_lines_is_quoted_whole_on_one_line() -> None:
+    """``one_line`` keeps every line of a foreign error (a YAML error's position, the Hub's link), joined by single
+    spaces; an error without a message is its class name."""
+    error = ValueError("while parsing a flow sequence\n  in 'bad.yaml', line 2, column 14\nexpected ',' or ']'")
+    assert one_line(error) == "while parsing a flow sequence in 'bad.yaml', line 2, column 14 expected ',' or ']'"
+    assert one_line(AssertionError()) == "AssertionError"
+

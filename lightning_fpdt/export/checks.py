@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_fpdt.checkpoints import files as checkpoint_files
 from lightning_fpdt.checkpoints.files import CheckpointError
-from lightning_fpdt.errors import FPDTError
+from lightning_fpdt.errors import FPDTError, one_line
 from lightning_fpdt.models.from_config import module_from_hyperparameters, module_from_yaml
 
 OWNER = "fpdt-export: "
@@ -144,7 +144,7 @@ def module_for_export(config: str | Path | None, hparams: dict[str, Any] | None,
         try:
             fit = yaml.safe_load(Path(config).read_text()) or {}
         except yaml.YAMLError as err:
-            raise FPDTError(f"{OWNER}--config {config} is not valid YAML ({_line(err)}).") from None
+            raise FPDTError(f"{OWNER}--config {config} is not valid YAML ({one_line(err)}).") from None
         if not isinstance(fit, dict):
             raise FPDTError(f"{OWNER}--config {config} is not a LightningCLI config (a mapping with a model section).")
         data_tokenizer = ((fit.get("data") or {}).get("init_args") or {}).get("tokenizer")
@@ -161,10 +161,10 @@ def module_for_export(config: str | Path | None, hparams: dict[str, Any] | None,
         else:
             module = module_from_hyperparameters(hparams or {}, on_meta=True)
     except OSError as err:  # transformers' config lookup: a path that is not there, a hub name not reachable
-        raise FPDTError(f"{OWNER}the model of {source} cannot be built: {_line(err)} If it names a directory that"
+        raise FPDTError(f"{OWNER}the model of {source} cannot be built: {one_line(err)} If it names a directory that"
                         f" moved, {fix}.") from None
     except (ValueError, TypeError, NotImplementedError) as err:
-        raise FPDTError(f"{OWNER}the model of {source} cannot be built: {_line(err)}") from None
+        raise FPDTError(f"{OWNER}the model of {source} cannot be built: {one_line(err)}") from None
     local = data_tokenizer if isinstance(data_tokenizer, str) and Path(data_tokenizer).is_dir() else None
     return module, local
 
@@ -188,11 +188,6 @@ def _check_sources(args: dict[str, Any], tokenizer: str | None, source: str, fix
 def _is_local_path(name: str) -> bool:
     """Whether ``name`` can only be a local path (a hub name is ``name`` or ``org/name``)."""
     return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
-
-
-def _line(err: BaseException) -> str:
-    """``err``'s message on one line."""
-    return " ".join(str(err).split()) or type(err).__name__
 
 
 def open_checkpoint(ckpt: str | Path) -> tuple[Path, dict[str, Any], dict[str, tuple[int, ...]],
@@ -240,7 +235,7 @@ def _dcp_reader(path: Path, metadata: Metadata) -> Callable[[str], Tensor]:
             files = sorted({i.relative_path for x, i in metadata.storage_data.items() if x.fqn == f"state_dict.{key}"})
             if isinstance(err, CheckpointException) and err.failures:  # (exception, traceback) per rank
                 err = next(iter(err.failures.values()))[0]
-            reason = f"{type(err).__name__}: {_line(err).split('. ')[0]}"  # its first sentence
+            reason = f"{type(err).__name__}: {one_line(err).split('. ')[0]}"  # its first sentence
             raise CheckpointError(f"{OWNER}the sharded checkpoint {path} cannot give {key} ({', '.join(files)}:"
                                   f" {reason}): a file is corrupt. Copy the whole directory again, or export an"
                                   " earlier checkpoint.") from None

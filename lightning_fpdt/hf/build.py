@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_fpdt.errors import FPDTError, WrongType, described
+from lightning_fpdt.errors import FPDTError, WrongType, described, one_line
 from lightning_fpdt.hf.weights import build_on_meta, pretrained_dtype, unmatched
 from lightning_fpdt.models.class_paths import instantiate
 from lightning_fpdt.models.weight_files import SafetensorsFiles, tensor_names
@@ -95,9 +95,9 @@ def named_checkpoint(name: str) -> Iterator[None]:
     try:
         yield
     except OSError as err:
-        reason = " ".join(str(err).split()) or type(err).__name__
         raise FPDTError(f"HFCausalLM: model {name!r} is not a directory here {here}, and the Hugging Face Hub did not"
-                        f" give it: {reason} (a local checkpoint: give its directory as seen from here).") from err
+                        f" give it: {one_line(err)} (a local checkpoint: give its directory as seen from"
+                        " here).") from err
 
 
 ALLOW_MISSING = "allow_missing_weights"  # from_pretrained_kwargs' own key: random values for missing tensors are meant

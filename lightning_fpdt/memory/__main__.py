@@ -25,7 +25,7 @@ import yaml
 from torch import nn
 
 from lightning_fpdt.backends import BACKENDS
-from lightning_fpdt.errors import FPDTError, WrongType
+from lightning_fpdt.errors import FPDTError, WrongType, one_line
 from lightning_fpdt.memory import EstimateOptions, ModelShape, communication_bytes, format_bytes, report
 from lightning_fpdt.models import GPTConfig, LlamaConfig
 from lightning_fpdt.models.convert import FAMILIES
@@ -140,7 +140,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     except OSError as err:
         raise FPDTError(f"--config {path!r} cannot be read ({err.strerror or err}).") from None
     except yaml.YAMLError as err:
-        raise FPDTError(f"--config {path!r} is not valid YAML ({' '.join(str(err).split())}).") from None
+        raise FPDTError(f"--config {path!r} is not valid YAML ({one_line(err)}).") from None
 
 
 def _section(mapping: dict[str, Any], key: str) -> dict[str, Any]:
