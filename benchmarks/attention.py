@@ -3,17 +3,20 @@
     python benchmarks/attention.py                          # CPU, 2 gloo processes, 8K and 16K tokens
     python benchmarks/attention.py --seq 1024 --repeats 1   # a quick look
     python benchmarks/attention.py --sync                   # also the pipeline with blocking all-to-alls
+    python benchmarks/attention.py --whole-diagonal         # also the pipeline with one backward call per diagonal
 
 Per rank: q, k, v shards ``[1, S/P, heads, head_dim]``, causal attention; the variants are plain
 Ulysses (``chunk_size=None``) and the FPDT pipeline with ``--chunks`` chunks, its all-to-alls
 asynchronous (issued before a chunk's attention, waited for after it); ``--sync`` adds the same
-pipeline with each all-to-all run to completion where it is issued. Time is the best and the median
-of ``--repeats`` forward+backward runs, taken in rounds, round robin over the variants, after a
-warm-up (a shared machine's slow phases then hit every variant). "x ulysses" is best over best;
-"x ulysses, rounds" the median over rounds of the variant's time over Ulysses' time in the same round
-(robust to a slow phase that spares one variant's best run). "kernel ms" is the part of the best run
-spent inside the attention kernel, "other ms" the rest (all-to-alls, merges, copies, waiting for the
-other rank): the pipeline's own cost.
+pipeline with each all-to-all run to completion where it is issued; ``--whole-diagonal`` adds it with
+each causal diagonal block's backward as one kernel call (``sdpa`` on CPU runs a causal square of up
+to ``SdpaKernel.banded_rows`` rows in column bands; Ulysses' square at 8K tokens is longer, one call
+either way). Time is the best and the median of ``--repeats`` forward+backward runs, taken in rounds,
+round robin over the variants, after a warm-up (a shared machine's slow phases then hit every
+variant). "x ulysses" is best over best; "x ulysses, rounds" the median over rounds of the variant's
+time over Ulysses' time in the same round (robust to a slow phase that spares one variant's best
+run). "kernel ms" is the part of the best run spent inside the attention kernel, "other ms" the rest
+(all-to-alls, merges, copies, waiting for the other rank): the pipeline's own cost.
 Memory is the peak of live tensors during the warm-up forward+backward
 (``lightning_fpdt.offload.memtrack.TensorMemoryTracker``), per rank.
 """
@@ -46,7 +49,13 @@ class TimedKernel:
     """Wraps a kernel and adds up the seconds spent in it."""
 
     def __init__(self, kernel: AttentionKernel) -> None:
-        self.kernel, self.name, self.seconds = kernel, kernel.name, 0.0
+        self.kernel, self.name, self.edge_band, self.seconds = kernel, kernel.name, kernel.edge_band, 0.0
+        self.banded_rows = getattr(kernel, "banded_rows", None)  # sdpa's: causal squares up to it in bands on CPU
+
+    def band(self, on: bool) -> None:
+        """sdpa's causal squares' backward in bands as it runs them (``on``), or every one as one call."""
+        if self.banded_rows is not None:
+            self.kernel.banded_rows = self.banded_rows if on else 0
 
     def forward(self, *args: Any) -> Any:
         start = time.perf_counter()
@@ -71,14 +80,18 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[list]:
     for seq in args.seq:
         g = torch.Generator().manual_seed(seq)
         q, k, v, dout = (torch.randn(1, seq // world, args.heads, head_dim, generator=g, dtype=dtype) for _ in range(4))
-        # name -> (chunks, asynchronous all-to-alls)
-        variants: dict[str, tuple[int | None, bool]] = {"ulysses": (None, True)}
+        # name -> (chunks, asynchronous all-to-alls, causal squares' backward in bands)
+        variants: dict[str, tuple[int | None, bool, bool]] = {"ulysses": (None, True, True)}
         for n in args.chunks:
-            variants[f"fpdt x{n}"] = (n, True)
+            variants[f"fpdt x{n}"] = (n, True, True)
             if args.sync:
-                variants[f"fpdt x{n} sync"] = (n, False)
+                variants[f"fpdt x{n} sync"] = (n, False, True)
+            if args.whole_diagonal:
+                variants[f"fpdt x{n} whole diagonal"] = (n, True, False)
 
-        def step(chunks: int | None, overlap: bool, inputs: tuple = (q, k, v, dout), seq: int = seq) -> None:
+        def step(chunks: int | None, overlap: bool, banded: bool, inputs: tuple = (q, k, v, dout),
+                 seq: int = seq) -> None:
+            kernel.band(banded or chunks is None)  # Ulysses: as sdpa runs it (8K rows: one call)
             xs = [x.detach().requires_grad_() for x in inputs[:3]]
             if chunks is None:
                 out = ulysses_attention(*xs, group, kernel, True, scale)
@@ -102,7 +115,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[list]:
                 seconds = timed(lambda v=variant: step(*v), 1, group)
                 times[name].append((seconds, kernel.seconds))
         best = {name: min(t) for name, t in times.items()}
-        for name, (chunks, _) in variants.items():
+        for name, (chunks, _, _) in variants.items():
             total, in_kernel = best[name]
             median = statistics.median(t for t, _ in times[name])
             paired = statistics.median(t / u for (t, _), (u, _) in zip(times[name], times["ulysses"], strict=True))
@@ -125,6 +138,8 @@ def main() -> None:
     parser.add_argument("--backend", default="sdpa")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--sync", action="store_true", help="also run the pipeline with blocking all-to-alls")
+    parser.add_argument("--whole-diagonal", action="store_true",
+                        help="also run the pipeline with each causal diagonal's backward as one kernel call")
     args = parser.parse_args()
     print(f"FPDT attention, {args.world} CPU processes (gloo), hidden {args.hidden}, {args.heads} heads, "
           f"{args.dtype}, backend {args.backend}, causal; forward+backward per rank", flush=True)

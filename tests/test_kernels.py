@@ -232,3 +232,76 @@ def test_the_pipelines_block_calls_copy_nothing_on_cpu(monkeypatch: pytest.Monke
     fpdt_attention(q, k, v, chunk_size=8, backend="sdpa").backward(dout)
     assert kernel.calls == 2 * 36  # 8 chunks: 36 causal blocks, forward and backward
     assert kernel.mode.copies == 0
+
+
+class _OpCalls(TorchDispatchMode):
+    """Counts the calls of torch's CPU attention backward op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backward = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.backward += func.overloadpacket.__name__ == "_scaled_dot_product_flash_attention_for_cpu_backward"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("seq", "kv_heads", "v_width"), [(33, 4, 16), (129, 2, 16), (300, 1, 8)])
+def test_sdpa_runs_a_causal_squares_backward_in_bands_on_cpu_exactly(
+    seq: int, kv_heads: int, v_width: int, fresh_seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A causal square of more than ``causal_band`` rows: its backward on CPU is two op calls per band of keys but the
+    last (the band's causal square, the rectangle below it), in float64 equal to the textbook formula (GQA, a v
+    narrower than q) and to the one call."""
+    monkeypatch.setattr(SdpaKernel, "causal_band", 16)
+    q, k, v, dout = _qkv(torch.float64, fresh_seed, kv_heads=kv_heads, seq_q=seq, seq_k=seq)
+    v, dout = v[..., :v_width], dout[..., :v_width]
+    kernel = SdpaKernel()
+    out, lse = kernel.forward(q, k, v, True, 0.25)
+    with _OpCalls() as calls:
+        grads = kernel.backward(dout, q, k, v, out, lse, True, 0.25)
+    assert calls.backward == 2 * -(-seq // 16) - 1
+    kernel.banded_rows = 0  # every causal square in one call
+    one_call = kernel.backward(dout, q, k, v, out, lse, True, 0.25)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    ref_out, _ = naive_attention(q, k, v, True, 0.25)
+    ref_out.backward(dout)
+    for got, single, ref in zip(grads, one_call, (q.grad, k.grad, v.grad)):
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        assert rel_error(got, ref) <= 1e-12 and rel_error(got, single) <= 1e-12
+
+
+@pytest.mark.parametrize(("dtype", "causal", "lower", "banded_rows", "calls"), [
+    (torch.float32, True, None, 4096, 5),  # banded: 3 bands of 16 keys
+    (torch.bfloat16, True, None, 4096, 1),  # bfloat16's op is slower in bands
+    (torch.float32, False, None, 4096, 1),  # no diagonal
+    (torch.float32, True, -7, 4096, 1),  # a window's edge: one masked call
+    (torch.float32, True, None, 40, 1),  # a square over banded_rows: its diagonal is a small share
+])
+def test_sdpa_bands_only_the_causal_squares_it_gains_on(dtype, causal, lower, banded_rows, calls,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SdpaKernel, "causal_band", 16)
+    q, k, v, dout = _qkv(dtype, 0, seq_q=48, seq_k=48)
+    kernel = SdpaKernel()
+    kernel.banded_rows = banded_rows
+    out, lse = kernel.forward(q, k, v, causal, 0.25, lower)
+    with _OpCalls() as counted:
+        kernel.backward(dout, q, k, v, out, lse, causal, 0.25, lower)
+    assert counted.backward == calls
+
+
+def test_fpdt_attention_on_sdpa_with_banded_diagonals_float64(fresh_seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked pipeline on sdpa (one process, chunks of 64 rows, diagonal blocks' backward in bands of 16 keys)
+    against the textbook formula in float64: loss side and every gradient."""
+    monkeypatch.setattr(SdpaKernel, "causal_band", 16)
+    q, k, v, dout = _qkv(torch.float64, fresh_seed, seq_q=192, seq_k=192, std=2.0)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    with _OpCalls() as calls:
+        out = fpdt_attention(*leaves, chunk_size=64, backend="sdpa")
+        out.backward(dout)
+    assert calls.backward == 3 + 3 * 7  # 3 blocks below the diagonal, 3 diagonal ones in 4 bands
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    ref_out, _ = naive_attention(q, k, v, True)
+    ref_out.backward(dout)
+    for got, ref in zip((out, *(x.grad for x in leaves)), (ref_out, q.grad, k.grad, v.grad)):
+        assert rel_error(got.detach(), ref.detach()) <= 1e-10

@@ -123,6 +123,14 @@ class SdpaKernel:
     # 1024: 0.35 / 0.35 / 0.29; 16K, 1024, 2048: 0.26 / 0.23 / 0.23. On CUDA a shorter band only adds calls,
     # and any band beats the mask, which costs the whole rectangle.
     edge_band = 256
+    # torch's CPU op computes a causal call's diagonal in whole tiles (256 rows x 512 keys from 768 rows on, 64 x 512
+    # below), a third to a half of the pairs it computes there masked. A causal square's backward in column bands of
+    # 128 keys (cpu_op_backward) took 0.68 / 0.79 / 0.88 / 0.96x the one call's time at 512 / 1024 / 2048 / 4096
+    # rows, and 1.02x at 8192 (4 heads of 64, float32, one thread; bands of 256: 0.75-0.99x, 1.00x at 8192); the
+    # pipeline's diagonal blocks are such squares. bfloat16's op ran 1.2-1.8x slower in bands; the forward's bands
+    # would need merging, which ate most of the gain (1024 rows: 8.2 against 8.4 ms).
+    causal_band = 128
+    banded_rows = 4096  # causal squares of more rows run as one call
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, lower: int | None = None,
@@ -179,9 +187,11 @@ class SdpaKernel:
             # of head_dim dense): copying both for every block was 72 copies of an 8-chunk step
             lse = lse.to(accumulate_dtype(q.dtype))
             mask = None if lower is None else edge_bias(q.shape[1], k.shape[1], lower, q.dtype, q.device)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dot, qt, kt, vt, ot, lse, 0.0, causal, attn_mask=mask, scale=scale
-            )
+            rows = q.shape[1]
+            banded = causal and mask is None and q.dtype in CPU_BANDED_DTYPES
+            banded = banded and self.causal_band < rows <= self.banded_rows
+            dq, dk, dv = cpu_op_backward(dot, qt, kt, vt, ot, lse, causal, mask, scale,
+                                         self.causal_band if banded else None)
             d, dv_width = q.shape[-1], v.shape[-1]
             dq, dk, dv = (x.transpose(1, 2)[..., :n] for x, n in ((dq, d), (dk, d), (dv, dv_width)))
             return dq, sum_kv_grad(dk, g), sum_kv_grad(dv, g)
@@ -247,6 +257,52 @@ class CudnnKernel(SdpaKernel):
                                                                             lower, softcap)
         check_shapes(q, k, v, causal)
         return cudnn_op_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+CPU_BANDED_DTYPES = (torch.float32, torch.float64)  # the dtypes whose CPU backward gains from bands
+
+
+def cpu_op_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, mask: Tensor | None,
+    scale: float, band: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """torch's CPU op's backward on ``[b, h, s, d]`` tensors (k and v at q's head count): ``(dq, dk, dv)``.
+
+    ``band``: a causal square's backward in column bands of ``band`` keys, two calls each: the band's causal square on
+    the diagonal, and the whole rectangle of every row below it. Together they cover each pair the square sees once
+    (key ``c`` of a band is seen by its square's rows from ``c`` on and by every row below the square); each call
+    reads its rows' final ``out`` and ``lse``, so the gradients are the calls' sums. Each band's dk and dv are final
+    after its two calls; dq's rows are summed over the bands.
+    """
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    if band is None:
+        return op(dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+
+    def call(rows: slice, keys: slice, square: bool) -> tuple[Tensor, Tensor, Tensor]:
+        return op(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], lse[:, :, rows], 0.0,
+                  square, scale=scale)
+
+    n = q.shape[2]
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    for b0 in range(0, n, band):
+        keys, below = slice(b0, b0 + band), slice(b0 + band, n)
+        first = b0 == 0  # the first band's calls are the first to reach every row of dq
+        g_q, g_k, g_v = call(keys, keys, True)
+        if first:
+            dq[:, :, keys] = g_q
+        else:
+            dq[:, :, keys] += g_q
+        if b0 + band >= n:  # no row below the last band
+            dk[:, :, keys], dv[:, :, keys] = g_k, g_v
+            break
+        r_q, r_k, r_v = call(below, keys, False)
+        if first:
+            dq[:, :, below] = r_q
+        else:
+            dq[:, :, below] += r_q
+        torch.add(g_k, r_k, out=dk[:, :, keys])
+        torch.add(g_v, r_v, out=dv[:, :, keys])
+    return dq, dk, dv
 
 
 def _edge_triangle(q: Tensor, k: Tensor, causal: bool, lower: int | None) -> bool:
