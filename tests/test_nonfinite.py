@@ -9,9 +9,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_fpdt import FPDTStrategy
 from lightning_fpdt.models import LlamaConfig, LlamaLM
+from lightning_fpdt.parallel.batches import target_tokens
 from lightning_fpdt.strategy.step_guard import StepGuard
 from tests.helpers import TokenDataset, dataloader
 
@@ -218,3 +220,32 @@ def test_the_guard_warns_once_about_windows_without_targets() -> None:
                                                  r" \(the loss was finite: the backward overflowed\)\."
                                                  r" The update was not applied"):
         guard.allows_step([torch.tensor([1.0, float("inf")])], 10, 0, 1, torch.device("cpu"))
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value by the host (``item()``, ``bool()``, ``int()``: a device sync on CUDA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func.overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_guard_reads_nothing_per_micro_batch() -> None:
+    """A micro-batch's loss and target tokens stay on the device (on CUDA a host read would stall the queue between
+    forward and backward); the window is read once, at the step, and decides as before."""
+    guard = StepGuard("raise")
+    batches = [{"shift_labels": torch.tensor([[3, -100, 5]])}, {"shift_labels": torch.tensor([[-100, -100, 7]])}]
+    with _HostReads() as host:
+        for batch, loss in zip(batches, (torch.tensor(2.0), torch.tensor(1.5))):
+            guard.observe(loss, target_tokens(batch))
+    assert host.reads == 0
+    assert guard.allows_step([torch.ones(3)], 1, 0, 1, torch.device("cpu"))
+    guard.observe(torch.tensor(float("nan")), target_tokens(batches[0]))
+    guard.observe(torch.tensor(1.0), target_tokens(batches[1]))  # a later finite loss does not hide the NaN
+    with pytest.raises(FloatingPointError, match=r"non-finite loss at global step 2 on rank\(s\) \[0\]"):
+        guard.allows_step([torch.ones(3)], 2, 0, 1, torch.device("cpu"))
+

@@ -59,13 +59,14 @@ def input_vocab_size(module: nn.Module) -> int | None:
     return None if embedding is None else embedding.num_embeddings
 
 
-def target_tokens(batch: Any) -> int | None:
-    """Target tokens in this rank's shard of a batch (``shift_labels`` other than -100); ``None`` when the
-    batch does not say (not a sharded dict batch)."""
+def target_tokens(batch: Any) -> Tensor | None:
+    """Target tokens in this rank's shard of a batch (``shift_labels`` other than -100), a 0-dim tensor on the labels'
+    device (counted there: the host does not wait for it); ``None`` when the batch does not say (not a sharded dict
+    batch)."""
     labels = batch.get("shift_labels") if isinstance(batch, Mapping) else None
     if not isinstance(labels, Tensor):
         return None
-    return int((labels != IGNORE_INDEX).sum())
+    return (labels != IGNORE_INDEX).sum()
 
 
 def summary(batch: Any) -> list[int]:

@@ -1,10 +1,10 @@
 """The step guard: no optimizer step is ever taken from a NaN/inf loss or gradient, or from no data.
 
 :class:`StepGuard` sees every training loss of an accumulation window and its number of target tokens
-(``observe``, local, no communication) and, just before the optimizer step, checks those losses and
-this rank's gradients with one all-reduce of a ``[world, 3]`` tensor (:meth:`StepGuard.allows_step`),
-so every rank takes the same decision (a rank that skipped alone would hang the next gradient
-collective). Non-finite values follow the ``nonfinite_loss`` policy:
+(``observe``, local, no communication, kept on the device) and, just before the optimizer step, checks those
+losses and this rank's gradients with one all-reduce of a ``[world, 3]`` tensor, which the host reads once
+(:meth:`StepGuard.allows_step`), so every rank takes the same decision (a rank that skipped alone would hang
+the next gradient collective). Non-finite values follow the ``nonfinite_loss`` policy:
 
 - ``"raise"``: stop before the damaged update, naming the step, the ranks, and loss versus gradients;
 - ``"skip"``: drop the window's update on every rank (gradients zeroed, no step) and warn.
@@ -31,10 +31,11 @@ from lightning_fpdt.parallel.dtensors import local_tensor
 Policy = Literal["raise", "skip"]
 
 
-def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether every element of every tensor (this rank's shard of a DTensor) is finite."""
-    flags = [torch.isfinite(local_tensor(t)).all() for t in tensors if local_tensor(t).numel()]
-    return bool(torch.stack(flags).all()) if flags else True
+def any_nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Whether any element of any tensor (this rank's shard of a DTensor) is NaN or infinite: a 0-dim bool tensor on
+    ``device``, not read by the host."""
+    flags = [(~torch.isfinite(local_tensor(t)).all()).to(device) for t in tensors if local_tensor(t).numel()]
+    return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=device)
 
 
 class StepGuard:
@@ -48,8 +49,9 @@ class StepGuard:
     def __init__(self, policy: Policy, check_gradients: bool = True) -> None:
         self.policy = policy
         self.check_gradients = check_gradients
-        self._loss_finite = True
-        self._tokens = 0
+        # the window so far, as tensors on the loss's device: read once, in allows_step (no host wait per micro-batch)
+        self._nonfinite_loss: torch.Tensor | bool = False
+        self._tokens: torch.Tensor | int = 0
         self._warned_empty = False
 
     def setup(self, automatic_optimization: bool, precision: str) -> None:
@@ -66,11 +68,11 @@ class StepGuard:
             )
         self.check_gradients = precision != "16-mixed"  # the gradient scaler skips non-finite gradients itself
 
-    def observe(self, loss: torch.Tensor, tokens: int | None) -> None:
+    def observe(self, loss: torch.Tensor, tokens: torch.Tensor | int | None) -> None:
         """Record one training loss of the current window and its target tokens on this rank (``None``:
-        unknown, counted as some); no communication."""
-        self._loss_finite = self._loss_finite and bool(torch.isfinite(loss.detach()).all())
-        self._tokens += 1 if tokens is None else tokens
+        unknown, counted as some); no communication, and nothing the host waits for."""
+        self._nonfinite_loss = ~torch.isfinite(loss.detach()).all() | self._nonfinite_loss
+        self._tokens = self._tokens + (1 if tokens is None else tokens)
 
     def allows_step(
         self, gradients: Iterable[torch.Tensor], step: int, rank: int, world_size: int, device: torch.device
@@ -80,18 +82,19 @@ class StepGuard:
         Raises:
             FloatingPointError: with ``"raise"``, when any rank saw a non-finite loss or gradient.
         """
-        grads_finite = all_finite(gradients) if self.check_gradients else True
         flags = torch.zeros(world_size, 3, dtype=torch.float64, device=device)
-        flags[rank, 0] = float(not self._loss_finite)
-        flags[rank, 1] = float(not grads_finite)
-        flags[rank, 2] = float(self._tokens)
-        self._loss_finite, self._tokens = True, 0  # the next window starts clean
+        flags[rank, 0] = self._nonfinite_loss  # tensors are written on the device: the host reads flags once, below
+        if self.check_gradients:
+            flags[rank, 1] = any_nonfinite(gradients, device)
+        flags[rank, 2] = self._tokens
+        self._nonfinite_loss, self._tokens = False, 0  # the next window starts clean
         if world_size > 1:
             torch.distributed.all_reduce(flags)
-        loss_ranks = flags[:, 0].nonzero().flatten().tolist()
-        grad_ranks = flags[:, 1].nonzero().flatten().tolist()
+        read = flags.tolist()
+        loss_ranks = [r for r, row in enumerate(read) if row[0]]
+        grad_ranks = [r for r, row in enumerate(read) if row[1]]
         if not loss_ranks and not grad_ranks:
-            if flags[:, 2].sum() > 0:
+            if sum(row[2] for row in read) > 0:
                 return True
             if not self._warned_empty:
                 rank_zero_warn(
