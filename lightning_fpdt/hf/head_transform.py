@@ -230,7 +230,9 @@ def _hidden_scale(model: PreTrainedModel, head: nn.Module, hidden: Tensor, seen:
             " state, so it would silently differ from the model's own. This model is not supported."
         )
     seen = seen.to(hidden.dtype)
-    scale = _scale(hidden, seen)
+    # seen on the meta device: computed by the model's own layers from the stood-in hidden states (a model read from
+    # a directory is probed before its weights are): no scale of them that a value could show
+    scale = None if seen.device != hidden.device else _scale(hidden, seen)
     if scale is None or not bool(((scale * hidden - seen).abs() <= _TOLERANCE * seen.abs() + 1e-300).all()):
         raise Unsupported(
             f"HFCausalLM: {type(model).__name__}.forward transforms the base model's hidden states before {where}"

@@ -65,19 +65,27 @@ def unmatched(model: nn.Module, files: SafetensorsFiles) -> list[str]:
 
 
 def compute_buffers(model: PreTrainedModel) -> None:
-    """Fill the non-persistent buffers of ``model`` (just materialised, uninitialised) as transformers does
-    after loading: each owning module through the ``_init_weights`` of its innermost ``PreTrainedModel``.
-    The owning modules hold no parameters in the families this is used for; any they hold are read from the
-    checkpoint afterwards."""
-    def visit(module: nn.Module, owner: PreTrainedModel) -> None:
-        owner = module if isinstance(module, PreTrainedModel) else owner
-        for child in module.children():
-            visit(child, owner)
-        if any(name in module._non_persistent_buffers_set for name in module._buffers):
-            with torch.no_grad():
-                owner._init_weights(module)
+    """Fill the non-persistent buffers of ``model`` (just materialised, uninitialised) as transformers does after
+    loading: every parameter and persistent buffer is marked as read (``_is_hf_initialized``, which transformers'
+    init functions, and torch's under its guard, leave alone), then ``initialize_weights`` runs each module's
+    ``_init_weights``, every sub-model's by its own. A family may fill a layer's buffer from its base model's branch
+    (Falcon-H1's mixers' ``mup_vector``), so every module is visited, not only the buffers' owners. The marks are
+    taken off again; the parameters and persistent buffers are read from the checkpoint afterwards."""
+    marked = [t for t in (*model.parameters(), *persistent_buffers(model)) if t is not None]
+    for t in marked:
+        t._is_hf_initialized = True
+    for module in model.modules():  # a model built by from_config was initialised once: visit every module again
+        module.__dict__.pop("_is_hf_initialized", None)
+    try:
+        model.initialize_weights()
+    finally:
+        for t in marked:
+            del t._is_hf_initialized
 
-    visit(model, model)
+
+def persistent_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The buffers of ``model`` a checkpoint holds (not in their module's ``_non_persistent_buffers_set``)."""
+    return [b for m in model.modules() for name, b in m._buffers.items() if name not in m._non_persistent_buffers_set]
 
 
 def materialize(model: PreTrainedModel, device: torch.device | str) -> None:

@@ -29,6 +29,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    OPTConfig,
     PretrainedConfig,
 )
 
@@ -385,3 +386,17 @@ def test_fit_trains_every_module_of_a_model_loaded_in_eval_mode(tmp_path: Path, 
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[modes])
     trainer.fit(HFCausalLM(loaded), DataLoader(TokenDataset(2, 16, SIZES["vocab_size"], fresh_seed), batch_size=2))
     assert modes.in_eval == [[]], modes.in_eval
+
+
+def test_a_directory_is_refused_as_its_config_is(tmp_path: Path) -> None:
+    """OPT's forward changes the base model's hidden states before its head. Read from a directory its probe runs on
+    the meta device (before the weights are read), where it raised torch's "Tensor on device meta is not on the
+    expected device cpu"; it is refused with the reason its config gets."""
+    config = OPTConfig(vocab_size=100, hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4)
+    with pytest.raises(NotImplementedError, match="transforms the base model's hidden states") as from_config:
+        HFCausalLM(config)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
+    with pytest.raises(NotImplementedError) as from_directory:
+        HFCausalLM(str(tmp_path))
+    assert str(from_directory.value) == str(from_config.value)
+

@@ -432,3 +432,25 @@ def test_the_install_check_feeds_the_projections_dtype() -> None:
     layer.A_log = torch.nn.Parameter(layer.A_log.detach().float())
     assert next(layer.parameters()).dtype == torch.float32 and layer.q_proj.weight.dtype == torch.float64
     assert _disagreement(layer, forward) is None
+
+
+def test_a_hybrid_read_from_a_directory_gets_the_buffers_from_pretrained_gives(tmp_path, fresh_seed: int) -> None:
+    """Falcon-H1 fills its mixers' ``mup_vector`` (a buffer no checkpoint holds) from its base model's
+    ``_init_weights`` branch. Read from a directory (built on the meta device, then read), it gets every buffer and
+    parameter ``from_pretrained`` gives and is not refused (the mixer probe read uninitialised memory there and
+    refused the family: "differs from the module's own by nan")."""
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_config(_config("falcon_h1"))
+    _redraw(saved, fresh_seed)
+    saved.save_pretrained(str(tmp_path))
+    with warnings.catch_warnings():  # the family's "falling back to the torch implementation" notices
+        warnings.simplefilter("ignore")
+        module = HFCausalLM(str(tmp_path))
+        module.load_weights()
+        ref = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    for name, value in ref.named_buffers():
+        assert torch.equal(module.model.get_buffer(name), value), name
+    for name, value in ref.named_parameters():
+        assert torch.equal(module.model.get_parameter(name), value), name
+    assert any(name.endswith("mup_vector") for name, _ in ref.named_buffers())
