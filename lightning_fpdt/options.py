@@ -127,7 +127,8 @@ class FPDTOptions:
     all-reduce (:mod:`lightning_fpdt.strategy.step_guard`): ``"raise"`` stops before the update, naming the step,
     the ranks and loss versus gradients; ``"skip"`` drops the update of that accumulation window on every
     rank and warns (it runs the closure once before ``optimizer.step``: not for optimizers that call it
-    several times, such as LBFGS)."""
+    several times, such as LBFGS). With manual optimization (``"raise"`` only) each step is checked by its
+    gradients: your ``training_step`` steps before the strategy sees its loss."""
     gradient_as_bucket_view: bool = True
     """Without ``shard_parameters``: DDP's ``gradient_as_bucket_view``, which ``FPDTStrategy`` passes on (a value
     given to the strategy wins). ``True``: each ``.grad`` is a view into DDP's all-reduce buckets, so the

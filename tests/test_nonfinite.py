@@ -249,3 +249,41 @@ def test_the_guard_reads_nothing_per_micro_batch() -> None:
     with pytest.raises(FloatingPointError, match=r"non-finite loss at global step 2 on rank\(s\) \[0\]"):
         guard.allows_step([torch.ones(3)], 2, 0, 1, torch.device("cpu"))
 
+
+
+class _ManualSteps(LlamaLM):
+    """Manual optimization: each training_step steps the optimizer itself; rank 0 records whether it moved weights."""
+
+    def __init__(self, *args, path: Path, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+        self.path = path
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        before = [p.detach().clone() for p in self.parameters()]
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        moved = any(not torch.equal(a, p) for a, p in zip(before, self.parameters()))
+        if self.global_rank == 0:
+            with open(self.path, "a") as f:
+                f.write(f"{moved} ")
+        return loss
+
+
+def test_manual_optimization_steps_from_its_first_batch(tmp_path: Path) -> None:
+    """With manual optimization the loss reaches the strategy only after the user's step: the guard judges each step
+    by its gradients. (It judged them by the previous batch's loss and tokens: the first step was skipped as one
+    without a target token.)"""
+    config = LlamaConfig.tiny(num_attention_heads=4, num_key_value_heads=2, hidden_size=32, intermediate_size=64,
+                              vocab_size=64)
+    module = _ManualSteps(config, learning_rate=1e-3, warmup_steps=1, path=tmp_path / "moved.txt")
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=FPDTStrategy(sequence_parallel_size=2, start_method="fork"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no target token.*")  # the forked ranks inherit the filter
+        trainer.fit(module, dataloader(TokenDataset(4, 16, config.vocab_size, seed=3), 2))
+    assert (tmp_path / "moved.txt").read_text().split() == ["True", "True"]

@@ -283,7 +283,9 @@ def cpu_op_backward(
                   square, scale=scale)
 
     n = q.shape[2]
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    # [b, s, h, d] underneath, as the caller hands them on (transposed back): contiguous there, as the op's are
+    dq, dk, dv = (torch.empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3], dtype=x.dtype, device=x.device)
+                  .transpose(1, 2) for x in (q, k, v))
     for b0 in range(0, n, band):
         keys, below = slice(b0, b0 + band), slice(b0 + band, n)
         first = b0 == 0  # the first band's calls are the first to reach every row of dq

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import initialization as hf_init
 
 from lightning_fpdt.models.weight_files import SafetensorsFiles, fill_shard, tensor_names
 
@@ -66,21 +67,30 @@ def unmatched(model: nn.Module, files: SafetensorsFiles) -> list[str]:
 
 def compute_buffers(model: PreTrainedModel) -> None:
     """Fill the non-persistent buffers of ``model`` (just materialised, uninitialised) as transformers does after
-    loading: every parameter and persistent buffer is marked as read (``_is_hf_initialized``, which transformers'
-    init functions, and torch's under its guard, leave alone), then ``initialize_weights`` runs each module's
-    ``_init_weights``, every sub-model's by its own. A family may fill a layer's buffer from its base model's branch
-    (Falcon-H1's mixers' ``mup_vector``), so every module is visited, not only the buffers' owners. The marks are
-    taken off again; the parameters and persistent buffers are read from the checkpoint afterwards."""
-    marked = [t for t in (*model.parameters(), *persistent_buffers(model)) if t is not None]
+    loading: each buffer's owning module, and each ``PreTrainedModel`` in it (a family may fill a layer's buffer from
+    its base model's branch: Falcon-H1's mixers' ``mup_vector``), through the ``_init_weights`` of its innermost
+    ``PreTrainedModel``, children first. Every parameter and persistent buffer is marked as read meanwhile
+    (``_is_hf_initialized``, which transformers' init functions, and torch's under its guard, leave alone): they are
+    read from the checkpoint afterwards, and on the sharded path they are DTensors. No other module is visited: an
+    init that writes a parameter without asking the mark (through a slice, say) never runs."""
+    marked = [t for t in (*model.parameters(), *persistent_buffers(model))
+              if t is not None and not getattr(t, "_is_hf_initialized", False)]
+
+    def visit(module: nn.Module, owner: PreTrainedModel) -> None:
+        owner = module if isinstance(module, PreTrainedModel) else owner
+        for child in module.children():
+            visit(child, owner)
+        if module is owner or any(name in module._non_persistent_buffers_set for name in module._buffers):
+            owner._init_weights(module)
+
     for t in marked:
         t._is_hf_initialized = True
-    for module in model.modules():  # a model built by from_config was initialised once: visit every module again
-        module.__dict__.pop("_is_hf_initialized", None)
     try:
-        model.initialize_weights()
+        with torch.no_grad(), hf_init.guard_torch_init_functions():
+            visit(model, model)
     finally:
         for t in marked:
-            del t._is_hf_initialized
+            t.__dict__.pop("_is_hf_initialized", None)
 
 
 def persistent_buffers(model: nn.Module) -> list[torch.Tensor]:

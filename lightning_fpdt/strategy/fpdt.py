@@ -333,7 +333,7 @@ class FPDTStrategy(CheckpointHooks):
                                                                           f" training batch: {said}")):
             output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
-        if isinstance(loss, torch.Tensor):
+        if isinstance(loss, torch.Tensor) and self.lightning_module.automatic_optimization:  # manual: stepped already
             self._guard.observe(loss, target_tokens(args[0] if args else kwargs.get("batch")))
         return output
 

@@ -34,7 +34,13 @@ Policy = Literal["raise", "skip"]
 def any_nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Whether any element of any tensor (this rank's shard of a DTensor) is NaN or infinite: a 0-dim bool tensor on
     ``device``, not read by the host."""
-    flags = [(~torch.isfinite(local_tensor(t)).all()).to(device) for t in tensors if local_tensor(t).numel()]
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        local = local_tensor(t)
+        if local.numel():
+            per_device.setdefault(local.device, []).append(~torch.isfinite(local).all())
+    # one copy per device (host gradients under optimizer offload: one, not one per parameter)
+    flags = [torch.stack(found).any().to(device) for found in per_device.values()]
     return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=device)
 
 
@@ -53,6 +59,7 @@ class StepGuard:
         self._nonfinite_loss: torch.Tensor | bool = False
         self._tokens: torch.Tensor | int = 0
         self._warned_empty = False
+        self._automatic = True  # manual optimization steps inside training_step, before observe() could run
 
     def setup(self, automatic_optimization: bool, precision: str) -> None:
         """Check the policy against the module and precision of the run (in the strategy's ``setup``).
@@ -67,6 +74,7 @@ class StepGuard:
                 " or use nonfinite_loss='raise'."
             )
         self.check_gradients = precision != "16-mixed"  # the gradient scaler skips non-finite gradients itself
+        self._automatic = automatic_optimization
 
     def observe(self, loss: torch.Tensor, tokens: torch.Tensor | int | None) -> None:
         """Record one training loss of the current window and its target tokens on this rank (``None``:
@@ -86,7 +94,9 @@ class StepGuard:
         flags[rank, 0] = self._nonfinite_loss  # tensors are written on the device: the host reads flags once, below
         if self.check_gradients:
             flags[rank, 1] = any_nonfinite(gradients, device)
-        flags[rank, 2] = self._tokens
+        # manual optimization: the window's loss reaches the strategy only after this step, so the step is judged by
+        # its gradients alone, and its tokens are unknown (counted as some)
+        flags[rank, 2] = self._tokens if self._automatic else 1
         self._nonfinite_loss, self._tokens = False, 0  # the next window starts clean
         if world_size > 1:
             torch.distributed.all_reduce(flags)
