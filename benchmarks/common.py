@@ -70,6 +70,13 @@ def release_memory(device: torch.device | str) -> None:
         empty_host()
 
 
+def max_rel_error(a: float | torch.Tensor, b: float | torch.Tensor, floor: float = 0.0) -> float:
+    """``max|a - b| / max|b|`` in float64, the denominator at least ``floor`` (a gradient's scale floored for gradients
+    that are zero in exact arithmetic)."""
+    a, b = (torch.as_tensor(x, dtype=torch.float64) for x in (a, b))
+    return ((a - b).abs().max() / max(b.abs().max().item(), floor, 1e-300)).item()
+
+
 def matmul_rate(device: torch.device | str, dtype: torch.dtype, n: int, reps: int) -> float:
     """Measured FLOP/s of ``[n, n] @ [n, n]`` in ``dtype`` on ``device`` (one warm-up, then ``reps`` timed)."""
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import is_oom, matmul_rate, print_table, release_memory, synchronize
+from common import is_oom, matmul_rate, max_rel_error, print_table, release_memory, synchronize
 from gpu_mfu import baseline_rows, mfu_rows, phase_rows
 from gpu_sharded import offload_optimizer_rows
 
@@ -74,11 +74,6 @@ TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-3}
 # measured matmul rate only
 NOMINAL_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989.4e12),
                       ("H200", 989.4e12), ("A100", 312e12))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / max(b.abs().max().item(), floor, 1e-300)).item()
 
 
 def _batch(ids: torch.Tensor, chunk: int | None, device: torch.device) -> dict[str, Any]:
@@ -117,7 +112,8 @@ def _kernel_row(kernel: Any, device: torch.device, dtype: torch.dtype, causal: b
     with routes.tally() as ran:
         out, lse = kernel.forward(*xs[:3], causal, scale, None, softcap)
     grads = kernel.backward(xs[3], *xs[:3], out, lse, causal, scale, None, softcap)
-    errors = [_rel(out, out_ref), _rel(lse, lse_ref), *(_rel(a, r) for a, r in zip(grads, grads_ref, strict=True))]
+    errors = [max_rel_error(out, out_ref), max_rel_error(lse, lse_ref),
+              *(max_rel_error(a, r) for a, r in zip(grads, grads_ref, strict=True))]
     return errors, " + ".join(route for route, _ in ran)
 
 
@@ -154,7 +150,7 @@ def _pipeline_row(backend: str, device: torch.device, dtype: torch.dtype, causal
     got = run(xs, dout, backend=backend, chunk_size=chunk, offload=True)
     plain = run(xs, dout, backend=backend, chunk_size=chunk, offload=False)
     same = all(torch.equal(a, p) for a, p in zip(got, plain, strict=True))
-    return [_rel(a, e) for a, e in zip(got, expected, strict=True)], same
+    return [max_rel_error(a, e) for a, e in zip(got, expected, strict=True)], same
 
 
 def check_routes(device: torch.device, cpu: bool) -> tuple[list[list], bool]:
@@ -216,8 +212,8 @@ def check_model(device: torch.device, cpu: bool) -> tuple[list[list], bool]:
             loss, _ = token_weighted_loss(*module.loss_terms(batch))
         loss.backward()
         context.layer_input_store.close()
-        grad_err = max(_rel(p.grad, grads_ref[n], floor) for n, p in module.named_parameters())
-        errs = [_rel(loss.detach(), loss_ref.detach()), grad_err]
+        grad_err = max(max_rel_error(p.grad, grads_ref[n], floor) for n, p in module.named_parameters())
+        errs = [max_rel_error(loss.detach(), loss_ref.detach()), grad_err]
         good = max(errs) <= (1e-4 if backend == "math" else TOLERANCE[dtype])
         ok &= good
         rows.append([f"llama {seq} tokens, {seq // chunk} chunks", backend, str(dtype).removeprefix("torch."), *errs,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import max_rel_error
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -40,11 +41,6 @@ def _step(module: LlamaLM, ids: torch.Tensor) -> tuple[float, dict[str, torch.Te
     grads = {name: _whole(p.grad) for name, p in module.named_parameters()}
     optimizer.step()
     return loss.item(), grads, {name: _whole(p) for name, p in module.named_parameters()}
-
-
-def _rel(a: float | torch.Tensor, b: float | torch.Tensor) -> float:
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
 def offload_optimizer_rows(device: torch.device, cpu: bool) -> tuple[list[list[Any]], bool]:
@@ -73,8 +69,8 @@ def offload_optimizer_rows(device: torch.device, cpu: bool) -> tuple[list[list[A
             ids = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(1)).to(device)
             loss_ref, grads_ref, weights_ref = _step(reference, ids)
             loss, grads, weights = _step(sharded, ids)
-        errors = [_rel(loss, loss_ref), max(_rel(grads[name], grads_ref[name]) for name in grads_ref),
-                  max(_rel(weights[name], weights_ref[name]) for name in weights_ref)]
+        errors = [max_rel_error(loss, loss_ref), max(max_rel_error(grads[name], grads_ref[name]) for name in grads_ref),
+                  max(max_rel_error(weights[name], weights_ref[name]) for name in weights_ref)]
         ok = all(e <= TOLERANCE for e in errors) and shards == (["cpu"] if offload else [device.type])
         return [[f"offload_optimizer={offload}", "/".join(shards), *errors, TOLERANCE, "ok" if ok else "FAILED"]], ok
     except Exception as err:  # the remaining sections still run
