@@ -73,8 +73,8 @@ def compute_buffers(model: PreTrainedModel) -> None:
     (``_is_hf_initialized``, which transformers' init functions, and torch's under its guard, leave alone): they are
     read from the checkpoint afterwards, and on the sharded path they are DTensors. No other module is visited: an
     init that writes a parameter without asking the mark (through a slice, say) never runs."""
-    marked = [t for t in (*model.parameters(), *persistent_buffers(model))
-              if t is not None and not getattr(t, "_is_hf_initialized", False)]
+    marked = [t for t in (named_tensor(model, name) for name in tensor_names(model))  # what a checkpoint holds
+              if not getattr(t, "_is_hf_initialized", False)]
 
     def visit(module: nn.Module, owner: PreTrainedModel) -> None:
         owner = module if isinstance(module, PreTrainedModel) else owner
@@ -91,11 +91,6 @@ def compute_buffers(model: PreTrainedModel) -> None:
     finally:
         for t in marked:
             t.__dict__.pop("_is_hf_initialized", None)
-
-
-def persistent_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """The buffers of ``model`` a checkpoint holds (not in their module's ``_non_persistent_buffers_set``)."""
-    return [b for m in model.modules() for name, b in m._buffers.items() if name not in m._non_persistent_buffers_set]
 
 
 def materialize(model: PreTrainedModel, device: torch.device | str) -> None:
