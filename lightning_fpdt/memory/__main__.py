@@ -71,23 +71,25 @@ def _parser() -> argparse.ArgumentParser:
     for name, default in MODEL_SIZES.items():
         model.add_argument(f"--{name}", type=int, default=None, help=f"default {default}")
     run = parser.add_argument_group("the run (defaults without --config)")
-    run.add_argument("--seq", type=int, help="global tokens per sequence (default 262144)")
-    run.add_argument("--batch", type=int, help="sequences per batch (default 1)")
-    run.add_argument("--sp", type=int, help="sequence_parallel_size (default 1)")
-    run.add_argument("--dp", type=int, help="data-parallel size, which matters with --shard (default 1); with"
-                     " --config, --sp and --dp set the world (sp x dp ranks over the YAML's nodes)")
+    run.add_argument("--seq", type=int, help=f"global tokens per sequence (default {RUN_DEFAULTS['seq']})")
+    run.add_argument("--batch", type=int, help=f"sequences per batch (default {RUN_DEFAULTS['batch']})")
+    run.add_argument("--sp", type=int, help=f"sequence_parallel_size (default {RUN_DEFAULTS['sp']})")
+    run.add_argument("--dp", type=int, help="data-parallel size, which matters with --shard (default"
+                     f" {RUN_DEFAULTS['dp']}); with --config, --sp and --dp set the world (sp x dp ranks over the"
+                     " YAML's nodes)")
     run.add_argument("--ring", type=int, help="ring_size: ranks of the ring in each sequence-parallel group"
-                     " (--sp = ulysses x ring; default 1)")
+                     f" (--sp = ulysses x ring; default {RUN_DEFAULTS['ring']})")
     run.add_argument("--chunk-size", type=lambda v: v if v == "auto" else int(v), help="global tokens per attention"
                      " chunk, or auto (default: one chunk)")
     run.add_argument("--offload", action="store_true", default=None, help="offloaded attention chunks")
     run.add_argument("--checkpointing", action="store_true", default=None, help="activation checkpointing")
     run.add_argument("--offload-checkpoints", action="store_true", default=None)
     run.add_argument("--tiled", action="store_true", default=None, help="tiled MLP and loss")
-    run.add_argument("--precision", help="Lightning's precision string (default 32-true)")
+    run.add_argument("--precision", help=f"Lightning's precision string (default {RUN_DEFAULTS['precision']})")
     run.add_argument("--attention-backend", choices=[b for b in BACKENDS if b != "auto"],
-                     help="default sdpa; math materializes a chunk pair's scores; for a model that caps its attention"
-                     " logits (Gemma-2), so do sdpa and cudnn without a FlashAttention package")
+                     help=f"default {RUN_DEFAULTS['attention_backend']}; math materializes a chunk pair's scores; for"
+                     " a model that caps its attention logits (Gemma-2), so do sdpa and cudnn without a FlashAttention"
+                     " package")
     run.add_argument("--budget", type=float, help="GiB per rank, to resolve chunk_size 'auto'")
     run.add_argument("--shard", action="store_true", default=None, help="shard_parameters (FSDP2 over dp x sp)")
     run.add_argument("--offload-optimizer", action="store_true", default=None)
